@@ -1,0 +1,1 @@
+"""Model architectures: SDNet classifiers, the MNIST demo and the CSC denoiser."""

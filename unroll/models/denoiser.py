@@ -1,0 +1,90 @@
+"""``csc-denoiser``: a noise-level-aware convolutional sparse-coding denoiser (CDLNet/CSCNet style).
+
+The encoder unrolls ``n_steps`` LISTA iterations of convolutional sparse coding with a *stride-2*
+dictionary and untied analysis/synthesis filters per iteration:
+
+    z ← shrink(z − A_k(B_k z − y), τ_k(σ)),   τ_k(σ) = relu(a_k + b_k·σ/σ_ref)   (per atom)
+
+and the decoder is the synthesis ``x̂ = D z``. Thresholds scale with the given noise level σ, so one
+model serves σ ∈ [0, 50] (0–255 scale).
+
+A stride-2 convolution with ``2k×2k`` atoms is computed exactly as a stride-1 ``k×k`` convolution on
+the image's four polyphase components (``pixel_unshuffle``), and the stride-2 synthesis as a stride-1
+convolution followed by ``pixel_shuffle``. Same dictionary, far better kernels on CPUs and GPUs.
+
+The image mean is removed first (the dictionary codes the zero-mean part) and the input is
+reflect-padded so borders are coded like the interior. Grayscale by design: colour images are
+denoised per channel (the gateway sends the channels as one batch).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from unroll.solvers.csc import normalize_atoms
+from unroll.solvers.shrink import soft_threshold
+
+#: σ (0–1 scale) is divided by this before entering the threshold affine map, for conditioning.
+SIGMA_REF = 50.0 / 255.0
+STRIDE = 2
+
+
+@torch.no_grad()
+def _lipschitz(atoms: Tensor, size: int = 48, iters: int = 50) -> float:
+    """Largest eigenvalue of DᵀD for a stride-1 conv dictionary ``atoms`` ``[M, C, k, k]``."""
+    p = atoms.shape[-1] // 2
+    x = torch.randn(1, atoms.shape[1], size, size, generator=torch.Generator().manual_seed(0))
+    eig = 0.0
+    for _ in range(iters):
+        x = x / x.norm()
+        y = F.conv_transpose2d(F.conv2d(x, atoms, padding=p), atoms, padding=p)
+        eig = float((x * y).sum())
+        x = y
+    return eig
+
+
+class CSCDenoiser(nn.Module):
+    def __init__(
+        self, num_atoms: int = 96, kernel_size: int = 3, n_steps: int = 4, border: int = 8, seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if kernel_size % 2 != 1:
+            raise ValueError("kernel_size (on the polyphase grid) must be odd")
+        self.num_atoms, self.kernel_size, self.n_steps, self.border = num_atoms, kernel_size, n_steps, border
+        self.padding = kernel_size // 2
+        phases = STRIDE * STRIDE
+        gen = torch.Generator().manual_seed(seed)
+        d = normalize_atoms(torch.randn(num_atoms, phases, kernel_size, kernel_size, generator=gen))
+        d = d / _lipschitz(d) ** 0.5  # so one LISTA step with A = Dᵀ, B = D is exactly an ISTA step
+        analysis = d  # conv2d weight: image (4 phases) → codes (Dᵀ)
+        synthesis = d.transpose(0, 1).flip(-1, -2).contiguous()  # conv2d weight: codes → image (D)
+        self.analysis = nn.Parameter(analysis.repeat(n_steps, 1, 1, 1, 1))
+        self.synthesis = nn.Parameter(synthesis.repeat(n_steps, 1, 1, 1, 1))
+        self.decoder = nn.Parameter(synthesis.clone())
+        self.tau_bias = nn.Parameter(torch.full((n_steps, num_atoms), 1e-3))
+        self.tau_slope = nn.Parameter(torch.full((n_steps, num_atoms), 0.02))
+
+    def _conv(self, x: Tensor, w: Tensor) -> Tensor:
+        return F.conv2d(x, w, padding=self.padding)
+
+    def thresholds(self, sigma: Tensor) -> list[Tensor]:
+        """τ_k(σ) per step, ``[B, M, 1, 1]`` each."""
+        level = (sigma / SIGMA_REF).reshape(-1, 1, 1, 1)
+        return [torch.relu(self.tau_bias[k].view(1, -1, 1, 1) + self.tau_slope[k].view(1, -1, 1, 1) * level)
+                for k in range(self.n_steps)]
+
+    def forward(self, noisy: Tensor, sigma: Tensor) -> Tensor:
+        """Denoise ``noisy`` ``[B,1,H,W]`` (any H, W ≥ 16) given ``sigma`` ``[B]`` on the [0,1] scale."""
+        h, w = noisy.shape[-2:]
+        b = self.border
+        pad_h, pad_w = (h + 2 * b) % STRIDE, (w + 2 * b) % STRIDE
+        mean = noisy.mean(dim=(1, 2, 3), keepdim=True)
+        y = F.pixel_unshuffle(F.pad(noisy - mean, (b, b + pad_w, b, b + pad_h), mode="reflect"), STRIDE)
+        taus = self.thresholds(sigma)
+        z = soft_threshold(self._conv(y, self.analysis[0]), taus[0])
+        for k in range(1, self.n_steps):
+            z = soft_threshold(z - self._conv(self._conv(z, self.synthesis[k]) - y, self.analysis[k]), taus[k])
+        out = F.pixel_shuffle(self._conv(z, self.decoder), STRIDE)
+        return out[..., b:b + h, b:b + w] + mean

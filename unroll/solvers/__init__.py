@@ -1,0 +1,1 @@
+"""Fixed-iteration solver layers: each one unrolls K steps of a convex (or NMF) solver."""

@@ -1,0 +1,1 @@
+"""Seeded training recipes for the demo models (``unroll train NAME``)."""
