@@ -1,0 +1,1 @@
+"""Export: unrolled static ONNX graphs (fused shrinkage, frozen solver constants), precision, TensorRT."""

@@ -47,3 +47,21 @@ def test_per_sample_lambda_override_matches_scalar() -> None:
         mixed = block(x, torch.tensor([0.1, 0.9]))
     assert torch.allclose(mixed[0], out[0]) and not torch.allclose(mixed[1], out[1])
     assert (mixed[1] > 0).sum() < (out[1] > 0).sum()  # larger λ → sparser code
+
+
+@pytest.mark.skipif(not FIXTURE.exists(), reason=f"golden fixture not found at {FIXTURE}")
+@pytest.mark.parametrize("case", _cases())
+def test_textbook_form_matches_official_too(case: str) -> None:
+    """The unfused textbook form (the naive export's source) is the same maths."""
+    from unroll.solvers.shrink import textbook_mode
+
+    d = np.load(FIXTURE)
+    g = {k.split("/")[1]: d[k] for k in d.files if k.startswith(case + "/")}
+    w = torch.from_numpy(g["weight"])
+    block = DictBlock(w.shape[1], w.shape[0], kernel_size=w.shape[-1], stride=int(g["stride"]),
+                      padding=int(g["padding"]), lmbd=float(g["lmbd"]), n_steps=int(g["n_steps"])).eval()
+    with torch.no_grad(), textbook_mode():
+        block.weight.copy_(w)
+        block.step_size.fill_(float(g["step_size"]))
+        out = block(torch.from_numpy(g["x"]))
+    np.testing.assert_allclose(out.numpy(), g["out"], atol=1e-5, rtol=0)

@@ -77,7 +77,6 @@ def _block(kind: str) -> Callable[..., nn.Module]:
         from unroll.solvers.nmf import NMFHam
         from unroll.solvers.vars_attn import VARSAttention
 
-        torch.manual_seed(kw.pop("seed", 0))  # solver blocks have no trained weights: seeded init
         classes = {"csc-fista": DictBlock, "vars-d": VARSAttention, "vars-sd": VARSAttention,
                    "nmf-ham": NMFHam, "dic-attn": DicAttention}
         return classes[kind](**kw)
@@ -138,7 +137,10 @@ def load(name: str, pretrained: bool = True, checkpoint: str | Path | None = Non
     """
     spec = get_spec(name)
     kw = {**spec.defaults, **spec.info().get("model", {}), **options}
-    model = spec.builder(**kw)
+    seed = kw.pop("seed", 0)
+    with torch.random.fork_rng():  # seeded initialisation, without touching the caller's RNG state
+        torch.manual_seed(seed)
+        model = spec.builder(**kw)
     if checkpoint is not None:
         from unroll.models.sdnet import load_official_checkpoint
 

@@ -77,11 +77,14 @@ class CSCDenoiser(nn.Module):
 
     def forward(self, noisy: Tensor, sigma: Tensor) -> Tensor:
         """Denoise ``noisy`` ``[B,1,H,W]`` (any H, W ≥ 16) given ``sigma`` ``[B]`` on the [0,1] scale."""
-        h, w = noisy.shape[-2:]
+        h, w = noisy.shape[-2], noisy.shape[-1]
         b = self.border
-        pad_h, pad_w = (h + 2 * b) % STRIDE, (w + 2 * b) % STRIDE
         mean = noisy.mean(dim=(1, 2, 3), keepdim=True)
-        y = F.pixel_unshuffle(F.pad(noisy - mean, (b, b + pad_w, b, b + pad_h), mode="reflect"), STRIDE)
+        # Pad with constants only (b each side, +1 bottom/right), then cut to even sizes: the cut uses
+        # the traced input size, so the exported graph keeps height and width dynamic.
+        y = F.pad(noisy - mean, (b, b + 1, b, b + 1), mode="reflect")
+        y = y[..., : (h + 2 * b + 1) // STRIDE * STRIDE, : (w + 2 * b + 1) // STRIDE * STRIDE]
+        y = F.pixel_unshuffle(y, STRIDE)
         taus = self.thresholds(sigma)
         z = soft_threshold(self._conv(y, self.analysis[0]), taus[0])
         for k in range(1, self.n_steps):

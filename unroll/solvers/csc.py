@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from unroll.solvers.shrink import soft_threshold_nonneg
+from unroll.solvers.shrink import is_textbook, soft_threshold_nonneg
 
 
 def fista_momenta(n_steps: int) -> list[float]:
@@ -103,17 +103,47 @@ class DictBlock(nn.Module):
         return normalize_atoms(self.weight) if self.training else self.weight
 
     def forward(self, x: Tensor, lmbd: Tensor | None = None) -> Tensor:
-        """Sparse code of ``x``; ``lmbd`` ``[B]`` overrides λ per sample (SDNet's test-time λ)."""
+        """Sparse code of ``x``; ``lmbd`` ``[B]`` overrides λ per sample (SDNet's test-time λ).
+
+        Written in the fused form the export relies on: the step size is folded into the analysis
+        weight (``t·Dᵀ`` is one constant), a baked threshold ``λ·t`` rides in the convolution's bias, so
+        each step is ``relu(a + conv(x − convᵀ(c)))``: two convolutions and two or three elementwise ops.
+        """
+        if is_textbook():
+            return self._forward_textbook(x, lmbd)
         w, t = self._weight(), self.step_size
         s, p, op = self.stride, self.padding, output_padding(self.stride)
-        lam = self.lmbd if lmbd is None else lmbd.reshape(-1, 1, 1, 1)
-        theta = lam * t
-        c = soft_threshold_nonneg(t * F.conv2d(x, w, stride=s, padding=p), theta)
+        wt = w * t
+        if lmbd is None:
+            bias, theta = (-self.lmbd * t).expand(self.num_atoms), None
+        else:
+            bias, theta = None, lmbd.reshape(-1, 1, 1, 1) * t
+
+        def analysis(v: Tensor) -> Tensor:
+            out = F.conv2d(v, wt, bias=bias, stride=s, padding=p)
+            return out if theta is None else out - theta
+
+        c = torch.relu(analysis(x))
         c_prev = c
         for beta in fista_momenta(self.n_steps):
             # As in the official SDNet code, the gradient is taken at the current iterate c and added to
             # the extrapolated point; beta is a Python constant per step (a literal in the graph).
             a = c if beta == 0.0 else c + beta * (c - c_prev)
             residual = x - F.conv_transpose2d(c, w, stride=s, padding=p, output_padding=op)
-            c_prev, c = c, soft_threshold_nonneg(a + t * F.conv2d(residual, w, stride=s, padding=p), theta)
+            c_prev, c = c, torch.relu(a + analysis(residual))
+        return c
+
+    def _forward_textbook(self, x: Tensor, lmbd: Tensor | None) -> Tensor:
+        """The same iteration as the paper writes it (reference for the naive export)."""
+        w, t = self._weight(), self.step_size
+        s, p, op = self.stride, self.padding, output_padding(self.stride)
+        lam = self.lmbd if lmbd is None else lmbd.reshape(-1, 1, 1, 1)
+        theta = lam * t
+        dtx = F.conv2d(x, w, stride=s, padding=p)
+        c = soft_threshold_nonneg(t * dtx, theta)
+        c_prev = c
+        for beta in fista_momenta(self.n_steps):
+            a = c if beta == 0.0 else c + beta * (c - c_prev)
+            dtdc = F.conv2d(F.conv_transpose2d(c, w, stride=s, padding=p, output_padding=op), w, stride=s, padding=p)
+            c_prev, c = c, soft_threshold_nonneg(a + t * (dtx - dtdc), theta)
         return c

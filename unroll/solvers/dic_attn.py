@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from unroll.solvers.shrink import soft_threshold
+from unroll.solvers.shrink import is_textbook, soft_threshold
 
 
 def elastic_net_codes(
@@ -25,6 +25,10 @@ def elastic_net_codes(
     ``n_steps`` steps of ``φ ← shrink(φ − (Dᵀ(Dφ − x) + μφ)/L, β/L)`` from ``φ = 0`` (so the first step
     is ``shrink(Dᵀx/L, β/L)``) on ``½‖x − Dφ‖² + β‖φ‖₁ + (μ/2)‖φ‖²``; ``L`` must be ≥ ``‖D‖₂² + μ``
     for the objective to decrease monotonically. Row-vector layout: ``Dφ`` is ``φ @ Dᵀ``.
+
+    Fused form: with constant ``D`` and ``L`` the step is affine in ``φ``, ``φ ← shrink(φ·M + b)`` with
+    ``M = I(1 − μ/L) − DᵀD/L`` (one constant matrix) and ``b = Dᵀx/L`` computed once, so each step is a
+    MatMul, an Add and the shrinkage (a ``Clip`` for a scalar threshold).
     """
     xd = x @ D  # Dᵀx for every token
     if n_steps <= 0:
@@ -32,9 +36,17 @@ def elastic_net_codes(
     gram = D.transpose(-1, -2) @ D
     inv_l = 1.0 / L
     theta = beta * inv_l
-    phi = soft_threshold(xd * inv_l, theta)
+    if is_textbook():
+        phi = soft_threshold(xd * inv_l, theta)
+        for _ in range(n_steps - 1):
+            phi = soft_threshold(phi - (phi @ gram - xd + mu * phi) * inv_l, theta)
+        return phi
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    step = eye * (1.0 - mu * inv_l) - gram * inv_l
+    b = xd * inv_l
+    phi = soft_threshold(b, theta)
     for _ in range(n_steps - 1):
-        phi = soft_threshold(phi - (phi @ gram - xd + mu * phi) * inv_l, theta)
+        phi = soft_threshold(phi @ step + b, theta)
     return phi
 
 

@@ -23,34 +23,42 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from unroll.solvers.shrink import soft_threshold
+from unroll.solvers.shrink import is_textbook, soft_threshold
 
 
-def gershgorin_lipschitz(gram: Tensor) -> Tensor:
+def gershgorin_lipschitz(gram: Tensor, nonneg: bool = False) -> Tensor:
     """``max_i Σ_j |G_ij| + 1`` over the last two dims of ``gram`` (kept as size-1 dims).
 
     An upper bound of the largest eigenvalue of the symmetric ``G = DᵀD`` (Gershgorin); the ``+ 1``
     keeps the step strictly below ``1/‖D‖₂²`` and away from zero for an all-zero dictionary.
+    ``nonneg=True`` (a non-negative dictionary, so ``G ≥ 0``) skips the ``abs``.
     """
-    return gram.abs().sum(dim=-1, keepdim=True).amax(dim=-2, keepdim=True) + 1.0
+    return (gram if nonneg else gram.abs()).sum(dim=-1, keepdim=True).amax(dim=-2, keepdim=True) + 1.0
 
 
-def ista_codes(D: Tensor, v: Tensor, lmbd: float | Tensor, n_steps: int) -> Tensor:
+def ista_codes(D: Tensor, v: Tensor, lmbd: float | Tensor, n_steps: int, nonneg_dict: bool = False) -> Tensor:
     """Sparse codes ``x`` of ``v`` over ``D``: ``n_steps`` ISTA steps on ``½‖v − Dx‖² + λ‖x‖₁``.
 
     ``D`` is ``[..., N, m]`` (atoms are columns) and ``v`` is ``[..., N, d]`` (``d`` independent
     right-hand sides); returns ``[..., m, d]``. Starts from ``x₀ = shrink(Dᵀv, λ)`` and uses the step
     ``1/L`` of :func:`gershgorin_lipschitz` (one ``L`` per leading index, e.g. per sample and head).
-    ``n_steps`` is a Python int, so the unrolled graph is static.
+    ``n_steps`` is a Python int, so the unrolled graph is static. The step size is folded once into
+    the Gram matrix and the correlation (``x − G'x + b'``), so each step is one MatMul, two elementwise
+    ops and the shrinkage; :func:`~unroll.solvers.shrink.textbook_mode` gives the unfolded form.
     """
     Dt = D.transpose(-1, -2)
     dtv = Dt @ v
     gram = Dt @ D
-    inv_l = 1.0 / gershgorin_lipschitz(gram)
+    inv_l = 1.0 / gershgorin_lipschitz(gram, nonneg=nonneg_dict and not is_textbook())
     theta = lmbd * inv_l
     x = soft_threshold(dtv, lmbd)
+    if is_textbook():
+        for _ in range(n_steps):
+            x = soft_threshold(x - (gram @ x - dtv) * inv_l, theta)
+        return x
+    gram_s, dtv_s = gram * inv_l, dtv * inv_l
     for _ in range(n_steps):
-        x = soft_threshold(x - (gram @ x - dtv) * inv_l, theta)
+        x = soft_threshold(x - gram_s @ x + dtv_s, theta)
     return x
 
 
@@ -123,7 +131,7 @@ class VARSAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         D = self.dictionary(x)
         v = self._split(self.v(x))
-        codes = ista_codes(D, v, self.lmbd, self.n_steps)
+        codes = ista_codes(D, v, self.lmbd, self.n_steps, nonneg_dict=True)  # random features are > 0
         out = (D @ codes).transpose(1, 2).flatten(2)
         return self.proj(out)
 

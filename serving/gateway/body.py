@@ -1,0 +1,95 @@
+"""Read the uploaded image from a request — raw body or multipart field ``image`` — within a byte limit.
+
+The limit is enforced twice: a declared ``Content-Length`` over it is refused before reading anything,
+and the streamed bytes are counted chunk by chunk (chunked uploads, lying headers, multipart), so the
+gateway stops buffering the moment the limit is crossed instead of after reading the whole body.
+Multipart bodies are parsed while streaming (Starlette's parser on the counted stream), never
+buffered whole first. Reading is bounded in time too, so a trickling client cannot hold a slot forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+
+from fastapi import Request
+from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
+
+from serving.gateway.errors import ApiError
+from serving.gateway.images import CONTENT_TYPES
+
+IMAGE_FIELD = "image"
+_ACCEPTED = "multipart/form-data (field 'image') or a raw body with Content-Type " + ", ".join(
+    sorted({"image/png", "image/jpeg", "image/webp", "image/tiff", "image/bmp"}))
+
+
+def media_type(value: str | None) -> str:
+    return (value or "").split(";", 1)[0].strip().lower()
+
+
+def too_large(limit: int, declared: int | None = None) -> ApiError:
+    size = f" ({declared} bytes declared)" if declared is not None else ""
+    return ApiError(413, "payload_too_large", f"request body over the {limit}-byte limit{size}")
+
+
+def check_declared_length(request: Request, limit: int) -> None:
+    """Refuse a body whose declared Content-Length is over the limit, before reading any of it."""
+    raw = request.headers.get("content-length")
+    if raw is None:
+        return
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ApiError(400, "bad_request", f"Content-Length is not a number: {raw!r}") from None
+    if n > limit:
+        raise too_large(limit, n)
+
+
+async def _counted(request: Request, limit: int) -> AsyncGenerator[bytes, None]:
+    n = 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise too_large(limit)
+        yield chunk
+
+
+async def read_image_bytes(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The uploaded file's bytes; 413 over ``limit``, 415 for other media types, 400 for bad multipart."""
+    check_declared_length(request, limit)
+    ctype = media_type(request.headers.get("content-type"))
+    try:
+        async with asyncio.timeout(timeout_s):
+            if ctype == "multipart/form-data":
+                return await _multipart(request, limit)
+            if ctype in CONTENT_TYPES:
+                buf = bytearray()
+                async for chunk in _counted(request, limit):
+                    buf += chunk
+                return bytes(buf)
+    except TimeoutError:
+        raise ApiError(408, "request_timeout", f"the upload did not finish within {timeout_s:g} s") from None
+    what = f"Content-Type {ctype!r}" if ctype else "a request without Content-Type"
+    raise ApiError(415, "unsupported_media_type", f"{what} is not accepted; send {_ACCEPTED}")
+
+
+async def _multipart(request: Request, limit: int) -> bytes:
+    parser = MultiPartParser(request.headers, _counted(request, limit), max_files=1, max_fields=16,
+                             max_part_size=64 * 1024)
+    try:
+        form = await parser.parse()
+    except MultiPartException as e:
+        raise ApiError(400, "bad_request", f"malformed multipart body: {e.message}") from None
+    try:
+        part = form.get(IMAGE_FIELD)
+        if not isinstance(part, UploadFile):
+            names = ", ".join(repr(k) for k in form) or "none"
+            raise ApiError(400, "missing_image", f"multipart body has no file field {IMAGE_FIELD!r} (fields: {names})")
+        declared = media_type(part.content_type)
+        if declared and declared not in CONTENT_TYPES and declared != "application/octet-stream":
+            raise ApiError(415, "unsupported_media_type",
+                           f"file part has Content-Type {declared!r}; send PNG, JPEG, WebP, TIFF or BMP")
+        return await part.read()
+    finally:
+        await form.close()

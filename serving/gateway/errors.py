@@ -1,0 +1,88 @@
+"""One error shape for every failure: ``{"error": {"code", "message"}}`` with the right HTTP status.
+
+Clients branch on ``code`` (stable, snake_case) and show ``message`` (one human sentence). FastAPI's own
+validation errors and Starlette's 404/405 are reshaped to match, so no response ever has another format.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("unroll.gateway")
+
+#: code used for each HTTP status when Starlette raises a plain HTTPException (unknown route, wrong method).
+_DEFAULT_CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+                  413: "payload_too_large", 415: "unsupported_media_type", 422: "invalid_parameter",
+                  429: "too_many_requests", 503: "unavailable", 504: "timeout"}
+
+
+class ApiError(Exception):
+    """An error the client should see as-is: HTTP status, stable code, readable message, extra headers."""
+
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = headers or {}
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+
+
+class ErrorBody(BaseModel):
+    """Every non-2xx response of the gateway."""
+
+    error: ErrorDetail
+
+
+def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None,
+                   **extra: object) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}, **extra}, status_code=status, headers=headers)
+
+
+def _field(loc: tuple) -> str:
+    parts = [str(p) for p in loc if p not in ("query", "body", "header", "path")]
+    return ".".join(parts) or "request"
+
+
+async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return error_response(exc.status, exc.code, exc.message, exc.headers)
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    msgs = []
+    for e in exc.errors():
+        value = e.get("input")
+        got = f" (got {value!r})" if isinstance(value, str | int | float) else ""
+        msgs.append(f"{_field(tuple(e.get('loc', ())))}: {e.get('msg', 'invalid')}{got}")
+    return error_response(422, "invalid_parameter", "; ".join(msgs) or "invalid request")
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = _DEFAULT_CODES.get(exc.status_code, "error")
+    return error_response(exc.status_code, code, str(exc.detail), dict(exc.headers or {}))
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal_error", f"internal error ({type(exc).__name__}); see the gateway log")
+
+
+def install(app: FastAPI) -> None:
+    """Route every exception type the app can raise to the common JSON shape."""
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

@@ -1,0 +1,236 @@
+"""The gateway's one connection to Triton: tritonclient's async client (HTTP or gRPC), binary tensors.
+
+One :class:`TritonBackend` per process (created in the app's lifespan) so connections are pooled and
+reused. Every call runs under a deadline; failures are translated into three kinds the API maps to
+status codes: :class:`TritonUnavailable` (connection refused/reset, server or model not ready → 503),
+:class:`TritonTimeout` (deadline passed → 504) and :class:`TritonRejected` (Triton answered with an
+error for this request → 502, its message kept).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from tritonclient.utils import InferenceServerException
+
+log = logging.getLogger("unroll.gateway")
+
+#: gRPC reconnect back-off cap: the default (120 s) would keep a restarted Triton unreachable for minutes.
+GRPC_MAX_RECONNECT_BACKOFF_MS = 1000
+
+
+class TritonError(Exception):
+    """Base of the errors the gateway maps to 5xx responses."""
+
+
+class TritonUnavailable(TritonError):
+    """Triton cannot be reached, or the model is not loaded/ready (→ 503 with Retry-After)."""
+
+
+class TritonTimeout(TritonError):
+    """Triton did not answer within the deadline (→ 504)."""
+
+
+class TritonRejected(TritonError):
+    """Triton answered this request with an error (→ 502, Triton's message kept)."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]  # as clients send it: batch dimension first (-1) when the model batches
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the gateway needs to know about a served model, from Triton's metadata and config."""
+
+    name: str
+    inputs: dict[str, TensorInfo]
+    outputs: dict[str, TensorInfo]
+    max_batch_size: int
+    #: defaults the CPU repository fills in for optional inputs (``input_defaults`` config parameter).
+    input_defaults: dict[str, float] = field(default_factory=dict)
+    labelled_outputs: frozenset[str] = frozenset()
+
+    def public(self) -> dict[str, Any]:
+        """The JSON shown by ``GET /v1/models``."""
+        def t(x: TensorInfo) -> dict[str, Any]:
+            return {"name": x.name, "datatype": x.datatype, "shape": list(x.shape), "optional": x.optional}
+
+        return {"inputs": [t(x) for x in self.inputs.values()], "outputs": [t(x) for x in self.outputs.values()],
+                "max_batch_size": self.max_batch_size, "input_defaults": self.input_defaults}
+
+
+class TritonBackend:
+    """Async Triton client with deadlines, error translation, model-info cache and round-trip metrics."""
+
+    def __init__(self, url: str, protocol: str, timeout_s: float,
+                 observe: Callable[[str, str, float], None] | None = None) -> None:
+        self.url, self.protocol, self.timeout_s = url, protocol, timeout_s
+        self._observe = observe or (lambda model, outcome, seconds: None)
+        self._info: dict[str, ModelInfo] = {}
+        if protocol == "http":
+            import tritonclient.http as mod
+            import tritonclient.http.aio as aio
+
+            # aiohttp's own total timeout is only a backstop behind our per-call deadline.
+            self._client: Any = aio.InferenceServerClient(url, conn_timeout=timeout_s + 30.0)
+        elif protocol == "grpc":
+            import tritonclient.grpc as mod
+            import tritonclient.grpc.aio as aio
+
+            self._client = aio.InferenceServerClient(url, channel_args=[
+                ("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1),
+                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", GRPC_MAX_RECONNECT_BACKOFF_MS)])
+        else:
+            raise ValueError(f"protocol must be http or grpc, not {protocol!r}")
+        self._mod = mod
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def _call(self, what: str, coro: Any, timeout_s: float) -> Any:
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await coro
+        except TimeoutError:
+            raise TritonTimeout(f"Triton did not answer {what} within {timeout_s:g} s") from None
+        except InferenceServerException as e:
+            raise _translate(e, what) from None
+        except (OSError, ConnectionError) as e:  # aiohttp's ClientConnectionError family is OSError
+            raise TritonUnavailable(f"cannot reach Triton at {self.url} ({type(e).__name__}: {e})") from None
+        except Exception as e:
+            if type(e).__module__.startswith(("aiohttp", "grpc")):  # e.g. ServerDisconnectedError
+                raise TritonUnavailable(f"connection to Triton at {self.url} failed ({type(e).__name__}: {e})") \
+                    from None
+            raise
+
+    async def server_ready(self, timeout_s: float) -> bool:
+        """``True`` when Triton answers ready; ``False`` when it is down, not ready or slow."""
+        try:
+            return bool(await self._call("a readiness probe", self._client.is_server_ready(), timeout_s))
+        except TritonError:
+            return False
+
+    async def model_ready(self, name: str, timeout_s: float) -> bool:
+        try:
+            return bool(await self._call("a readiness probe", self._client.is_model_ready(name), timeout_s))
+        except TritonError:
+            return False
+
+    async def model_info(self, name: str) -> ModelInfo:
+        """Tensor names/shapes and batching of ``name``; cached once Triton has answered."""
+        info = self._info.get(name)
+        if info is None:
+            meta, cfg = await asyncio.gather(self._metadata(name), self._config(name))
+            info = _model_info(name, meta, cfg)
+            self._info[name] = info
+        return info
+
+    async def _metadata(self, name: str) -> dict[str, Any]:
+        kw = {"as_json": True} if self.protocol == "grpc" else {}
+        return await self._call(f"metadata of {name}", self._client.get_model_metadata(name, **kw), self.timeout_s)
+
+    async def _config(self, name: str) -> dict[str, Any]:
+        if self.protocol == "grpc":
+            cfg = await self._call(f"config of {name}", self._client.get_model_config(name, as_json=True),
+                                   self.timeout_s)
+            return cfg["config"]
+        return await self._call(f"config of {name}", self._client.get_model_config(name), self.timeout_s)
+
+    async def infer(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str],
+                    class_count: int | None = None) -> dict[str, np.ndarray]:
+        """One inference; ``class_count`` asks Triton's classification extension for the first output."""
+        mod = self._mod
+        reqs = []
+        for name, arr in inputs.items():
+            i = mod.InferInput(name, list(arr.shape), "FP32")
+            if self.protocol == "http":
+                i.set_data_from_numpy(arr, binary_data=True)
+            else:
+                i.set_data_from_numpy(arr)
+            reqs.append(i)
+        outs = []
+        for j, name in enumerate(outputs):
+            kw: dict[str, Any] = {"binary_data": True} if self.protocol == "http" else {}
+            if class_count is not None and j == 0:
+                kw["class_count"] = class_count
+            outs.append(mod.InferRequestedOutput(name, **kw))
+        t0 = time.perf_counter()
+        outcome = "error"
+        try:
+            res = await self._call(f"inference on {model}", self._client.infer(model, reqs, outputs=outs),
+                                   self.timeout_s)
+            outcome = "ok"
+        except TritonTimeout:
+            outcome = "timeout"
+            raise
+        except TritonUnavailable:
+            outcome = "unavailable"
+            self._info.pop(model, None)  # the server may come back with another repository
+            raise
+        finally:
+            self._observe(model, outcome, time.perf_counter() - t0)
+        try:
+            return {name: res.as_numpy(name) for name in outputs}
+        except Exception as e:  # a malformed response is Triton's fault, not the client's
+            raise TritonRejected(f"Triton's response from {model} could not be read: {type(e).__name__}: {e}") \
+                from None
+
+
+def _translate(e: InferenceServerException, what: str) -> TritonError:
+    status = str(e.status() or "")
+    msg = e.message() or str(e)
+    low = msg.lower()
+    if "UNAVAILABLE" in status or status == "503":
+        return TritonUnavailable(f"Triton unavailable during {what}: {msg}")
+    if "DEADLINE_EXCEEDED" in status or ("timeout" in low and "exceeded" in low):
+        return TritonTimeout(f"Triton timed out during {what}: {msg}")
+    if "unknown model" in low or "is not ready" in low or "not found" in low or "NOT_FOUND" in status:
+        return TritonUnavailable(f"model not available in Triton ({what}): {msg}")
+    return TritonRejected(f"Triton rejected {what}: {msg}")
+
+
+def _ints(shape: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in shape)  # gRPC JSON gives int64 dims as strings
+
+
+def _model_info(name: str, meta: dict[str, Any], cfg: dict[str, Any]) -> ModelInfo:
+    optional = {i["name"] for i in cfg.get("input", []) if i.get("optional")}
+    labelled = frozenset(o["name"] for o in cfg.get("output", []) if o.get("label_filename"))
+    params = cfg.get("parameters", {}) or {}
+    raw = (params.get("input_defaults") or {}).get("string_value", "{}")
+    try:
+        defaults = {k: float(v) for k, v in json.loads(raw).items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise TritonRejected(f"model {name}: config parameter input_defaults is not a JSON object: {raw!r}") from e
+    return ModelInfo(
+        name=name,
+        inputs={i["name"]: TensorInfo(i["name"], i["datatype"], _ints(i["shape"]), i["name"] in optional)
+                for i in meta.get("inputs", [])},
+        outputs={o["name"]: TensorInfo(o["name"], o["datatype"], _ints(o["shape"]))
+                 for o in meta.get("outputs", [])},
+        max_batch_size=int(cfg.get("max_batch_size", 0)),
+        input_defaults=defaults,
+        labelled_outputs=labelled,
+    )
+
+
+def fit_shape(arr: np.ndarray, info: TensorInfo) -> np.ndarray:
+    """Give a per-sample ``[B]`` tensor the shape Triton expects (``[B, 1]`` for a dims-[1] + reshape input)."""
+    if arr.ndim == len(info.shape):
+        return arr
+    if arr.ndim == 1 and info.shape[1:] == (1,):
+        return arr.reshape(-1, 1)
+    raise TritonRejected(f"input {info.name!r}: cannot send shape {arr.shape} to a tensor of shape {info.shape}")

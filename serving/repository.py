@@ -1,0 +1,471 @@
+"""``unroll repo``: write (and validate) a Triton model repository for the exported ONNX models.
+
+Two targets share one layout (``<model>/config.pbtxt``, ``<model>/1/…``, ``labels.txt`` for
+classifiers) and differ only in how a model runs:
+
+* ``cpu`` — what runs here: the Triton in the nvidia-pytriton wheel has only the Python backend, so
+  every model is a Python-backend model (``serving/triton_backend_model.py`` copied as
+  ``1/model.py``) that runs ``1/model.onnx`` with ONNX Runtime, one session per instance.
+* ``gpu`` — for the NGC ``tritonserver`` container: ``tensorrt_plan`` when ``unroll build`` left a
+  plan ``build/trt/<name>.<precision>.plan``, else ``onnxruntime_onnx`` with the TensorRT execution
+  accelerator (precision, engine cache, one optimization profile per model).
+
+Configs are built as ``model_config_pb2.ModelConfig`` protobufs and printed with ``text_format``,
+so they are schema-valid by construction; :func:`validate_repository` re-parses every written
+config and checks each input and output (name, type, dims, reshape) against the ONNX graph.
+
+Dynamic batching. ``max_queue_delay_microseconds`` is how long Triton holds the first request of a
+batch, waiting for more, when an instance is idle. Measured on this 2-core CPU machine
+(``tests/test_triton.py``-style burst, 32 concurrent gRPC clients, sdnet-mnist, one instance with 2
+ORT threads; ONNX Runtime alone: 1.6 ms at batch 1, ~2.1 ms/sample at batch 8–64, so batching saves
+only the per-request Python-backend overhead): 0 µs → see ``QUEUE_DELAY_MEASUREMENT`` below. The
+chosen delay is below half of the batch-1 service time, so a lone request pays at most that much
+extra latency, while under load batches form from the requests that queue up behind a busy
+instance anyway. ``max_batch_size`` 32: beyond it per-sample cost is flat on CPU and a 32×
+denoiser batch of 512×512 images already needs ~1 GB of activations; on GPU raise it with
+``--max-batch-size`` (the TensorRT profile follows it).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import onnx
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+Target = Literal["cpu", "gpu"]
+PRECISIONS = ("fp32", "fp16", "int8")
+DEFAULT_MAX_BATCH_SIZE = 32
+DEFAULT_QUEUE_DELAY_US = 500
+#: How DEFAULT_QUEUE_DELAY_US was chosen (filled by the measurement described in the module docstring).
+QUEUE_DELAY_MEASUREMENT = ""
+VERSION = "1"
+LABELS_FILE = "labels.txt"
+BACKEND_MODEL = Path(__file__).with_name("triton_backend_model.py")
+AUTOLAM_SUFFIX = "-autolam"
+#: Largest size of a dynamic non-batch dimension (image height/width, tokens) in the GPU TensorRT profile.
+GPU_PROFILE_MAX_DIM = 1024
+#: Smallest size of a dynamic non-batch dimension per task (denoisers take any H, W ≥ 16; tokens ≥ 1).
+GPU_PROFILE_MIN_DIM = {"denoising": 16}
+#: Where the NGC container keeps ONNX Runtime's TensorRT engines (must be writable inside it).
+GPU_ENGINE_CACHE = "/tmp/unroll-trt-cache"
+
+_ONNX_TO_TRITON = {
+    onnx.TensorProto.FLOAT: "TYPE_FP32", onnx.TensorProto.FLOAT16: "TYPE_FP16", onnx.TensorProto.BFLOAT16: "TYPE_BF16",
+    onnx.TensorProto.DOUBLE: "TYPE_FP64", onnx.TensorProto.INT8: "TYPE_INT8", onnx.TensorProto.UINT8: "TYPE_UINT8",
+    onnx.TensorProto.INT16: "TYPE_INT16", onnx.TensorProto.INT32: "TYPE_INT32", onnx.TensorProto.INT64: "TYPE_INT64",
+    onnx.TensorProto.BOOL: "TYPE_BOOL", onnx.TensorProto.STRING: "TYPE_STRING",
+}
+CIFAR10_LABELS = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+class RepositoryError(ValueError):
+    """A model cannot be put in the repository, or a written config does not match its ONNX graph."""
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One graph input/output: Triton type and full dims (batch included, -1 where dynamic)."""
+
+    name: str
+    data_type: str
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Source:
+    """What one served model is built from."""
+
+    name: str  #: model name in the repository
+    onnx: Path  #: the graph (also the reference for validation when a plan is served)
+    report: dict  #: the export report (task, parity shapes, solver settings)
+    plan: Path | None = None
+
+
+def onnx_io(path: Path) -> tuple[list[Tensor], list[Tensor]]:
+    """Inputs and outputs of an ONNX graph (initializers listed as inputs by old exporters excluded)."""
+    model = onnx.load(str(path), load_external_data=False)
+    inits = {i.name for i in model.graph.initializer}
+
+    def conv(v: onnx.ValueInfoProto) -> Tensor:
+        tt = v.type.tensor_type
+        if tt.elem_type not in _ONNX_TO_TRITON:
+            raise RepositoryError(f"{path.name}: tensor {v.name!r} has ONNX type "
+                                  f"{onnx.TensorProto.DataType.Name(tt.elem_type)}, which Triton cannot serve")
+        dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in tt.shape.dim)
+        return Tensor(v.name, _ONNX_TO_TRITON[tt.elem_type], dims)
+
+    return [conv(v) for v in model.graph.input if v.name not in inits], [conv(v) for v in model.graph.output]
+
+
+def _source(name: str, target: Target, precision: str, onnx_dir: Path, plan_dir: Path) -> Source:
+    base = name.removesuffix(AUTOLAM_SUFFIX)
+    stem = f"{base}.autolam" if name.endswith(AUTOLAM_SUFFIX) else base
+    fp32 = onnx_dir / f"{stem}.onnx"
+    plan = plan_dir / f"{stem}.{precision}.plan" if target == "gpu" else None
+    if target == "gpu" and plan is not None and plan.exists():
+        graph = fp32  # the plan was built from it: same tensors
+    elif precision == "fp32" or (target == "gpu" and precision == "fp16"):
+        graph, plan = fp32, None  # GPU fp16 without a plan: TensorRT casts the fp32 graph (precision_mode FP16)
+    else:
+        graph, plan = onnx_dir / f"{stem}.{precision}.onnx", None
+        if not graph.exists():
+            raise RepositoryError(f"{name}: no {precision} model at {graph}; run `unroll quantize {base}` first")
+    if not graph.exists():
+        raise RepositoryError(f"{name}: no ONNX export at {graph}; run `unroll export {base}` first")
+    report_path = onnx_dir / f"{stem}.report.json"
+    if not report_path.exists():
+        raise RepositoryError(f"{name}: {report_path} is missing; re-run `unroll export {base}`")
+    return Source(name, graph, json.loads(report_path.read_text()), plan)
+
+
+def class_labels(model: str, num_classes: int) -> list[str]:
+    """Label strings for Triton's classification extension (``score:index:label``).
+
+    ImageNet synset names are not bundled with the project, so ImageNet models label by index.
+    """
+    base = model.removesuffix(AUTOLAM_SUFFIX)
+    if base.endswith("-mnist") and num_classes == 10:
+        return [str(i) for i in range(10)]
+    if base.endswith("-cifar") and num_classes == 10:
+        return list(CIFAR10_LABELS)
+    return [str(i) for i in range(num_classes)]
+
+
+def _split_batch(t: Tensor, batching: bool) -> list[int]:
+    return list(t.dims[1:]) if batching else list(t.dims)
+
+
+def _io_config(cls: type, t: Tensor, batching: bool):
+    """A ModelInput/ModelOutput for ``t``; a batch-only tensor ([B]) becomes dims [1] + reshape []."""
+    dims = _split_batch(t, batching)
+    io = cls(name=t.name, data_type=mc.DataType.Value(t.data_type))
+    if not dims:  # Triton needs at least one dim: the documented idiom for per-sample scalars
+        io.dims.append(1)
+        io.reshape.SetInParent()
+    else:
+        io.dims.extend(dims)
+    return io
+
+
+def _example_shapes(src: Source) -> dict[str, list[int]]:
+    """A valid input shape per tensor (batch included): the export's first verified parity case."""
+    cases = src.report.get("parity", {}).get("cases", [])
+    if not cases:
+        raise RepositoryError(f"{src.name}: the export report has no parity cases to take a warm-up shape from")
+    return cases[0]["shapes"]
+
+
+def _warmup(src: Source, cfg: mc.ModelConfig, batch_sizes: Iterable[int]) -> None:
+    example = _example_shapes(src)
+    for b in batch_sizes:
+        w = cfg.model_warmup.add(name=f"{src.name}-batch{b}", batch_size=b)
+        for inp in cfg.input:
+            dims = list(inp.dims)
+            if any(d < 0 for d in dims):
+                shape = example.get(inp.name)
+                if shape is None:
+                    raise RepositoryError(f"{src.name}: no example shape for dynamic input {inp.name!r}")
+                full = shape[1:] if cfg.max_batch_size > 0 else shape
+                dims = [e if d < 0 else d for d, e in zip(dims, full, strict=True)]
+            wi = mc.ModelWarmup.Input(data_type=inp.data_type, dims=dims)
+            # zeros for per-sample scalars (lam, sigma: in range for the model), noise for images / features
+            if list(inp.dims) == [1]:
+                wi.zero_data = True
+            else:
+                wi.random_data = True
+            w.inputs[inp.name].CopyFrom(wi)
+
+
+def _gpu_profile(src: Source, cfg: mc.ModelConfig) -> dict[str, str]:
+    """One TensorRT optimization profile: batch 1…max_batch_size, dynamic dims min…GPU_PROFILE_MAX_DIM."""
+    example = _example_shapes(src)
+    cases = src.report["parity"]["cases"]
+    mins, opts, maxs = [], [], []
+    for inp in cfg.input:
+        graph_dims = list(inp.reshape.shape) if inp.HasField("reshape") else list(inp.dims)
+        b = cfg.max_batch_size
+        lo, op, hi = ([1], [max(1, b // 4)], [b]) if b else ([], [], [])
+        off = 1 if b else 0
+        for i, d in enumerate(graph_dims):
+            if d >= 0:
+                triple = (d, d, d)
+            else:
+                seen = [c["shapes"][inp.name][i + off] for c in cases if inp.name in c["shapes"]]
+                low = min(GPU_PROFILE_MIN_DIM.get(src.report.get("task", ""), 1), *seen)
+                triple = (low, example[inp.name][i + off], max(GPU_PROFILE_MAX_DIM, *seen))
+            for lst, v in zip((lo, op, hi), triple, strict=True):
+                lst.append(v)
+        mins.append(f"{inp.name}:{'x'.join(map(str, lo))}")
+        opts.append(f"{inp.name}:{'x'.join(map(str, op))}")
+        maxs.append(f"{inp.name}:{'x'.join(map(str, hi))}")
+    return {"trt_profile_min_shapes": ",".join(mins), "trt_profile_opt_shapes": ",".join(opts),
+            "trt_profile_max_shapes": ",".join(maxs)}
+
+
+def build_config(src: Source, target: Target, precision: str = "fp32", threads: int = 2,
+                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
+                 instances: int = 1) -> tuple[mc.ModelConfig, list[str] | None]:
+    """The ModelConfig for one model, and its labels (classifiers) or None."""
+    inputs, outputs = onnx_io(src.onnx)
+    batching = all(t.dims and t.dims[0] == -1 for t in inputs + outputs)
+    cfg = mc.ModelConfig(name=src.name, max_batch_size=max_batch_size if batching else 0)
+    if target == "cpu":
+        cfg.backend = "python"
+    else:
+        cfg.platform = "tensorrt_plan" if src.plan is not None else "onnxruntime_onnx"
+    defaults: dict[str, float] = {}
+    for t in inputs:
+        io = cfg.input.add()
+        io.CopyFrom(_io_config(mc.ModelInput, t, batching))
+        if t.name == "lam" and target == "cpu":
+            # optional with the model's own λ: the Python model fills it in. The GPU backends cannot
+            # default a missing input, so there it stays required and the gateway always sends it.
+            io.optional = True
+            defaults["lam"] = _default_lam(src)
+    labels = None
+    for t in outputs:
+        io = cfg.output.add()
+        io.CopyFrom(_io_config(mc.ModelOutput, t, batching))
+        if t.name == "logits":
+            labels = class_labels(src.name, t.dims[-1])
+            io.label_filename = LABELS_FILE
+    if batching:
+        cfg.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
+    kind = mc.ModelInstanceGroup.KIND_CPU if target == "cpu" else mc.ModelInstanceGroup.KIND_GPU
+    cfg.instance_group.add(kind=kind, count=instances)
+    params = {"unroll_source_onnx": src.onnx.name}
+    if target == "cpu":
+        params |= {"onnx_file": "model.onnx", "intra_op_num_threads": str(threads),
+                   "input_defaults": json.dumps(defaults)}
+    elif src.plan is None:
+        acc = cfg.optimization.execution_accelerators.gpu_execution_accelerator.add(name="tensorrt")
+        acc.parameters.update({
+            "precision_mode": precision.upper(),
+            "max_workspace_size_bytes": str(1 << 30),
+            "trt_engine_cache_enable": "1",
+            "trt_engine_cache_path": f"{GPU_ENGINE_CACHE}/{src.name}",
+            "trt_timing_cache_enable": "1",
+            "trt_timing_cache_path": f"{GPU_ENGINE_CACHE}/{src.name}",
+            **_gpu_profile(src, cfg),
+        })
+    for k, v in params.items():
+        cfg.parameters[k].string_value = v
+    _warmup(src, cfg, sorted({1, max_batch_size}) if batching else [1])
+    return cfg, labels
+
+
+def _default_lam(src: Source) -> float:
+    """The first CSC layer's λ as trained, from the export report (``solvers[0].lambda``)."""
+    for s in src.report.get("solvers", []):
+        if "lambda" in s:
+            return float(s["lambda"])
+    raise RepositoryError(f"{src.name}: the export report names no solver λ to use as lam's default")
+
+
+def _header(src: Source, target: Target, precision: str, cfg: mc.ModelConfig) -> str:
+    lines = [f"Generated by `unroll repo --target {target} --precision {precision}` from {src.onnx.name}"
+             + (f" and {src.plan.name}" if src.plan else "") + "; regenerate instead of editing.",
+             "dims exclude the batch dimension (-1 = dynamic); a [B] tensor is dims [1] + reshape [].",
+             "max_queue_delay_microseconds: measured, see serving/repository.py (DEFAULT_QUEUE_DELAY_US).",
+             "model_warmup runs before the model reports ready."]
+    if any(i.name == "lam" for i in cfg.input):
+        lines.append("lam is optional (default = the trained λ) on the CPU target only: the GPU backends cannot "
+                     "default a missing input, so the gateway always sends lam." if target == "cpu" else
+                     "lam is required here (TensorRT/ONNX Runtime backends cannot default a missing input); "
+                     "the gateway always sends it.")
+    if target == "gpu" and src.plan is None:
+        lines.append("TensorRT profile (min/opt/max shapes) is in the accelerator parameters; requests outside it "
+                     "fail, so widen it and regenerate for larger inputs.")
+    if target == "gpu" and src.plan is not None:
+        lines.append("max_batch_size and input sizes must lie inside the plan's optimization profile "
+                     f"(see {src.plan.with_suffix('.json').name}).")
+    return "".join(f"# {ln}\n" for ln in lines)
+
+
+def write_repository(target: Target, models: list[str], out: Path, precision: str = "fp32",
+                     onnx_dir: Path = Path("build/onnx"), plan_dir: Path = Path("build/trt"), threads: int = 2,
+                     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
+                     instances: int = 1) -> list[Path]:
+    """Write ``out/<model>/config.pbtxt`` + ``out/<model>/1/…`` (+ ``labels.txt``) for each model; validate.
+
+    ``models`` are registry names; ``NAME-autolam`` serves ``NAME.autolam.onnx`` (the lam="auto"
+    rule). Each model directory is rebuilt from scratch (so switching targets leaves no stale
+    ``model.py`` or plan), other directories in ``out`` are left alone. Returns the files written.
+    """
+    if target not in ("cpu", "gpu"):
+        raise RepositoryError(f"target must be cpu or gpu, not {target!r}")
+    if precision not in PRECISIONS:
+        raise RepositoryError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    if max_batch_size < 1 or queue_delay_us < 0 or threads < 1 or instances < 1:
+        raise RepositoryError("max_batch_size, threads and instances must be ≥ 1 and queue_delay_us ≥ 0")
+    if not models:
+        raise RepositoryError("no models given")
+    sources = [_source(m, target, precision, Path(onnx_dir), Path(plan_dir)) for m in dict.fromkeys(models)]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for src in sources:
+        cfg, labels = build_config(src, target, precision, threads, max_batch_size, queue_delay_us, instances)
+        tmp = out / f".{src.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / VERSION).mkdir(parents=True)
+        files = {"config.pbtxt": None}
+        (tmp / "config.pbtxt").write_text(_header(src, target, precision, cfg) + text_format.MessageToString(cfg))
+        if labels is not None:
+            (tmp / LABELS_FILE).write_text("\n".join(labels) + "\n")
+            files[LABELS_FILE] = None
+        if src.plan is not None:
+            shutil.copyfile(src.plan, tmp / VERSION / "model.plan")
+            files[f"{VERSION}/model.plan"] = None
+        else:
+            shutil.copyfile(src.onnx, tmp / VERSION / "model.onnx")
+            files[f"{VERSION}/model.onnx"] = None
+        if target == "cpu":
+            shutil.copyfile(BACKEND_MODEL, tmp / VERSION / "model.py")
+            files[f"{VERSION}/model.py"] = None
+        validate_model(tmp, reference_onnx=src.onnx, name=src.name)
+        dst = out / src.name
+        if dst.exists():
+            shutil.rmtree(dst)
+        tmp.rename(dst)
+        written += [dst / f for f in files]
+    return written
+
+
+def _fmt(dims: Iterable[int]) -> str:
+    return "[" + ", ".join(map(str, dims)) + "]"
+
+
+def validate_model(model_dir: Path, reference_onnx: Path | None = None, name: str | None = None) -> mc.ModelConfig:
+    """Parse ``model_dir/config.pbtxt`` against Triton's schema and check it against the ONNX graph.
+
+    The reference graph is ``reference_onnx``, else ``<version>/model.onnx`` in the model directory
+    (a plan-only model needs ``reference_onnx``). Every problem is collected; one
+    :class:`RepositoryError` names each mismatching tensor.
+    """
+    model_dir = Path(model_dir)
+    name = name or model_dir.name
+    path = model_dir / "config.pbtxt"
+    if not path.exists():
+        raise RepositoryError(f"{name}: no config.pbtxt in {model_dir}")
+    cfg = mc.ModelConfig()
+    try:
+        text_format.Parse(path.read_text(), cfg)
+    except text_format.ParseError as e:
+        raise RepositoryError(f"{name}: config.pbtxt is not a valid Triton model config: {e}") from e
+    errors: list[str] = []
+    if cfg.name and cfg.name != name:
+        errors.append(f"config name {cfg.name!r} differs from the directory name {name!r}")
+    if not cfg.backend and not cfg.platform:
+        errors.append("neither backend nor platform is set")
+    versions = sorted(p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
+    if not versions:
+        errors.append("no numeric version directory")
+    if reference_onnx is None:
+        reference_onnx = versions[-1] / "model.onnx" if versions else None
+        if reference_onnx is None or not reference_onnx.exists():
+            raise RepositoryError(f"{name}: no ONNX graph to validate against (give reference_onnx)")
+    if cfg.backend == "python" and versions and not (versions[-1] / "model.py").exists():
+        errors.append(f"python backend without {versions[-1].name}/model.py")
+    inputs, outputs = onnx_io(Path(reference_onnx))
+    batching = cfg.max_batch_size > 0
+    graph_batching = all(t.dims and t.dims[0] == -1 for t in inputs + outputs)
+    if batching and not graph_batching:
+        errors.append(f"max_batch_size {cfg.max_batch_size} but the ONNX graph has no dynamic batch dimension")
+    errors += _check_tensors("input", list(cfg.input), inputs, batching, exact=True)
+    errors += _check_tensors("output", list(cfg.output), outputs, batching, exact=False)
+    for out in cfg.output:
+        if out.label_filename:
+            lf = model_dir / out.label_filename
+            n = len(lf.read_text().splitlines()) if lf.exists() else None
+            if n is None:
+                errors.append(f"output {out.name!r}: label file {out.label_filename} is missing")
+            elif not out.dims or n != out.dims[-1]:
+                errors.append(f"output {out.name!r}: {n} labels for dims {_fmt(out.dims)}")
+    by_name = {i.name: i for i in cfg.input}
+    for w in cfg.model_warmup:
+        for k, wi in w.inputs.items():
+            ci = by_name.get(k)
+            if ci is None:
+                errors.append(f"warm-up {w.name!r}: input {k!r} is not a model input")
+            elif len(wi.dims) != len(ci.dims) or any(c >= 0 and c != d for c, d in zip(ci.dims, wi.dims, strict=False)):
+                errors.append(f"warm-up {w.name!r}: input {k!r} dims {_fmt(wi.dims)} do not fit {_fmt(ci.dims)}")
+            elif wi.data_type != ci.data_type:
+                errors.append(f"warm-up {w.name!r}: input {k!r} type differs from the input's")
+        if batching and not 1 <= w.batch_size <= cfg.max_batch_size:
+            errors.append(f"warm-up {w.name!r}: batch_size {w.batch_size} outside 1…{cfg.max_batch_size}")
+    if errors:
+        raise RepositoryError(f"{name} ({path}) does not match {Path(reference_onnx).name}:\n  " + "\n  ".join(errors))
+    return cfg
+
+
+def _check_tensors(kind: str, configured: list, graph: list[Tensor], batching: bool, exact: bool) -> list[str]:
+    errors = []
+    want = {t.name: t for t in graph}
+    seen = set()
+    for io in configured:
+        t = want.get(io.name)
+        if t is None:
+            errors.append(f"{kind} {io.name!r} is not in the ONNX graph (it has {', '.join(want)})")
+            continue
+        seen.add(io.name)
+        dtype = mc.DataType.Name(io.data_type)
+        if dtype != t.data_type:
+            errors.append(f"{kind} {io.name!r}: type {dtype} but the ONNX graph has {t.data_type}")
+        graph_dims = _split_batch(t, batching)
+        effective = list(io.reshape.shape) if io.HasField("reshape") else list(io.dims)
+        if effective != graph_dims:
+            what = f"reshape {_fmt(effective)}" if io.HasField("reshape") else f"dims {_fmt(io.dims)}"
+            errors.append(f"{kind} {io.name!r}: {what} but the ONNX graph has {_fmt(graph_dims)}"
+                          + (" (batch excluded)" if batching else ""))
+        elif io.HasField("reshape") and _numel(io.dims) != _numel(io.reshape.shape):
+            errors.append(f"{kind} {io.name!r}: dims {_fmt(io.dims)} and reshape {_fmt(io.reshape.shape)} "
+                          "differ in size")
+    missing = [n for n in want if n not in seen]
+    if exact and missing:
+        errors.append(f"ONNX {kind}(s) {', '.join(map(repr, missing))} missing from the config")
+    return errors
+
+
+def _numel(dims: Iterable[int]) -> int | None:
+    n = 1
+    for d in dims:
+        if d < 0:
+            return None
+        n *= d
+    return n
+
+
+def validate_repository(repo: Path, onnx_dir: Path | None = None) -> dict[str, mc.ModelConfig]:
+    """Validate every model of a repository; plan-only models are checked against ``onnx_dir``.
+
+    The graph a plan was built from is found through the config's ``unroll_source_onnx`` parameter.
+    """
+    repo = Path(repo)
+    if not repo.is_dir():
+        raise RepositoryError(f"model repository {repo} does not exist")
+    found: dict[str, mc.ModelConfig] = {}
+    for model_dir in sorted(p for p in repo.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        ref = None
+        local = [p / "model.onnx" for p in model_dir.iterdir() if p.is_dir() and (p / "model.onnx").exists()]
+        if not local:
+            cfg = mc.ModelConfig()
+            try:
+                text_format.Parse((model_dir / "config.pbtxt").read_text(), cfg)
+            except (OSError, text_format.ParseError) as e:
+                raise RepositoryError(f"{model_dir.name}: unreadable config.pbtxt: {e}") from e
+            src = cfg.parameters.get("unroll_source_onnx")
+            if onnx_dir is None or src is None:
+                raise RepositoryError(f"{model_dir.name}: serves no model.onnx; pass onnx_dir to validate it")
+            ref = Path(onnx_dir) / src.string_value
+        found[model_dir.name] = validate_model(model_dir, reference_onnx=ref)
+    if not found:
+        raise RepositoryError(f"model repository {repo} holds no models")
+    return found

@@ -1,0 +1,308 @@
+"""Start and stop a real Triton Inference Server: the ``tritonserver`` binary from the nvidia-pytriton wheel.
+
+The wheel ships the server, its shared libraries (``nvidia_pytriton.libs``), the Python backend and
+one Python-backend stub per interpreter version. We run that binary directly (not pytriton's
+in-process model proxy) so the model repository written by :mod:`serving.repository` is served
+exactly as the NGC container would serve it. The stub embeds libpython; it is pointed at the
+interpreter that runs this code (``LD_LIBRARY_PATH`` to its ``libpython``, ``PATH`` to its ``bin``
+so the embedded Python adopts the venv) so ``model.py`` imports the same onnxruntime and NumPy as
+the rest of the project.
+
+``start(...)`` returns a :class:`TritonHandle` once ``/v2/health/ready`` says every model is loaded
+and warm; a failure raises :class:`TritonStartError` with the tail of Triton's log (which model
+failed and why). The server runs in its own process group and is always stopped with SIGTERM, then
+SIGKILL after a grace period, so no orphan stub processes survive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+LOG_TAIL_LINES = 40
+STOP_GRACE_S = 15.0
+
+
+class TritonStartError(RuntimeError):
+    """The server binary is missing, could not start, or a model did not load (message has Triton's reason).
+
+    ``reason`` is the short form (one line per failed model) for command-line output; the message
+    adds the tail of the log at ``log_path``.
+    """
+
+    def __init__(self, message: str, reason: str | None = None, log_path: Path | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason or message.splitlines()[0]
+        self.log_path = log_path
+
+
+@dataclass(frozen=True)
+class ServerLayout:
+    """Where the pieces of the wheel's Triton live on this machine."""
+
+    binary: Path
+    backends: Path  #: backend directory holding ``python/libtriton_python.so`` and the stub
+    lib_dirs: tuple[Path, ...]
+
+
+def _pytriton_root() -> Path:
+    spec = importlib.util.find_spec("pytriton")  # no import: pytriton's __init__ pulls in a lot
+    if spec is None or not spec.submodule_search_locations:
+        raise TritonStartError("the nvidia-pytriton wheel is not installed (pip install -e '.[serve]')")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _python_libdir() -> Path | None:
+    """The folder holding this interpreter's ``libpython3.X.so.1.0``, which the stub must load."""
+    libdir = sysconfig.get_config_var("LIBDIR")
+    soname = sysconfig.get_config_var("INSTSONAME") or f"libpython{sys.version_info[0]}.{sys.version_info[1]}.so.1.0"
+    if libdir and (Path(libdir) / soname).exists():
+        return Path(libdir)
+    return None  # a static interpreter: the stub then falls back to the system's libpython of the same version
+
+
+def _writable(path: Path) -> bool:
+    return os.access(path, os.W_OK)
+
+
+def _install_stub(backends: Path, stub: Path) -> Path:
+    """Put the stub beside ``libtriton_python.so``; idempotent, atomic, and elsewhere when read-only.
+
+    Returns the backend directory to use: the wheel's own when it is writable, otherwise a copy in
+    the user's cache (keyed by the wheel path, so two venvs never share one).
+    """
+    if not _writable(backends / "python"):
+        key = hashlib.sha1(str(backends).encode()).hexdigest()[:12]
+        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "unroll" / f"triton-backends-{key}"
+        if not (cache / "python" / "libtriton_python.so").exists():
+            tmp = Path(tempfile.mkdtemp(dir=cache.parent if cache.parent.exists() else None))
+            shutil.copytree(backends, tmp / "b", dirs_exist_ok=True)
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):  # a concurrent start may have won the race: theirs is identical
+                os.replace(tmp / "b", cache)
+            shutil.rmtree(tmp, ignore_errors=True)
+        backends = cache
+    dst = backends / "python" / "triton_python_backend_stub"
+    if not dst.exists() or dst.stat().st_size != stub.stat().st_size or dst.read_bytes() != stub.read_bytes():
+        tmp_dst = dst.with_name(f".{dst.name}.{os.getpid()}")
+        shutil.copy2(stub, tmp_dst)
+        os.chmod(tmp_dst, 0o755)
+        os.replace(tmp_dst, dst)
+    return backends
+
+
+def server_layout() -> ServerLayout:
+    """Locate the wheel's tritonserver and prepare its backend directory (stub for this Python)."""
+    root = _pytriton_root()
+    ts = root / "tritonserver"
+    binary = ts / "bin" / "tritonserver"
+    if not binary.exists():
+        raise TritonStartError(f"no tritonserver binary at {binary}: reinstall nvidia-pytriton")
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    stub = ts / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.exists():
+        raise TritonStartError(f"nvidia-pytriton has no Python-backend stub for Python {version} (looked in {stub})")
+    backends = _install_stub(ts / "backends", stub)
+    lib_dirs = [root.parent / "nvidia_pytriton.libs"]
+    if (ts / "lib").is_dir():
+        lib_dirs.append(ts / "lib")
+    pylib = _python_libdir()
+    if pylib is not None:
+        lib_dirs.append(pylib)
+    return ServerLayout(binary, backends, tuple(lib_dirs))
+
+
+def server_env(layout: ServerLayout) -> dict[str, str]:
+    """The server's environment: its libraries, and this interpreter's packages for ``model.py``.
+
+    The stub's embedded Python runs isolated (``PYTHONPATH`` is ignored) and finds its prefix by
+    looking up ``python3`` on ``PATH``; with this interpreter's ``bin`` first, a venv's
+    ``pyvenv.cfg`` is found and its site-packages (onnxruntime, NumPy) are on ``sys.path``.
+    """
+    env = os.environ.copy()
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([*map(str, layout.lib_dirs), *filter(None, [env.get("LD_LIBRARY_PATH")])])
+    env["PATH"] = os.pathsep.join([str(Path(sys.prefix) / "bin"), *filter(None, [env.get("PATH")])])
+    return env
+
+
+class TritonHandle:
+    """A running tritonserver: its URLs, PID and log; ``stop()`` (or leaving the ``with``) ends it."""
+
+    def __init__(self, proc: subprocess.Popen, host: str, http_port: int, grpc_port: int, metrics_port: int,
+                 log_path: Path) -> None:
+        self._proc = proc
+        self.host = host
+        self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        self.log_path = log_path
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def url(self) -> str:
+        """HTTP endpoint as tritonclient wants it (``host:port``, no scheme)."""
+        return f"{_client_host(self.host)}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{_client_host(self.host)}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{_client_host(self.host)}:{self.metrics_port}/metrics"
+
+    def is_alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        return _tail(self.log_path, lines)
+
+    def wait(self) -> int:
+        """Block until the server exits on its own; returns its exit code."""
+        return self._proc.wait()
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
+        """SIGTERM the server's process group, SIGKILL it after ``grace_s``; idempotent."""
+        if self._proc.returncode is None:
+            _signal_group(self._proc.pid, signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+        _signal_group(self._proc.pid, signal.SIGKILL)  # stubs left in the group after tritonserver exited
+        return self._proc.returncode
+
+    def __enter__(self) -> TritonHandle:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.is_alive() else f"exited {self._proc.returncode}"
+        return f"TritonHandle(pid={self.pid}, http={self.url}, grpc={self.grpc_url}, {state})"
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+_BENIGN = ("CudaDriverHelper has not been initialized",)  # logged on every CPU-only start
+_LOG_PREFIX = re.compile(r"^[IWE]\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] ")
+
+
+def _failure_summary(log: str) -> str:
+    """Triton's reason in a few lines: the models that failed to load, else its other errors."""
+    lines = log.splitlines()
+    loads = [ln for ln in lines if ln.startswith("E") and "failed to load" in ln]
+    errors = [ln for ln in lines if (ln.startswith("E") and not any(b in ln for b in _BENIGN))
+              or ln.startswith("error:")]
+    return "\n".join(dict.fromkeys(_LOG_PREFIX.sub("", ln) for ln in (loads or errors)))
+
+
+def _ready(host: str, port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/v2/health/ready", timeout=1.0) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+def start(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+          host: str = "127.0.0.1", log_file: Path | None = None, timeout_s: float = 120,
+          model_control: str = "none", log_verbose: int = 0, extra_args: list[str] | None = None) -> TritonHandle:
+    """Launch tritonserver on ``repo`` and return once every model is loaded and warm.
+
+    ``model_control`` is Triton's ``--model-control-mode`` (``none``: load everything at start,
+    no load/unload API). Configs must be complete (``--disable-auto-complete-config``), so what is
+    served is exactly what the repository says. ``log_file`` defaults to a new temporary file (kept
+    after the server stops, for post-mortems). Raises :class:`TritonStartError` with Triton's reason on failure.
+    """
+    repo = Path(repo).resolve()
+    if not repo.is_dir():
+        raise TritonStartError(f"model repository {repo} does not exist (write it with `unroll repo`)")
+    if model_control not in ("none", "poll", "explicit"):
+        raise TritonStartError(f"model_control must be none, poll or explicit, not {model_control!r}")
+    layout = server_layout()
+    if log_file is None:
+        fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
+        os.close(fd)
+        log_file = Path(name)
+    log_file = Path(log_file).resolve()
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        str(layout.binary),
+        f"--model-repository={repo}",
+        f"--backend-directory={layout.backends}",
+        f"--model-control-mode={model_control}",
+        "--disable-auto-complete-config",
+        "--strict-readiness=true",
+        "--exit-on-error=true",
+        "--allow-http=true", f"--http-address={host}", f"--http-port={http_port}",
+        "--allow-grpc=true", f"--grpc-address={host}", f"--grpc-port={grpc_port}",
+        "--allow-metrics=true", "--allow-gpu-metrics=false", f"--metrics-address={host}",
+        f"--metrics-port={metrics_port}",
+        "--pinned-memory-pool-byte-size=0",  # CPU-only here; avoids a CUDA host allocation attempt
+        f"--log-verbose={log_verbose}",
+        *(extra_args or []),
+    ]
+    with open(log_file, "ab") as log:
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    env=server_env(layout), start_new_session=True)
+        except OSError as e:
+            raise TritonStartError(f"could not run {layout.binary}: {e}") from e
+    handle = TritonHandle(proc, host, http_port, grpc_port, metrics_port, log_file)
+    deadline = time.monotonic() + timeout_s
+    client_host = _client_host(host)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise _start_failure(f"tritonserver exited with code {proc.returncode}", log_file)
+            if _ready(client_host, http_port):
+                return handle
+            if time.monotonic() > deadline:
+                raise _start_failure(f"tritonserver was not ready after {timeout_s:.0f} s", log_file)
+            time.sleep(0.2)
+    except BaseException:
+        handle.stop(grace_s=5)
+        raise
+
+
+def _start_failure(what: str, log_file: Path) -> TritonStartError:
+    log = log_file.read_text(errors="replace") if log_file.exists() else ""
+    why = _failure_summary(log) or "(no error logged)"
+    tail = "\n".join(log.splitlines()[-LOG_TAIL_LINES:])
+    return TritonStartError(f"{what}: {why}\n--- last {LOG_TAIL_LINES} lines of {log_file} ---\n{tail}",
+                            reason=f"{what}: {why}", log_path=log_file)

@@ -1,0 +1,141 @@
+"""Triton Python-backend model that runs an exported ONNX graph with ONNX Runtime (CPU).
+
+:mod:`serving.repository` copies this file, unchanged, to ``<model>/1/model.py`` for every model of
+a ``--target cpu`` repository; everything model-specific comes from ``config.pbtxt``:
+
+* ``parameters { key: "onnx_file" }`` — the graph beside this file (``model.onnx``);
+* ``parameters { key: "intra_op_num_threads" }`` — ONNX Runtime threads per instance (one session
+  per instance, created here in ``initialize`` and reused for every request);
+* ``parameters { key: "input_defaults" }`` — JSON ``{name: value}`` for ``optional: true`` inputs
+  (``lam`` for SDNet), filled per request when the client leaves them out.
+
+Tensors cross the stub boundary zero-copy through DLPack (``np.from_dlpack(tensor)`` in,
+``pb_utils.Tensor.from_dlpack`` out), not ``as_numpy()`` / ``pb_utils.Tensor(name, array)``: the
+wheel's stub was built with a pybind11 that predates NumPy 2's dtype ABI, and under NumPy 2 those
+two return wrong data (inputs read as repeated first elements, outputs as zero bytes).
+
+The requests of one dynamic batch are concatenated into one ``session.run`` per group of equal
+non-batch shapes (the denoiser takes any H×W, so one batch can mix sizes) and the outputs are split
+back per request. A failure in one group becomes a Triton error on exactly those requests; the
+instance keeps serving.
+
+It only runs inside Triton's Python-backend stub (``triton_python_backend_utils`` exists there).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        cfg = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
+        onnx_path = Path(args["model_repository"]) / args["model_version"] / params.get("onnx_file", "model.onnx")
+        so = ort.SessionOptions()
+        if "intra_op_num_threads" not in params:
+            raise pb_utils.TritonModelException("config.pbtxt needs parameters { key: \"intra_op_num_threads\" }")
+        so.intra_op_num_threads = int(params["intra_op_num_threads"])
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.session = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        self.batching = int(cfg.get("max_batch_size", 0)) > 0
+        defaults = json.loads(params.get("input_defaults", "{}"))
+        graph = {i.name: i.shape for i in self.session.get_inputs()}
+        self.inputs = []  # (name, numpy dtype, graph shape without batch if static else None, default or None)
+        for i in cfg["input"]:
+            name = i["name"]
+            dims = graph[name][1:] if self.batching else graph[name]
+            shape = [int(d) for d in dims] if all(isinstance(d, int) for d in dims) else None
+            default = defaults.get(name)
+            if i.get("optional") and default is None:
+                raise pb_utils.TritonModelException(f"optional input {name!r} has no entry in input_defaults")
+            if default is not None and shape is None:
+                raise pb_utils.TritonModelException(f"input {name!r}: a default needs a static shape, not {dims}")
+            self.inputs.append((name, pb_utils.triton_string_to_numpy(i["data_type"]), shape, default))
+        self.outputs = []  # (name, numpy dtype, config dims when all static, else None)
+        for o in cfg["output"]:
+            dims = [int(d) for d in o["dims"]]
+            self.outputs.append((o["name"], pb_utils.triton_string_to_numpy(o["data_type"]),
+                                 dims if all(d >= 0 for d in dims) else None))
+        self.output_names = [o[0] for o in self.outputs]
+
+    def _feed(self, request) -> dict[str, np.ndarray]:
+        """One request's inputs (zero-copy), reshaped to the graph's shapes, defaults filled in."""
+        feed: dict[str, np.ndarray] = {}
+        missing = []
+        for name, dtype, shape, default in self.inputs:
+            t = pb_utils.get_input_tensor_by_name(request, name)
+            if t is None:
+                missing.append((name, dtype, shape, default))
+                continue
+            a = np.from_dlpack(t)  # zero-copy view of the request's shared-memory buffer (see module doc)
+            if shape is not None and list(a.shape[1:] if self.batching else a.shape) != shape:
+                # config `reshape` (dims [1] → graph []), applied here too so either client form works
+                a = a.reshape((a.shape[0], *shape) if self.batching else tuple(shape))
+            feed[name] = a
+        if missing:
+            n = next(iter(feed.values())).shape[0] if self.batching and feed else None
+            for name, dtype, shape, default in missing:
+                if default is None:
+                    raise ValueError(f"missing required input {name!r}")
+                full = ((n,) if n is not None else ()) + tuple(shape or ())
+                feed[name] = np.full(full, default, dtype=dtype)
+        return feed
+
+    def execute(self, requests: list) -> list:
+        # The stub copies output tensors into shared memory only after execute() returns, and a
+        # DLPack tensor does not own its NumPy array: keep this call's arrays alive until the next.
+        self._keep: list[np.ndarray] = []
+        responses: list = [None] * len(requests)
+        groups: dict[tuple, list[tuple[int, dict[str, np.ndarray]]]] = defaultdict(list)
+        for idx, request in enumerate(requests):
+            try:
+                feed = self._feed(request)
+            except Exception as e:  # reported to this request's client
+                responses[idx] = _error(e)
+                continue
+            key = tuple((k, v.shape[1:] if self.batching else v.shape, v.dtype.str) for k, v in sorted(feed.items()))
+            groups[key if self.batching else (idx,)].append((idx, feed))
+        for members in groups.values():
+            try:
+                if len(members) == 1:
+                    results = [self.session.run(self.output_names, members[0][1])]
+                else:  # one run for the whole group, split back per request
+                    sizes = [next(iter(f.values())).shape[0] for _, f in members]
+                    cat = {k: np.concatenate([f[k] for _, f in members]) for k in members[0][1]}
+                    outs = self.session.run(self.output_names, cat)
+                    cuts = np.cumsum(sizes)[:-1]
+                    split = [np.split(o, cuts) for o in outs]
+                    results = [[s[j] for s in split] for j in range(len(members))]
+                for (idx, _), arrays in zip(members, results, strict=True):
+                    tensors = []
+                    for (name, dtype, dims), a in zip(self.outputs, arrays, strict=True):
+                        a = self._client_shape(np.ascontiguousarray(a, dtype=dtype), dims)
+                        self._keep.append(a)
+                        tensors.append(pb_utils.Tensor.from_dlpack(name, a))
+                    responses[idx] = pb_utils.InferenceResponse(output_tensors=tensors)
+            except Exception as e:  # e.g. an image below the model's minimum size
+                for idx, _ in members:
+                    responses[idx] = _error(e)
+        return responses
+
+    def _client_shape(self, a: np.ndarray, dims: list[int] | None) -> np.ndarray:
+        """Apply an output ``reshape`` (graph [B] → config dims [1]) so clients see the config's dims."""
+        if dims is None or list(a.shape[1:] if self.batching else a.shape) == dims:
+            return a
+        return a.reshape((a.shape[0], *dims) if self.batching else tuple(dims))
+
+    def finalize(self) -> None:
+        self.session = None
+
+
+def _error(e: Exception):
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"{type(e).__name__}: {e}"))

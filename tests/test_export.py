@@ -1,0 +1,143 @@
+"""Export: static fused ONNX graphs, verified against PyTorch with ONNX Runtime on real inputs."""
+
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from export.inputs import Case
+from export.onnx_export import ExportError, export_model, export_module
+from export.trt_lint import lint
+from unroll.registry import REGISTRY
+
+LIGHT = ["sdnet-mnist", "csc-denoiser", "sdnet18-cifar", "csc-fista", "vars-d", "vars-sd", "nmf-ham", "dic-attn"]
+HEAVY = ["sdnet18all-cifar", "sdnet18-imagenet", "sdnet34-imagenet"]
+FORBIDDEN_OPS = {"Loop", "If", "Scan", "Compress", "NonZero", "DFT", "RandomNormal", "RandomUniform",
+                 "RandomNormalLike", "RandomUniformLike"}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    out = tmp_path_factory.mktemp("onnx")
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = export_model(name, out)
+        return cache[name]
+
+    return get
+
+
+def _check(result) -> None:
+    rep = result.report
+    model = onnx.load(result.onnx_path)
+    onnx.checker.check_model(model, full_check=True)
+    ops = {n.op_type for n in model.graph.node}
+    assert not ops & FORBIDDEN_OPS, ops & FORBIDDEN_OPS
+    assert rep["opset"] >= 17 and rep["trt_lint"]["ok"]
+    cases = rep["parity"]["cases"]
+    assert {c["batch"] for c in cases} >= {1} and max(c["batch"] for c in cases) > 1
+    for c in cases:
+        assert c["max_abs_err"] <= 1e-4 and c["rel_err"] <= 1e-5, c
+    # fused shrinkage: none of the stock exporters' chains anywhere in the graph
+    assert all(v == 0 for v in rep["shrinkage_chain_ops"].values()), rep["shrinkage_chain_ops"]
+    if REGISTRY[rep["model"]].name != "nmf-ham":  # NMF has no shrinkage to fuse
+        assert rep["node_count"] < rep["naive_export"]["node_count"]
+        naive_ops = rep["naive_export"]["op_histogram"]
+        assert naive_ops.get("Sign", 0) > 0 and naive_ops.get("Abs", 0) > 0  # the naive form really is naive
+
+
+@pytest.mark.parametrize("name", LIGHT)
+def test_export_is_static_fused_and_matches_pytorch(exported, name: str) -> None:
+    _check(exported(name))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", HEAVY)
+def test_export_large_architectures(exported, name: str) -> None:
+    _check(exported(name))
+
+
+def test_csc_fista_step_is_two_convs_and_fused_elementwise(exported) -> None:
+    hist = exported("csc-fista").report["op_histogram"]
+    # K=2: first step Conv+Relu (threshold in the conv bias); second step ConvTranspose, Sub, Conv, Add, Relu
+    assert hist == {"Add": 1, "Conv": 2, "ConvTranspose": 1, "Relu": 2, "Sub": 1}
+
+
+def test_denoiser_dynamic_size_and_sigma_input(exported) -> None:
+    res = exported("csc-denoiser")
+    names = [i["name"] for i in res.report["inputs"]]
+    assert names == ["noisy", "sigma"]
+    sess = ort.InferenceSession(str(res.onnx_path), providers=["CPUExecutionProvider"])
+    import unroll
+
+    model = unroll.load("csc-denoiser")
+    for shape, sig in (((1, 1, 333, 517), [25.0]), ((2, 1, 16, 31), [5.0, 50.0])):
+        x = torch.rand(*shape)
+        s = torch.tensor(sig) / 255
+        got = sess.run(None, {"noisy": x.numpy(), "sigma": s.numpy()})[0]
+        with torch.no_grad():
+            ref = model(x, s).numpy()
+        assert got.shape == shape and np.abs(got - ref).max() <= 1e-4
+
+
+def test_sdnet_lam_input_and_baked(tmp_path) -> None:
+    with_lam = export_model("sdnet-mnist", tmp_path / "a", lam_input=True)
+    baked = export_model("sdnet-mnist", tmp_path / "b", lam_input=False)
+    assert [i["name"] for i in with_lam.report["inputs"]] == ["image", "lam"]
+    assert [i["name"] for i in baked.report["inputs"]] == ["image"]
+    x = np.random.default_rng(0).random((3, 1, 28, 28), dtype=np.float32)
+    a = ort.InferenceSession(str(with_lam.onnx_path), providers=["CPUExecutionProvider"])
+    b = ort.InferenceSession(str(baked.onnx_path), providers=["CPUExecutionProvider"])
+    default_lam = np.full(3, 0.1, np.float32)
+    np.testing.assert_allclose(a.run(None, {"image": x, "lam": default_lam})[0], b.run(None, {"image": x})[0],
+                               atol=1e-5)
+    assert not np.allclose(a.run(None, {"image": x, "lam": np.full(3, 1.5, np.float32)})[0],
+                           b.run(None, {"image": x})[0], atol=1e-4)
+
+
+def test_iters_override_changes_unrolled_depth(tmp_path) -> None:
+    r2 = export_model("csc-fista", tmp_path, iters=2, naive=False).report
+    r5 = export_model("csc-fista", tmp_path, iters=5, naive=False).report
+    assert r5["op_histogram"]["ConvTranspose"] == 4 and r2["op_histogram"]["ConvTranspose"] == 1
+    with pytest.raises(ExportError, match="retraining"):
+        export_model("csc-denoiser", tmp_path, iters=7)
+
+
+class _DataDependent(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[x > 0.5].sum().reshape(1) + x.mean()  # boolean masking → NonZero / data-dependent shape
+
+
+def test_unsupported_construct_fails_loudly_and_writes_nothing(tmp_path) -> None:
+    out = tmp_path / "bad.onnx"
+    case = Case("random", {"x": torch.rand(2, 4)})
+    with pytest.raises(ExportError, match="NonZero|TensorRT|Compress"):
+        export_module(_DataDependent(), [case], ["x"], ["y"], {"x": {0: "batch"}}, out, naive=False)
+    assert not out.exists() and not out.with_suffix(".report.json").exists()
+    assert not list(tmp_path.iterdir())
+
+
+def test_trt_lint_names_the_node() -> None:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [None])
+    cond = helper.make_tensor_value_info("c", TensorProto.BOOL, [2])
+    graph = helper.make_graph([helper.make_node("Compress", ["x", "c"], ["y"], name="my_compress"),
+                               helper.make_node("DFT", ["x"], ["z"], name="my_dft")],
+                              "g", [x, cond], [y])
+    issues = lint(helper.make_model(graph))
+    assert {i.node for i in issues} == {"my_compress", "my_dft"}
+    assert "data-dependent" in str(issues[0])
+
+
+def test_cli_export_failure_is_one_clear_message(tmp_path) -> None:
+    r = subprocess.run([sys.executable, "-m", "unroll.cli", "export", "csc-denoiser", "--iters", "9",
+                        "--out", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode != 0 and "retraining" in r.stderr and "Traceback" not in r.stderr
+    assert not list(tmp_path.glob("*.onnx"))
