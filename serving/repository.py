@@ -14,16 +14,31 @@ Configs are built as ``model_config_pb2.ModelConfig`` protobufs and printed with
 so they are schema-valid by construction; :func:`validate_repository` re-parses every written
 config and checks each input and output (name, type, dims, reshape) against the ONNX graph.
 
-Dynamic batching. ``max_queue_delay_microseconds`` is how long Triton holds the first request of a
-batch, waiting for more, when an instance is idle. Measured on this 2-core CPU machine
-(``tests/test_triton.py``-style burst, 32 concurrent gRPC clients, sdnet-mnist, one instance with 2
-ORT threads; ONNX Runtime alone: 1.6 ms at batch 1, ~2.1 ms/sample at batch 8–64, so batching saves
-only the per-request Python-backend overhead): 0 µs → see ``QUEUE_DELAY_MEASUREMENT`` below. The
-chosen delay is below half of the batch-1 service time, so a lone request pays at most that much
-extra latency, while under load batches form from the requests that queue up behind a busy
-instance anyway. ``max_batch_size`` 32: beyond it per-sample cost is flat on CPU and a 32×
-denoiser batch of 512×512 images already needs ~1 GB of activations; on GPU raise it with
-``--max-batch-size`` (the TensorRT profile follows it).
+Batching defaults, measured on this 2-core CPU machine (shared with other jobs: ±40 % between repeats).
+ONNX Runtime alone (2 threads): sdnet-mnist 1.6 ms at batch 1 and 2.0–2.4 ms/sample at batch 8–64;
+csc-denoiser ~15 ms per 64×64 image and ~140 ms per 256×256 image at any batch size. So on CPU
+batching buys no arithmetic, only the per-execution Python-backend/IPC overhead (~0.6 ms,
+Triton's compute_input + compute_output statistics). Through the server (sdnet-mnist, one instance,
+gRPC clients in closed loop, 3 s per point; p50 of 100 sequential lone requests):
+
+    max_queue_delay_us   lone p50   4 clients: req/s, avg batch   8 clients: avg batch
+    0                    4.2 ms     369, 2.05                     3.5
+    250                  6.5 ms     311, 2.24                     3.9
+    500                  4.3 ms     263, 2.41                     4.4
+    1000                 7.0 ms     275, 2.57                     3.6
+    2000                 8.7 ms     199, 3.33                     4.0
+
+Under load, batches form anyway from requests queued behind a busy instance (avg batch 13–16 for
+32 clients at every delay); the delay only matters when the instance is idle, where it is pure
+added latency unless it catches a request that saves the ~0.6 ms overhead. Hence
+``DEFAULT_QUEUE_DELAY_US = 500``: no more than the overhead it can save, lone latency unchanged
+within noise, while ≥ 1 ms delays cost 3–4 ms p50 with no throughput gain. (On a GPU, where
+batching does save arithmetic, re-measure with ``perf_analyzer`` and pass ``--queue-delay-us``.)
+
+``max_batch_size``: 32 (per-sample cost is flat past batch 8 on CPU; a 32-request burst forms
+batches of ~15, so 32 leaves headroom; a full sdnet-mnist batch runs in ~70 ms). The CPU denoiser
+gets 4: its cost grows with H×W and not with batching, so a batch of 32 large images would only
+make every request in it wait for all the others (~0.6 s per 512×512 image, 4× the 256×256 time).
 """
 
 from __future__ import annotations
@@ -42,9 +57,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 Target = Literal["cpu", "gpu"]
 PRECISIONS = ("fp32", "fp16", "int8")
 DEFAULT_MAX_BATCH_SIZE = 32
+#: Per (target, task) exceptions to DEFAULT_MAX_BATCH_SIZE (see the module docstring).
+MAX_BATCH_SIZE_OVERRIDES = {("cpu", "denoising"): 4}
 DEFAULT_QUEUE_DELAY_US = 500
-#: How DEFAULT_QUEUE_DELAY_US was chosen (filled by the measurement described in the module docstring).
-QUEUE_DELAY_MEASUREMENT = ""
 VERSION = "1"
 LABELS_FILE = "labels.txt"
 BACKEND_MODEL = Path(__file__).with_name("triton_backend_model.py")
@@ -209,10 +224,16 @@ def _gpu_profile(src: Source, cfg: mc.ModelConfig) -> dict[str, str]:
             "trt_profile_max_shapes": ",".join(maxs)}
 
 
+def default_max_batch_size(target: Target, task: str | None) -> int:
+    return MAX_BATCH_SIZE_OVERRIDES.get((target, task or ""), DEFAULT_MAX_BATCH_SIZE)
+
+
 def build_config(src: Source, target: Target, precision: str = "fp32", threads: int = 2,
-                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
+                 max_batch_size: int | None = None, queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
                  instances: int = 1) -> tuple[mc.ModelConfig, list[str] | None]:
     """The ModelConfig for one model, and its labels (classifiers) or None."""
+    if max_batch_size is None:
+        max_batch_size = default_max_batch_size(target, src.report.get("task"))
     inputs, outputs = onnx_io(src.onnx)
     batching = all(t.dims and t.dims[0] == -1 for t in inputs + outputs)
     cfg = mc.ModelConfig(name=src.name, max_batch_size=max_batch_size if batching else 0)
@@ -242,7 +263,7 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
     cfg.instance_group.add(kind=kind, count=instances)
     params = {"unroll_source_onnx": src.onnx.name}
     if target == "cpu":
-        params |= {"onnx_file": "model.onnx", "intra_op_num_threads": str(threads),
+        params |= {"onnx_file": "model.onnx", "intra_op_num_threads": str(threads), "intra_op_spinning": "0",
                    "input_defaults": json.dumps(defaults)}
     elif src.plan is None:
         acc = cfg.optimization.execution_accelerators.gpu_execution_accelerator.add(name="tensorrt")
@@ -272,8 +293,9 @@ def _default_lam(src: Source) -> float:
 def _header(src: Source, target: Target, precision: str, cfg: mc.ModelConfig) -> str:
     lines = [f"Generated by `unroll repo --target {target} --precision {precision}` from {src.onnx.name}"
              + (f" and {src.plan.name}" if src.plan else "") + "; regenerate instead of editing.",
-             "dims exclude the batch dimension (-1 = dynamic); a [B] tensor is dims [1] + reshape [].",
-             "max_queue_delay_microseconds: measured, see serving/repository.py (DEFAULT_QUEUE_DELAY_US).",
+             "dims exclude the batch dimension (-1 = dynamic); a [B] graph tensor is dims [1] + reshape [] "
+             "(clients send it as [B, 1]).",
+             "max_queue_delay_microseconds and max_batch_size: measured, see serving/repository.py.",
              "model_warmup runs before the model reports ready."]
     if any(i.name == "lam" for i in cfg.input):
         lines.append("lam is optional (default = the trained λ) on the CPU target only: the GPU backends cannot "
@@ -281,8 +303,8 @@ def _header(src: Source, target: Target, precision: str, cfg: mc.ModelConfig) ->
                      "lam is required here (TensorRT/ONNX Runtime backends cannot default a missing input); "
                      "the gateway always sends it.")
     if target == "gpu" and src.plan is None:
-        lines.append("TensorRT profile (min/opt/max shapes) is in the accelerator parameters; requests outside it "
-                     "fail, so widen it and regenerate for larger inputs.")
+        lines.append("TensorRT profile (min/opt/max shapes) is in the accelerator parameters; the engine built "
+                     "at warm-up covers only that range, so widen it and regenerate for larger inputs.")
     if target == "gpu" and src.plan is not None:
         lines.append("max_batch_size and input sizes must lie inside the plan's optimization profile "
                      f"(see {src.plan.with_suffix('.json').name}).")
@@ -291,19 +313,20 @@ def _header(src: Source, target: Target, precision: str, cfg: mc.ModelConfig) ->
 
 def write_repository(target: Target, models: list[str], out: Path, precision: str = "fp32",
                      onnx_dir: Path = Path("build/onnx"), plan_dir: Path = Path("build/trt"), threads: int = 2,
-                     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
+                     max_batch_size: int | None = None, queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
                      instances: int = 1) -> list[Path]:
     """Write ``out/<model>/config.pbtxt`` + ``out/<model>/1/…`` (+ ``labels.txt``) for each model; validate.
 
     ``models`` are registry names; ``NAME-autolam`` serves ``NAME.autolam.onnx`` (the lam="auto"
-    rule). Each model directory is rebuilt from scratch (so switching targets leaves no stale
+    rule). ``max_batch_size=None`` takes :func:`default_max_batch_size` per model; an int applies
+    to every model. Each model directory is rebuilt from scratch (so switching targets leaves no stale
     ``model.py`` or plan), other directories in ``out`` are left alone. Returns the files written.
     """
     if target not in ("cpu", "gpu"):
         raise RepositoryError(f"target must be cpu or gpu, not {target!r}")
     if precision not in PRECISIONS:
         raise RepositoryError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
-    if max_batch_size < 1 or queue_delay_us < 0 or threads < 1 or instances < 1:
+    if (max_batch_size is not None and max_batch_size < 1) or queue_delay_us < 0 or threads < 1 or instances < 1:
         raise RepositoryError("max_batch_size, threads and instances must be ≥ 1 and queue_delay_us ≥ 0")
     if not models:
         raise RepositoryError("no models given")
@@ -365,15 +388,22 @@ def validate_model(model_dir: Path, reference_onnx: Path | None = None, name: st
         errors.append(f"config name {cfg.name!r} differs from the directory name {name!r}")
     if not cfg.backend and not cfg.platform:
         errors.append("neither backend nor platform is set")
-    versions = sorted(p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
+    versions = sorted((p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     if not versions:
         errors.append("no numeric version directory")
+    artifact = None
+    if versions:
+        onnx_file = cfg.parameters["onnx_file"].string_value if "onnx_file" in cfg.parameters else "model.onnx"
+        artifact = versions[-1] / ("model.plan" if cfg.platform == "tensorrt_plan" else
+                                   onnx_file if cfg.backend == "python" else cfg.default_model_filename or "model.onnx")
+        needed = [artifact] + ([versions[-1] / "model.py"] if cfg.backend == "python" else [])
+        errors += [f"{p.relative_to(model_dir)} is missing (model files are not committed: run `unroll repo`)"
+                   for p in needed if not p.exists()]
     if reference_onnx is None:
-        reference_onnx = versions[-1] / "model.onnx" if versions else None
-        if reference_onnx is None or not reference_onnx.exists():
-            raise RepositoryError(f"{name}: no ONNX graph to validate against (give reference_onnx)")
-    if cfg.backend == "python" and versions and not (versions[-1] / "model.py").exists():
-        errors.append(f"python backend without {versions[-1].name}/model.py")
+        if artifact is None or artifact.suffix != ".onnx" or not artifact.exists():
+            raise RepositoryError(f"{name} ({path}): no ONNX graph to validate against:\n  " + "\n  ".join(
+                errors or ["a plan-only model needs reference_onnx"]))
+        reference_onnx = artifact
     inputs, outputs = onnx_io(Path(reference_onnx))
     batching = cfg.max_batch_size > 0
     graph_batching = all(t.dims and t.dims[0] == -1 for t in inputs + outputs)
@@ -453,17 +483,19 @@ def validate_repository(repo: Path, onnx_dir: Path | None = None) -> dict[str, m
         raise RepositoryError(f"model repository {repo} does not exist")
     found: dict[str, mc.ModelConfig] = {}
     for model_dir in sorted(p for p in repo.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        cfg = mc.ModelConfig()
+        try:
+            text_format.Parse((model_dir / "config.pbtxt").read_text(), cfg)
+        except OSError as e:
+            raise RepositoryError(f"{model_dir.name}: no readable config.pbtxt ({e.strerror})") from e
+        except text_format.ParseError as e:
+            raise RepositoryError(f"{model_dir.name}: config.pbtxt is not a valid Triton model config: {e}") from e
         ref = None
-        local = [p / "model.onnx" for p in model_dir.iterdir() if p.is_dir() and (p / "model.onnx").exists()]
-        if not local:
-            cfg = mc.ModelConfig()
-            try:
-                text_format.Parse((model_dir / "config.pbtxt").read_text(), cfg)
-            except (OSError, text_format.ParseError) as e:
-                raise RepositoryError(f"{model_dir.name}: unreadable config.pbtxt: {e}") from e
+        if cfg.platform == "tensorrt_plan":  # a plan cannot be read without TensorRT: check its source graph
             src = cfg.parameters.get("unroll_source_onnx")
             if onnx_dir is None or src is None:
-                raise RepositoryError(f"{model_dir.name}: serves no model.onnx; pass onnx_dir to validate it")
+                raise RepositoryError(f"{model_dir.name}: a TensorRT plan; pass onnx_dir to validate it against "
+                                      "the ONNX it was built from")
             ref = Path(onnx_dir) / src.string_value
         found[model_dir.name] = validate_model(model_dir, reference_onnx=ref)
     if not found:

@@ -16,13 +16,16 @@ SIGKILL after a grace period, so no orphan stub processes survive.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -30,12 +33,18 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 LOG_TAIL_LINES = 40
-STOP_GRACE_S = 15.0
+#: Triton's own drain time on SIGTERM (``--exit-timeout-secs``): in-flight requests and open client
+#: connections (keep-alive clients like the gateway hold one) get this long before it exits anyway.
+EXIT_TIMEOUT_S = 5
+#: Our wait after SIGTERM before SIGKILL: Triton's drain time plus model unloading.
+STOP_GRACE_S = EXIT_TIMEOUT_S + 15.0
 
 
 class TritonStartError(RuntimeError):
@@ -90,9 +99,9 @@ def _install_stub(backends: Path, stub: Path) -> Path:
         key = hashlib.sha1(str(backends).encode()).hexdigest()[:12]
         cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "unroll" / f"triton-backends-{key}"
         if not (cache / "python" / "libtriton_python.so").exists():
-            tmp = Path(tempfile.mkdtemp(dir=cache.parent if cache.parent.exists() else None))
-            shutil.copytree(backends, tmp / "b", dirs_exist_ok=True)
             cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=cache.parent))  # same filesystem: the rename below is atomic
+            shutil.copytree(backends, tmp / "b")
             with contextlib.suppress(OSError):  # a concurrent start may have won the race: theirs is identical
                 os.replace(tmp / "b", cache)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -149,6 +158,7 @@ class TritonHandle:
         self.host = host
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.log_path = log_path
+        _LIVE.add(self)
 
     @property
     def pid(self) -> int:
@@ -178,7 +188,10 @@ class TritonHandle:
         return self._proc.wait()
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
-        """SIGTERM the server's process group, SIGKILL it after ``grace_s``; idempotent."""
+        """SIGTERM the server's process group, SIGKILL it after ``grace_s``; idempotent.
+
+        Returns tritonserver's exit code (0 after a clean shutdown, -9 when it had to be killed).
+        """
         if self._proc.returncode is None:
             _signal_group(self._proc.pid, signal.SIGTERM)
             try:
@@ -199,6 +212,16 @@ class TritonHandle:
     def __repr__(self) -> str:
         state = "running" if self.is_alive() else f"exited {self._proc.returncode}"
         return f"TritonHandle(pid={self.pid}, http={self.url}, grpc={self.grpc_url}, {state})"
+
+
+_LIVE: weakref.WeakSet[TritonHandle] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_forgotten_servers() -> None:
+    """A script that exits (or dies on an exception) without ``stop()`` must not leave Triton running."""
+    for handle in list(_LIVE):
+        handle.stop(grace_s=5)
 
 
 def _client_host(host: str) -> str:
@@ -231,12 +254,42 @@ def _failure_summary(log: str) -> str:
     return "\n".join(dict.fromkeys(_LOG_PREFIX.sub("", ln) for ln in (loads or errors)))
 
 
-def _ready(host: str, port: int) -> bool:
+def _ready(host: str, port: int, server_id: str) -> bool:
+    """Ready, and really ours: the server's metadata carries the ``--id`` we launched it with."""
     try:
         with urllib.request.urlopen(f"http://{host}:{port}/v2/health/ready", timeout=1.0) as r:
-            return r.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            if r.status != 200:
+                return False
+        with urllib.request.urlopen(f"http://{host}:{port}/v2", timeout=1.0) as r:
+            return json.loads(r.read()).get("name") == server_id
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
         return False
+
+
+def _model_states(host: str, port: int) -> str:
+    """``name STATE (reason)`` for every model not READY yet, from the repository index API."""
+    try:
+        req = urllib.request.Request(f"http://{host}:{port}/v2/repository/index", data=b"{}", method="POST")
+        with urllib.request.urlopen(req, timeout=2.0) as r:
+            index = json.loads(r.read())
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
+        return ""
+    return ", ".join(f"{m['name']} {m.get('state', '?')}" + (f" ({m['reason']})" if m.get("reason") else "")
+                     for m in index if m.get("state") != "READY")
+
+
+def _check_ports_free(host: str, ports: dict[str, int]) -> None:
+    """Fail early and clearly, rather than let Triton half-start next to another server."""
+    if len(set(ports.values())) != len(ports):
+        raise TritonStartError(f"HTTP, gRPC and metrics ports must differ, got {ports}")
+    for what, port in ports.items():
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is no conflict
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                raise TritonStartError(f"{what} port {port} on {host} is not available ({e.strerror}); "
+                                       "stop what uses it or pick another port") from None
 
 
 def start(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
@@ -247,28 +300,35 @@ def start(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port
     ``model_control`` is Triton's ``--model-control-mode`` (``none``: load everything at start,
     no load/unload API). Configs must be complete (``--disable-auto-complete-config``), so what is
     served is exactly what the repository says. ``log_file`` defaults to a new temporary file (kept
-    after the server stops, for post-mortems). Raises :class:`TritonStartError` with Triton's reason on failure.
+    after the server stops, for post-mortems). Ports are checked first, and readiness is only
+    accepted from the server we launched (``--id``), never from another one on the same port.
+    Raises :class:`TritonStartError` with Triton's reason on failure.
     """
     repo = Path(repo).resolve()
     if not repo.is_dir():
         raise TritonStartError(f"model repository {repo} does not exist (write it with `unroll repo`)")
     if model_control not in ("none", "poll", "explicit"):
         raise TritonStartError(f"model_control must be none, poll or explicit, not {model_control!r}")
+    _check_ports_free(host, {"HTTP": http_port, "gRPC": grpc_port, "metrics": metrics_port})
     layout = server_layout()
+    server_id = f"unroll-{uuid.uuid4().hex[:12]}"
     if log_file is None:
         fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
         os.close(fd)
         log_file = Path(name)
     log_file = Path(log_file).resolve()
     log_file.parent.mkdir(parents=True, exist_ok=True)
+    log_offset = log_file.stat().st_size if log_file.exists() else 0  # appended: earlier runs are not this one
     cmd = [
         str(layout.binary),
+        f"--id={server_id}",
         f"--model-repository={repo}",
         f"--backend-directory={layout.backends}",
         f"--model-control-mode={model_control}",
         "--disable-auto-complete-config",
         "--strict-readiness=true",
         "--exit-on-error=true",
+        f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
         "--allow-http=true", f"--http-address={host}", f"--http-port={http_port}",
         "--allow-grpc=true", f"--grpc-address={host}", f"--grpc-port={grpc_port}",
         "--allow-metrics=true", "--allow-gpu-metrics=false", f"--metrics-address={host}",
@@ -289,19 +349,24 @@ def start(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port
     try:
         while True:
             if proc.poll() is not None:
-                raise _start_failure(f"tritonserver exited with code {proc.returncode}", log_file)
-            if _ready(client_host, http_port):
+                raise _start_failure(f"tritonserver exited with code {proc.returncode}", log_file, log_offset)
+            if _ready(client_host, http_port, server_id):
                 return handle
             if time.monotonic() > deadline:
-                raise _start_failure(f"tritonserver was not ready after {timeout_s:.0f} s", log_file)
+                states = _model_states(client_host, http_port)
+                raise _start_failure(f"tritonserver was not ready after {timeout_s:g} s ("
+                                     + (f"models: {states}" if states else "still loading or warming up models; "
+                                        "raise timeout_s if they are just slow") + ")", log_file, log_offset)
             time.sleep(0.2)
     except BaseException:
         handle.stop(grace_s=5)
         raise
 
 
-def _start_failure(what: str, log_file: Path) -> TritonStartError:
-    log = log_file.read_text(errors="replace") if log_file.exists() else ""
+def _start_failure(what: str, log_file: Path, offset: int) -> TritonStartError:
+    with open(log_file, "rb") as f:
+        f.seek(offset)
+        log = f.read().decode(errors="replace")
     why = _failure_summary(log) or "(no error logged)"
     tail = "\n".join(log.splitlines()[-LOG_TAIL_LINES:])
     return TritonStartError(f"{what}: {why}\n--- last {LOG_TAIL_LINES} lines of {log_file} ---\n{tail}",

@@ -6,6 +6,8 @@ a ``--target cpu`` repository; everything model-specific comes from ``config.pbt
 * ``parameters { key: "onnx_file" }`` — the graph beside this file (``model.onnx``);
 * ``parameters { key: "intra_op_num_threads" }`` — ONNX Runtime threads per instance (one session
   per instance, created here in ``initialize`` and reused for every request);
+* ``parameters { key: "intra_op_spinning" }`` — ``"0"`` (default): idle ORT threads sleep, since
+  several models share the cores; ``"1"`` trades CPU for latency on a dedicated machine;
 * ``parameters { key: "input_defaults" }`` — JSON ``{name: value}`` for ``optional: true`` inputs
   (``lam`` for SDNet), filled per request when the client leaves them out.
 
@@ -43,6 +45,8 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("config.pbtxt needs parameters { key: \"intra_op_num_threads\" }")
         so.intra_op_num_threads = int(params["intra_op_num_threads"])
         so.inter_op_num_threads = 1
+        # Several models (and the gateway) share the CPU cores: idle ORT threads must sleep, not spin.
+        so.add_session_config_entry("session.intra_op.allow_spinning", params.get("intra_op_spinning", "0"))
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         self.session = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])

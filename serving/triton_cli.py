@@ -33,7 +33,7 @@ DEFAULT_LOG = Path("build/logs/tritonserver.log")
 
 
 def _fail(message: str) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     return typer.Exit(1)
 
 
@@ -100,9 +100,9 @@ def repo(
     plan_dir: Annotated[Path, typer.Option(help="Where `unroll build` wrote TensorRT plans (gpu)")] = Path("build/trt"),
     threads: Annotated[int, typer.Option(help="cpu: ONNX Runtime intra-op threads per model instance")] = 2,
     instances: Annotated[int, typer.Option(help="Model instances (parallel executions) per model")] = 1,
-    max_batch_size: Annotated[int, typer.Option(
-        help="Largest batch Triton's dynamic batcher forms (and the TensorRT profile's max batch)")]
-        = DEFAULT_MAX_BATCH_SIZE,
+    max_batch_size: Annotated[int | None, typer.Option(
+        help=f"Largest batch Triton's dynamic batcher forms (and the TensorRT profile's max batch); default "
+             f"{DEFAULT_MAX_BATCH_SIZE}, csc-denoiser on cpu 4 (measured; see serving/repository.py)")] = None,
     queue_delay_us: Annotated[int, typer.Option(
         help="Dynamic batching max_queue_delay_microseconds (the default was measured; see "
              "serving/repository.py)")] = DEFAULT_QUEUE_DELAY_US,
@@ -178,8 +178,13 @@ def triton(
     Waits until every model is loaded and warm (/v2/health/ready), prints the endpoints, and stops
     the server cleanly on SIGINT/SIGTERM.
     """
+    from serving.repository import validate_repository
     from serving.triton import TritonStartError, start
 
+    try:  # a clear message for a half-built repository (fresh clone: configs only) before Triton says it
+        validate_repository(repo, onnx_dir=Path("build/onnx"))
+    except RepositoryError as e:
+        raise _fail(str(e).replace("\n", " ")) from None
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -201,7 +206,11 @@ def triton(
                 if not handle.is_alive():
                     raise _fail(f"tritonserver exited unexpectedly (code {handle.wait()}); see {handle.log_path}")
             console.print("stopping Triton…")
-        console.print("[green]✓[/] Triton stopped")
+            code = handle.stop()
+        if code == 0:
+            console.print("[green]✓[/] Triton stopped")
+        else:
+            err.print(f"[yellow]Triton did not shut down cleanly (exit code {code}); see {handle.log_path}[/]")
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

@@ -219,6 +219,87 @@ def export_cmd(
         raise fail(f"{len(failed)} of {len(names)} exports failed: {', '.join(failed)}")
 
 
+@app.command()
+def quantize(
+    name: Annotated[str, typer.Argument(help="sdnet-mnist or csc-denoiser (the models with accuracy gates)")],
+    precision: Annotated[str, typer.Option(help="fp16 or int8")] = "int8",
+    calib: Annotated[int, typer.Option(help="INT8: calibration samples from the training split")] = 256,
+    out: Annotated[Path, typer.Option(help="Folder holding NAME.onnx; NAME.<precision>.onnx is written there")]
+    = Path("build/onnx"),
+    min_agreement: Annotated[float | None, typer.Option(help="Loosen/tighten the top-1 agreement gate (0–1)")] = None,
+    max_accuracy_loss: Annotated[float | None, typer.Option(help="Accuracy-loss gate, as a fraction")] = None,
+    max_psnr_loss: Annotated[float | None, typer.Option(help="PSNR-loss gate in dB")] = None,
+) -> None:
+    """FP16 or INT8 (explicit Q/DQ) ONNX behind an accuracy gate evaluated with ONNX Runtime.
+
+    Gates (defaults): FP16 — top-1 agreement ≥ 99.9 %, PSNR loss ≤ 0.02 dB; INT8 — agreement ≥ 99.5 %,
+    accuracy loss ≤ 0.3 points, PSNR loss ≤ 0.15 dB (σ = 15/25/50, held-out images). A model that
+    fails is not written; the command exits non-zero naming the metric and the shortfall.
+    """
+    from export.onnx_export import export_model
+    from export.quantize import GateFailed
+    from export.quantize import quantize as run_quantize
+
+    if precision not in ("fp16", "int8"):
+        raise fail(f"--precision must be fp16 or int8, not {precision!r}")
+    _spec(name)
+    gates = {k: v for k, v in {"agreement": min_agreement, "accuracy_loss": max_accuracy_loss,
+                                "psnr_loss_db": max_psnr_loss}.items() if v is not None}
+    if not (out / f"{name}.onnx").exists():
+        with console.status(f"exporting {name} first"):
+            export_model(name, out)
+    try:
+        with console.status(f"quantizing {name} to {precision}") as status:
+            r = run_quantize(name, precision, out, calib=calib, gates=gates or None,
+                             progress=lambda m: status.update(m))
+    except (GateFailed, ValueError, FileNotFoundError) as e:
+        raise fail(str(e)) from None
+    m = r["metrics"]
+    if "top1_agreement" in m:
+        summary = (f"top-1 agreement {m['top1_agreement']:.2%}, accuracy {m['accuracy']:.2%} "
+                   f"(FP32 {m['accuracy_fp32']:.2%})")
+    else:
+        summary = ", ".join(f"σ={s}: −{v['psnr_loss_db']:.3f} dB" for s, v in m["per_sigma"].items())
+    console.print(f"[green]✓[/] {name} {precision}: gate passed ({summary}); {r['chosen']} → "
+                  f"{out / f'{name}.{precision}.onnx'}")
+
+
+bench_app = typer.Typer(help="Measure speed and quality; results go to benchmarks/results/ (JSON, Markdown, PNG).",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("export")
+def bench_export(
+    threads: Annotated[int, typer.Option(help="Threads for every engine")] = 2,
+    no_compile: Annotated[bool, typer.Option("--no-compile", help="Skip torch.compile (slow to compile)")] = False,
+    budget: Annotated[float, typer.Option(help="Seconds of timed repeats per engine and row")] = 3.0,
+    out: Annotated[Path, typer.Option(help="Results folder")] = Path("benchmarks/results"),
+) -> None:
+    """PyTorch eager vs torch.compile vs ONNX Runtime (naive and fused export), same inputs and threads."""
+    from benchmarks import export_speed
+
+    with console.status("benchmarking") as status:
+        payload = export_speed.run(threads, with_compile=not no_compile, budget_s=budget,
+                                   progress=lambda msg: status.update(msg), out_dir=out)
+    console.print(export_speed.markdown(payload))
+
+
+def _register_subsystem_commands() -> None:
+    """Commands whose code lives with its subsystem (serving, TensorRT)."""
+    from export.trt_cli import build
+    from serving.serve import serve_command
+    from serving.triton_cli import repo, triton
+
+    app.command("build")(build)
+    app.command("repo")(repo)
+    app.command("triton")(triton)
+    app.command("serve")(serve_command)
+
+
+_register_subsystem_commands()
+
+
 def main() -> None:
     app()
 

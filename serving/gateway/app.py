@@ -229,9 +229,10 @@ def _classes(entries: np.ndarray, top_k: int) -> list[Prediction]:
     for e in entries.reshape(-1):
         text = e.decode() if isinstance(e, bytes) else str(e)
         parts = text.split(":", 2)
-        if len(parts) < 2:
-            raise TritonRejected(f"unexpected classification entry from Triton: {text!r}")
-        parsed.append((float(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else parts[1]))
+        try:
+            parsed.append((float(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else parts[1]))
+        except (ValueError, IndexError):
+            raise TritonRejected(f"unexpected classification entry from Triton: {text!r}") from None
     logits = np.array([p[0] for p in parsed], dtype=np.float64)
     probs = np.exp(logits - logits.max())
     probs /= probs.sum()
@@ -384,6 +385,13 @@ async def models(request: Request) -> dict[str, Any]:
             "models": out}
 
 
+def _warm_sigma_estimator() -> None:
+    try:
+        images.estimate_sigma(images.Planes(np.zeros((1, 16, 16), np.float32), None, "L"))
+    except ImportError as e:
+        raise RuntimeError(f"sigma estimation needs scikit-image with PyWavelets ({e}); pip install PyWavelets") from e
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The gateway app; ``settings`` default to :meth:`Settings.from_env` (``UNROLL_*`` variables)."""
     settings = settings or Settings.from_env()
@@ -399,6 +407,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                               settings.busy_retry_after_s, metrics))
         log.info("gateway: Triton %s at %s; models %s", settings.triton_protocol, settings.triton_url,
                  ", ".join(settings.models))
+        if settings.denoise_models:  # pay scikit-image/PyWavelets imports at start-up, and fail here if missing
+            await run_in_threadpool(_warm_sigma_estimator)
         try:
             yield
         finally:

@@ -33,7 +33,7 @@ class Settings:
     autolam_models: Mapping[str, str] = field(default_factory=lambda: {"sdnet-mnist": "sdnet-mnist-autolam"})
     #: When set, every ``/v1/*`` call needs ``X-API-Key: KEY`` or ``Authorization: Bearer KEY``.
     api_key: str | None = None
-    #: Per Triton call; past it the client gets 504 (Triton is slow, not down).
+    #: Deadline of each Triton call (past it: 504, Triton is slow, not down) and of reading one upload (408).
     request_timeout_s: float = 60.0
     #: Readiness probes are short so ``/readyz`` answers quickly when Triton hangs.
     ready_timeout_s: float = 2.0

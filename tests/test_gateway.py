@@ -1,0 +1,541 @@
+"""End-to-end tests of the REST gateway: a real tritonserver, real uvicorn gateway processes, an httpx client.
+
+Two gateways share one Triton: ``gw`` (HTTP to Triton, small body/pixel limits) and ``gw_key`` (gRPC to
+Triton, an API key, one request at a time with no queue and a 1 s Triton deadline). The ONNX models
+are exported afresh into a temporary folder, so the test never serves a stale ``build/onnx``. The
+Triton restart test runs last: it stops and restarts the shared server on the same ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import math
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from serving.gateway.settings import ENV_PREFIX, Settings
+
+pytestmark = pytest.mark.triton
+
+MAX_BODY = 2 * 1024 * 1024
+MAX_PIXELS = 1_200_000  # 1200×1100 does not fit
+API_KEY = "s3cret-key"
+MODELS = ["sdnet-mnist", "sdnet-mnist-autolam", "csc-denoiser"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def png(arr: np.ndarray, mode: str | None = None) -> bytes:
+    buf = io.BytesIO()
+    img = Image.fromarray(arr) if mode is None else Image.fromarray(arr).convert(mode)
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def to8(x: np.ndarray) -> np.ndarray:
+    return np.rint(np.clip(x, 0, 1) * 255).astype(np.uint8)
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    return float(10 * np.log10(1.0 / np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)))
+
+
+class Triton:
+    """The shared tritonserver on fixed (free) ports, restartable in place."""
+
+    def __init__(self, repo: Path, log_dir: Path) -> None:
+        self.repo, self.log_dir = repo, log_dir
+        self.ports = (free_port(), free_port(), free_port())
+        self.handle = None
+        self.start()
+
+    def start(self) -> None:
+        from serving.triton import start
+
+        # Triton waits up to --exit-timeout-secs (default 30) for clients' idle keep-alive connections on SIGTERM
+        self.handle = start(self.repo, *self.ports, log_file=self.log_dir / "triton.log", timeout_s=120,
+                            extra_args=["--exit-timeout-secs=2"])
+
+    def stop(self) -> None:
+        if self.handle is not None:
+            self.handle.stop()
+            self.handle = None
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.ports[0]}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.ports[1]}"
+
+
+class Gateway:
+    """``python -m serving.gateway`` in a subprocess (a real uvicorn server), configured via UNROLL_* variables."""
+
+    def __init__(self, settings: Settings, log: Path) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+        env.update(settings.env())
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "serving.gateway", "--port", str(self.port),
+                                          "--log-level", "warning"], env=env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{log.read_text()}")
+            try:
+                if httpx.get(self.base + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"gateway not up after 60 s:\n{log.read_text()}")
+            time.sleep(0.1)
+        self.client = httpx.Client(base_url=self.base, timeout=60)
+
+    def stop(self) -> None:
+        if hasattr(self, "client"):
+            self.client.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def onnx_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from export.onnx_export import export_auto_lam, export_model
+
+    out = tmp_path_factory.mktemp("onnx")
+    export_model("sdnet-mnist", out, naive=False)
+    export_auto_lam("sdnet-mnist", out)
+    export_model("csc-denoiser", out, naive=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def triton(onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Triton]:
+    from serving.repository import write_repository
+
+    repo = tmp_path_factory.mktemp("repo")
+    write_repository("cpu", MODELS, repo, onnx_dir=onnx_dir)
+    server = Triton(repo, tmp_path_factory.mktemp("triton-log"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def gw(triton: Triton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    g = Gateway(Settings(triton_url=triton.url, max_body_bytes=MAX_BODY, max_pixels=MAX_PIXELS,
+                         request_timeout_s=20, retry_after_s=3),
+                tmp_path_factory.mktemp("gw") / "gateway.log")
+    try:
+        yield g
+    finally:
+        g.stop()
+
+
+@pytest.fixture(scope="module")
+def gw_key(triton: Triton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    g = Gateway(Settings(triton_url=triton.grpc_url, triton_protocol="grpc", api_key=API_KEY, max_concurrency=1,
+                         max_queue=0, request_timeout_s=1.0),
+                tmp_path_factory.mktemp("gw-key") / "gateway.log")
+    try:
+        yield g
+    finally:
+        g.stop()
+
+
+@pytest.fixture(scope="module")
+def digits() -> tuple[np.ndarray, np.ndarray]:
+    from unroll.data import mnist_split
+
+    _, _, x, y = mnist_split()
+    return x[:50, 0], y[:50]
+
+
+@pytest.fixture(scope="module")
+def digit_png(digits: tuple[np.ndarray, np.ndarray]) -> bytes:
+    return png(to8(digits[0][0]))
+
+
+@pytest.fixture(scope="module")
+def camera() -> tuple[np.ndarray, np.ndarray]:
+    """Clean camera in [0, 1] and its σ = 25 noisy version quantised to 8 bits."""
+    from unroll.data import add_noise, bundled_image, noise_seed
+
+    clean = bundled_image("camera")
+    return clean, to8(add_noise(clean, 25.0, noise_seed("camera", 25.0)))
+
+
+def classify_ok(g: Gateway, digit_png: bytes, **headers: str) -> None:
+    r = g.client.post("/v1/classify?top_k=1", content=digit_png, headers={"Content-Type": "image/png", **headers})
+    assert r.status_code == 200, r.text
+    assert r.json()["predictions"][0]["label"] in "0123456789"
+
+
+def assert_error(r: httpx.Response, status: int, code: str) -> None:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) >= {"error"} and set(body["error"]) == {"code", "message"}, body
+    assert body["error"]["code"] == code, body
+    assert body["error"]["message"]
+
+
+# --- health, docs, models ------------------------------------------------------------------------------------
+
+
+def test_health_ready_models_docs(gw: Gateway) -> None:
+    assert gw.client.get("/healthz").json() == {"status": "ok"}
+    r = gw.client.get("/readyz")
+    assert r.status_code == 200 and r.json()["models"] == dict.fromkeys(MODELS, True)
+    models = {m["name"]: m for m in gw.client.get("/v1/models").json()["models"]}
+    assert set(models) == {"sdnet-mnist", "csc-denoiser"} and all(m["ready"] for m in models.values())
+    assert models["sdnet-mnist"]["lam_auto"] and models["sdnet-mnist"]["input_defaults"] == {"lam": pytest.approx(0.1)}
+    assert gw.client.get("/docs").status_code == 200
+    spec = gw.client.get("/openapi.json").json()
+    post = spec["paths"]["/v1/classify"]["post"]
+    assert "multipart/form-data" in post["requestBody"]["content"] and "image/png" in post["requestBody"]["content"]
+    assert post["responses"]["413"]["content"]["application/json"]["example"]["error"]["code"] == "image_too_large"
+    assert not any("repository" in p or "load" in p for p in spec["paths"])  # no model control exposed
+
+
+# --- classification ------------------------------------------------------------------------------------------
+
+
+def test_mnist_digits_accuracy(gw: Gateway, digits: tuple[np.ndarray, np.ndarray], tmp_path: Path) -> None:
+    from unroll.registry import get_spec
+
+    if not get_spec("sdnet-mnist").has_weights:
+        pytest.skip("sdnet-mnist has no committed weights (unroll/weights/sdnet-mnist.pt): accuracy is meaningless")
+    x, y = digits
+    correct = 0
+    for i, (img, label) in enumerate(zip(x, y, strict=True)):
+        path = tmp_path / f"digit{i}.png"
+        Image.fromarray(to8(img)).save(path)
+        if i % 2:  # both upload forms
+            r = gw.client.post("/v1/classify?model=sdnet-mnist&top_k=3", files={"image": (path.name, path.read_bytes(),
+                                                                                        "image/png")})
+        else:
+            r = gw.client.post("/v1/classify?top_k=3", content=path.read_bytes(), headers={"Content-Type": "image/png"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["model"] == "sdnet-mnist" and len(body["predictions"]) == 3 and body["latency_ms"] > 0
+        scores = [p["score"] for p in body["predictions"]]
+        assert scores == sorted(scores, reverse=True) and 0 < sum(scores) <= 1.0 + 1e-6
+        correct += body["predictions"][0]["label"] == str(label)
+    assert correct / len(y) >= 0.98, f"{correct}/{len(y)} correct"
+
+
+def test_classify_probabilities_lam_and_conversions(gw: Gateway, digit_png: bytes,
+                                                    digits: tuple[np.ndarray, np.ndarray]) -> None:
+    full = gw.client.post("/v1/classify?top_k=10", content=digit_png, headers={"Content-Type": "image/png"}).json()
+    assert sum(p["score"] for p in full["predictions"]) == pytest.approx(1.0, abs=1e-4)
+    assert sorted(p["index"] for p in full["predictions"]) == list(range(10))
+    assert full["lam"] == pytest.approx(0.1)  # the trained λ, reported when lam is omitted
+
+    auto = gw.client.post("/v1/classify?lam=auto&top_k=2", content=digit_png, headers={"Content-Type": "image/png"})
+    assert auto.status_code == 200, auto.text
+    lam = auto.json()["lam"]
+    assert math.isfinite(lam) and lam >= 0
+    fixed = gw.client.post("/v1/classify?lam=0.3", content=digit_png, headers={"Content-Type": "image/png"})
+    assert fixed.status_code == 200 and fixed.json()["lam"] == pytest.approx(0.3)
+
+    # colour, non-square, JPEG, with alpha: converted by the documented rules and classified like the original
+    x = to8(digits[0][0])
+    rgb = np.stack([x] * 3, -1)
+    wide = np.zeros((28, 56, 3), np.uint8)
+    wide[:, 14:42] = rgb
+    buf = io.BytesIO()
+    Image.fromarray(wide).save(buf, "JPEG", quality=95)
+    rgba = np.dstack([rgb, np.full((28, 28), 255, np.uint8)])
+    want = full["predictions"][0]["label"]
+    upscaled = np.kron(x, np.ones((4, 4), np.uint8))  # 112×112: resized back to 28×28
+    for data, ctype in ((buf.getvalue(), "image/jpeg"), (png(rgba), "image/png"), (png(upscaled), "image/png")):
+        r = gw.client.post("/v1/classify?top_k=1", content=data, headers={"Content-Type": ctype})
+        assert r.status_code == 200, r.text
+        assert r.json()["predictions"][0]["label"] == want
+
+
+# --- denoising -----------------------------------------------------------------------------------------------
+
+
+def test_denoise_matches_onnx_in_process(gw: Gateway, camera: tuple[np.ndarray, np.ndarray], onnx_dir: Path) -> None:
+    import onnxruntime as ort
+
+    clean, noisy8 = camera
+    r = gw.client.post("/v1/denoise?model=csc-denoiser&sigma=25", content=png(noisy8),
+                       headers={"Content-Type": "image/png"})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "image/png"
+    assert float(r.headers["X-Sigma-Used"]) == pytest.approx(25.0) and r.headers["X-Sigma-Estimated"] == "false"
+    assert float(r.headers["X-Latency-Ms"]) > 0
+    out = Image.open(io.BytesIO(r.content))
+    assert out.mode == "L" and out.size == (clean.shape[1], clean.shape[0])
+    served = np.asarray(out, np.float32) / 255.0
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    sess = ort.InferenceSession(str(onnx_dir / "csc-denoiser.onnx"), so, providers=["CPUExecutionProvider"])
+    (ref,) = sess.run(None, {"noisy": (noisy8.astype(np.float32) / 255.0)[None, None],
+                             "sigma": np.array([25.0 / 255.0], np.float32)})
+    ref = np.clip(ref[0, 0], 0, 1)
+    p_served, p_ref, p_noisy = psnr(served, clean), psnr(ref, clean), psnr(noisy8 / 255.0, clean)
+    assert abs(p_served - p_ref) < 0.05, (p_served, p_ref)
+    assert p_served > p_noisy + 5, (p_served, p_noisy)
+
+
+def test_denoise_estimated_sigma(gw: Gateway, camera: tuple[np.ndarray, np.ndarray]) -> None:
+    clean, noisy8 = camera
+    r = gw.client.post("/v1/denoise", files={"image": ("noisy.png", png(noisy8), "image/png")})
+    assert r.status_code == 200, r.text
+    assert r.headers["X-Sigma-Estimated"] == "true"
+    assert 20 < float(r.headers["X-Sigma-Used"]) < 30, r.headers["X-Sigma-Used"]
+    served = np.asarray(Image.open(io.BytesIO(r.content)), np.float32) / 255.0
+    assert psnr(served, clean) > psnr(noisy8 / 255.0, clean) + 5
+
+
+def test_denoise_colour_odd_sizes_and_modes(gw: Gateway) -> None:
+    from skimage.data import coffee
+
+    from unroll.data import add_noise
+
+    clean = coffee()[30:363, 40:557].astype(np.float32) / 255.0  # 333×517 RGB: colour and odd-sized
+    noisy = to8(add_noise(clean, 25.0, seed=1))
+    r = gw.client.post("/v1/denoise?sigma=25", content=png(noisy), headers={"Content-Type": "image/png"})
+    assert r.status_code == 200, r.text
+    out = Image.open(io.BytesIO(r.content))
+    assert out.mode == "RGB" and out.size == (517, 333)
+    assert psnr(np.asarray(out) / 255.0, clean) > psnr(noisy / 255.0, clean) + 3
+
+    rng = np.random.default_rng(0)
+    small = to8(rng.random((61, 97)))
+    alpha = (np.arange(61 * 97).reshape(61, 97) % 256).astype(np.uint8)
+    cases = [
+        (png(small), "image/png", "L", None),
+        (png(np.dstack([noisy[:61, :97], alpha])), "image/png", "RGBA", alpha),
+        (png(np.dstack([small, alpha])), "image/png", "LA", alpha),
+        (png(small.astype(np.uint16) * 257), "image/png", "I;16", None),
+    ]
+    tiff = io.BytesIO()
+    Image.fromarray(small).save(tiff, "TIFF")
+    cases.append((tiff.getvalue(), "image/tiff", "L", None))
+    for data, ctype, mode, kept_alpha in cases:
+        r = gw.client.post("/v1/denoise?sigma=15", content=data, headers={"Content-Type": ctype})
+        assert r.status_code == 200, (mode, r.text)
+        out = Image.open(io.BytesIO(r.content))
+        assert (out.mode, out.size) == (mode, (97, 61)), (mode, out.mode, out.size)
+        if kept_alpha is not None:
+            assert np.array_equal(np.asarray(out)[..., -1], kept_alpha)
+
+
+# --- errors: each followed by a good request ---------------------------------------------------------------
+
+
+def _png_chunk(tag: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+
+
+def _bomb() -> bytes:
+    """A valid PNG header claiming 100000×100000 pixels (10 Gpx) with a tiny body."""
+    ihdr = struct.pack(">IIBBBBB", 100_000, 100_000, 8, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", zlib.compress(b"\0" * 1024))
+            + _png_chunk(b"IEND", b""))
+
+
+def _error_cases(digit_png: bytes) -> list[tuple[str, str, dict, int, str]]:
+    """(method+path, query, request kwargs, status, code)."""
+    raw = {"headers": {"Content-Type": "image/png"}}
+    corrupt = bytearray(digit_png)
+    i = corrupt.index(b"IDAT") + 8
+    corrupt[i:i + 40] = bytes(40)
+    big = io.BytesIO()
+    Image.new("L", (1200, 1100)).save(big, "PNG")  # 1.32 Mpx in ~1 kB
+    gif = io.BytesIO()
+    Image.new("L", (20, 20)).save(gif, "GIF")
+    return [
+        ("POST /v1/classify", "", {"content": b"this is not an image", **raw}, 400, "invalid_image"),
+        ("POST /v1/classify", "", {"content": digit_png[: len(digit_png) // 2], **raw}, 400, "invalid_image"),
+        ("POST /v1/classify", "", {"content": bytes(corrupt), **raw}, 400, "invalid_image"),
+        ("POST /v1/denoise", "", {"content": b"", **raw}, 400, "invalid_image"),
+        ("POST /v1/classify", "", {"files": {"file": ("d.png", digit_png, "image/png")}}, 400, "missing_image"),
+        ("POST /v1/classify", "", {"content": digit_png, "headers": {"Content-Type": "text/plain"}}, 415,
+         "unsupported_media_type"),
+        ("POST /v1/classify", "", {"content": gif.getvalue(), "headers": {"Content-Type": "image/gif"}}, 415,
+         "unsupported_media_type"),
+        ("POST /v1/classify", "", {"content": gif.getvalue(), **raw}, 415, "unsupported_media_type"),
+        ("POST /v1/classify", "", {"files": {"image": ("d.txt", b"hello", "text/plain")}}, 415,
+         "unsupported_media_type"),
+        ("POST /v1/classify", "", {"content": b"\0" * (MAX_BODY + 1), **raw}, 413, "payload_too_large"),
+        ("POST /v1/classify", "", {"files": {"image": ("d.png", b"\0" * (MAX_BODY + 1), "image/png")}}, 413,
+         "payload_too_large"),
+        ("POST /v1/denoise", "", {"content": big.getvalue(), **raw}, 413, "image_too_large"),
+        ("POST /v1/classify", "", {"content": _bomb(), **raw}, 413, "image_too_large"),
+        ("POST /v1/classify", "?model=resnet-9000", {"content": digit_png, **raw}, 404, "unknown_model"),
+        ("POST /v1/denoise", "?model=sdnet-mnist", {"content": digit_png, **raw}, 404, "unknown_model"),
+        ("POST /v1/denoise", "?sigma=-3", {"content": digit_png, **raw}, 422, "invalid_parameter"),
+        ("POST /v1/denoise", "?sigma=300", {"content": digit_png, **raw}, 422, "invalid_parameter"),
+        ("POST /v1/denoise", "?sigma=nan", {"content": digit_png, **raw}, 422, "invalid_parameter"),
+        ("POST /v1/denoise", "?sigma=abc", {"content": digit_png, **raw}, 422, "invalid_parameter"),
+        ("POST /v1/classify", "?top_k=0", {"content": digit_png, **raw}, 422, "invalid_parameter"),
+        ("POST /v1/classify", "?top_k=11", {"content": digit_png, **raw}, 422, "invalid_parameter"),
+        ("POST /v1/classify", "?lam=nan", {"content": digit_png, **raw}, 422, "invalid_parameter"),
+        ("POST /v1/classify", "?lam=-1", {"content": digit_png, **raw}, 422, "invalid_parameter"),
+        ("POST /v1/classify", "?lam=inf", {"content": digit_png, **raw}, 422, "invalid_parameter"),
+        ("POST /v1/classify", "?lam=big", {"content": digit_png, **raw}, 422, "invalid_parameter"),
+        ("POST /v1/denoise", "?sigma=25", {"content": png(np.zeros((8, 8), np.uint8)), **raw}, 422,
+         "image_too_small"),
+        ("GET /v1/classify", "", {}, 405, "method_not_allowed"),
+        ("GET /v1/nothing-here", "", {}, 404, "not_found"),
+    ]
+
+
+def test_errors_are_json_4xx_and_server_keeps_serving(gw: Gateway, digit_png: bytes) -> None:
+    for target, query, kwargs, status, code in _error_cases(digit_png):
+        method, path = target.split()
+        r = gw.client.request(method, path + query, **kwargs)
+        assert_error(r, status, code)
+        classify_ok(gw, digit_png)
+
+
+def test_body_limit_applies_while_streaming(gw: Gateway, digit_png: bytes) -> None:
+    """Chunked uploads (no Content-Length) over the limit are cut off at the limit, raw and multipart."""
+    def chunks(total: int, head: bytes = b"", tail: bytes = b"") -> Iterator[bytes]:
+        yield head
+        for _ in range(total // 65536):
+            yield b"\0" * 65536
+        yield tail
+
+    r = gw.client.post("/v1/classify", content=chunks(MAX_BODY + 65536), headers={"Content-Type": "image/png"})
+    assert "content-length" not in r.request.headers
+    assert_error(r, 413, "payload_too_large")
+    classify_ok(gw, digit_png)
+
+    boundary = "gwtestboundary"
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"image\"; filename=\"x.png\"\r\n"
+            "Content-Type: image/png\r\n\r\n").encode()
+    r = gw.client.post("/v1/classify", content=chunks(MAX_BODY + 65536, head, f"\r\n--{boundary}--\r\n".encode()),
+                       headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert_error(r, 413, "payload_too_large")
+    classify_ok(gw, digit_png)
+
+    # a streamed upload under the limit is fine
+    r = gw.client.post("/v1/classify", content=iter([digit_png[:100], digit_png[100:]]),
+                       headers={"Content-Type": "image/png"})
+    assert r.status_code == 200, r.text
+
+
+def test_metrics(gw: Gateway, digit_png: bytes) -> None:
+    raw = {"Content-Type": "image/png"}
+    assert gw.client.post("/v1/classify", content=digit_png, headers=raw).status_code == 200
+    assert gw.client.post("/v1/denoise?sigma=5", content=png(np.zeros((16, 16), np.uint8)), headers=raw).status_code \
+        == 200
+    assert gw.client.post("/v1/classify?top_k=0", content=digit_png, headers=raw).status_code == 422
+    assert gw.client.post("/v1/denoise", content=b"\0" * (MAX_BODY + 1), headers=raw).status_code == 413
+    assert gw.client.get("/no/such/path").status_code == 404
+    text = gw.client.get("/metrics").text
+    assert 'unroll_gateway_requests_total{method="POST",route="/v1/classify",status="200"}' in text
+    assert 'unroll_gateway_requests_total{method="POST",route="/v1/classify",status="422"}' in text
+    assert 'unroll_gateway_requests_total{method="POST",route="/v1/denoise",status="413"}' in text
+    assert 'unroll_gateway_requests_total{method="GET",route="unmatched",status="404"}' in text
+    assert 'unroll_gateway_request_duration_seconds_bucket{le="0.05",method="POST",route="/v1/classify"}' in text
+    assert "unroll_gateway_requests_in_flight 1.0" in text  # this very request
+    assert 'unroll_gateway_triton_request_duration_seconds_count{model="sdnet-mnist",outcome="ok"}' in text
+    assert 'unroll_gateway_triton_request_duration_seconds_count{model="csc-denoiser",outcome="ok"}' in text
+
+
+# --- API key, concurrency limit, timeout (the gRPC gateway) --------------------------------------------------
+
+
+def test_api_key(gw_key: Gateway, digit_png: bytes) -> None:
+    c = gw_key.client
+    for headers in ({}, {"X-API-Key": "wrong"}, {"Authorization": f"Basic {API_KEY}"},
+                    {"Authorization": "Bearer nope"}):
+        r = c.post("/v1/classify", content=digit_png, headers={"Content-Type": "image/png", **headers})
+        assert_error(r, 401, "unauthorized")
+        assert_error(c.get("/v1/models", headers=headers), 401, "unauthorized")
+    classify_ok(gw_key, digit_png, **{"X-API-Key": API_KEY})
+    classify_ok(gw_key, digit_png, Authorization=f"Bearer {API_KEY}")
+    assert c.get("/v1/models", headers={"X-API-Key": API_KEY}).status_code == 200
+    for open_path in ("/healthz", "/readyz", "/metrics"):
+        assert c.get(open_path).status_code == 200, open_path
+
+
+def test_concurrency_limit_429_and_triton_timeout_504(gw_key: Gateway, digit_png: bytes) -> None:
+    """Limit 1 in flight, queue 0: of three concurrent slow denoises one runs (and hits the 1 s deadline)."""
+    rng = np.random.default_rng(0)
+    big = png(to8(rng.random((1536, 1536))))  # seconds of CPU denoising, far over the 1 s deadline
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=gw_key.base, timeout=60, headers={"X-API-Key": API_KEY}) as ac:
+            return await asyncio.gather(*(ac.post("/v1/denoise?sigma=25", content=big,
+                                                  headers={"Content-Type": "image/png"}) for _ in range(3)))
+
+    t0 = time.monotonic()
+    rs = asyncio.run(burst())
+    assert sorted(r.status_code for r in rs) == [429, 429, 504], [(r.status_code, r.text) for r in rs]
+    for r in rs:
+        if r.status_code == 429:
+            assert_error(r, 429, "too_many_requests")
+            assert int(r.headers["Retry-After"]) >= 1
+        else:
+            assert_error(r, 504, "triton_timeout")
+    assert time.monotonic() - t0 < 10
+    classify_ok(gw_key, digit_png, **{"X-API-Key": API_KEY})
+
+
+# --- Triton down and back (last: restarts the shared server) ------------------------------------------------
+
+
+def test_triton_down_then_back(gw: Gateway, gw_key: Gateway, triton: Triton, digit_png: bytes) -> None:
+    classify_ok(gw, digit_png)
+    triton.stop()
+    t0 = time.monotonic()
+    r = gw.client.post("/v1/classify", content=digit_png, headers={"Content-Type": "image/png"})
+    assert time.monotonic() - t0 < 20  # well within the gateway's Triton timeout
+    assert_error(r, 503, "triton_unavailable")
+    assert r.headers["Retry-After"] == "3"
+    r = gw_key.client.post("/v1/classify", content=digit_png,
+                           headers={"Content-Type": "image/png", "X-API-Key": API_KEY})
+    assert_error(r, 503, "triton_unavailable")
+    ready = gw.client.get("/readyz")
+    assert_error(ready, 503, "not_ready")
+    assert ready.json()["triton"] is False and "Retry-After" in ready.headers
+    assert gw.client.get("/healthz").status_code == 200
+
+    triton.start()  # same ports; the gateways are not restarted
+    for g, headers in ((gw, {}), (gw_key, {"X-API-Key": API_KEY})):
+        deadline = time.monotonic() + 30
+        while True:
+            r = g.client.post("/v1/classify", content=digit_png, headers={"Content-Type": "image/png", **headers})
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert r.status_code == 200, r.text
+    assert gw.client.get("/readyz").status_code == 200

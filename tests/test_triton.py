@@ -1,0 +1,440 @@
+"""Triton: repository generator, config validation, and a real tritonserver serving the demo models.
+
+One server for the module (the two demo models + sdnet-mnist-autolam, exported into a tmp dir from
+the committed weights); every server test talks to it over HTTP and gRPC with ``tritonclient`` and
+compares against ONNX Runtime run in-process on the same ONNX files.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import typer
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.utils import InferenceServerException
+from typer.testing import CliRunner
+
+from serving import triton
+from serving.repository import RepositoryError, validate_model, validate_repository, write_repository
+from serving.triton_cli import repo as repo_cmd
+from serving.triton_cli import triton as triton_cmd
+
+DEMO = ["sdnet-mnist", "sdnet-mnist-autolam", "csc-denoiser"]
+TOL = 1e-5
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def onnx_dir(tmp_path_factory) -> Path:
+    from export.onnx_export import export_auto_lam, export_model
+
+    out = tmp_path_factory.mktemp("onnx")
+    export_model("sdnet-mnist", out, naive=False)
+    export_auto_lam("sdnet-mnist", out)
+    export_model("csc-denoiser", out, naive=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(onnx_dir: Path, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    write_repository("cpu", DEMO, repo, onnx_dir=onnx_dir)
+    http_port, grpc_port, metrics_port = free_ports(3)
+    handle = triton.start(repo, http_port, grpc_port, metrics_port, log_file=repo.parent / "triton.log")
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+@pytest.fixture(scope="module")
+def sessions(onnx_dir: Path) -> dict[str, ort.InferenceSession]:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    files = {"sdnet-mnist": "sdnet-mnist.onnx", "sdnet-mnist-autolam": "sdnet-mnist.autolam.onnx",
+             "csc-denoiser": "csc-denoiser.onnx"}
+    return {k: ort.InferenceSession(str(onnx_dir / f), so, providers=["CPUExecutionProvider"])
+            for k, f in files.items()}
+
+
+@pytest.fixture(scope="module")
+def http(server) -> httpclient.InferenceServerClient:
+    return httpclient.InferenceServerClient(server.url)
+
+
+@pytest.fixture(scope="module")
+def grpc(server) -> grpcclient.InferenceServerClient:
+    return grpcclient.InferenceServerClient(server.grpc_url)
+
+
+def _inputs(mod, arrays: dict[str, np.ndarray]) -> list:
+    """tritonclient inputs; a [B] array (lam, sigma) goes as [B, 1] per the config's dims [1]."""
+    out = []
+    for name, a in arrays.items():
+        a = a.reshape(-1, 1) if a.ndim == 1 else a
+        i = mod.InferInput(name, list(a.shape), "FP32" if a.dtype == np.float32 else "FP64")
+        if mod is httpclient:
+            i.set_data_from_numpy(a, binary_data=True)
+        else:
+            i.set_data_from_numpy(a)
+        out.append(i)
+    return out
+
+
+def _http_out(name: str, **kw) -> httpclient.InferRequestedOutput:
+    return httpclient.InferRequestedOutput(name, binary_data=True, **kw)
+
+
+def _images(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).random((n, 1, 28, 28), dtype=np.float32)
+
+
+# ---------------------------------------------------------------- server: loading, parity, labels
+
+
+@pytest.mark.triton
+def test_models_load_and_server_metadata(server, http, grpc) -> None:
+    assert http.is_server_ready() and grpc.is_server_live()
+    index = {m["name"]: m["state"] for m in http.get_model_repository_index()}
+    assert index == {m: "READY" for m in DEMO}
+    meta = grpc.get_model_metadata("sdnet-mnist")
+    assert [i.name for i in meta.inputs] == ["image", "lam"] and [o.name for o in meta.outputs] == ["logits"]
+    cfg = grpc.get_model_config("csc-denoiser").config
+    assert cfg.backend == "python" and cfg.dynamic_batching.max_queue_delay_microseconds >= 0
+    with urllib.request.urlopen(server.metrics_url, timeout=5) as r:
+        assert b"nv_inference_count" in r.read()
+
+
+@pytest.mark.triton
+def test_http_and_grpc_match_onnxruntime(http, grpc, sessions) -> None:
+    x = _images(3, seed=1)
+    lam = np.array([0.1, 0.3, 0.05], np.float32)
+    want = sessions["sdnet-mnist"].run(None, {"image": x, "lam": lam})[0]
+    got_http = http.infer("sdnet-mnist", _inputs(httpclient, {"image": x, "lam": lam}),
+                          outputs=[_http_out("logits")]).as_numpy("logits")
+    got_grpc = grpc.infer("sdnet-mnist", _inputs(grpcclient, {"image": x, "lam": lam})).as_numpy("logits")
+    np.testing.assert_allclose(got_http, want, rtol=0, atol=TOL)
+    np.testing.assert_allclose(got_grpc, want, rtol=0, atol=TOL)
+
+    noisy = np.random.default_rng(2).random((2, 1, 64, 64), dtype=np.float32)
+    sigma = np.array([25 / 255, 10 / 255], np.float32)
+    want = sessions["csc-denoiser"].run(None, {"noisy": noisy, "sigma": sigma})[0]
+    for client, mod in ((http, httpclient), (grpc, grpcclient)):
+        outs = [_http_out("denoised")] if mod is httpclient else None
+        got = client.infer("csc-denoiser", _inputs(mod, {"noisy": noisy, "sigma": sigma}), outputs=outs)
+        np.testing.assert_allclose(got.as_numpy("denoised"), want, rtol=0, atol=TOL)
+
+    want = sessions["sdnet-mnist-autolam"].run(None, {"image": x})[0]
+    got = grpc.infer("sdnet-mnist-autolam", _inputs(grpcclient, {"image": x})).as_numpy("lam")
+    assert got.shape == (3, 1)
+    np.testing.assert_allclose(got[:, 0], want, rtol=0, atol=TOL)
+
+
+@pytest.mark.triton
+def test_mnist_digits_get_their_labels_through_the_classification_extension(http, grpc, onnx_dir) -> None:
+    import json
+
+    if json.loads((onnx_dir / "sdnet-mnist.report.json").read_text())["weights"] != "committed":
+        pytest.skip("sdnet-mnist has no committed weights (unroll/weights/sdnet-mnist.pt): labels would be random")
+    from unroll.data import mnist_split
+
+    _, _, x_test, y_test = mnist_split()
+    x, y = x_test[:20], y_test[:20]
+    http_res = http.infer("sdnet-mnist", _inputs(httpclient, {"image": x}),
+                          outputs=[_http_out("logits", class_count=1)]).as_numpy("logits")
+    grpc_res = grpc.infer("sdnet-mnist", _inputs(grpcclient, {"image": x}),
+                          outputs=[grpcclient.InferRequestedOutput("logits", class_count=1)]).as_numpy("logits")
+    assert http_res.shape == grpc_res.shape == (20, 1)
+    for res in (http_res, grpc_res):
+        parsed = [r[0].decode().split(":") for r in res]  # "score:index:label"
+        assert all(len(p) == 3 and p[1] == p[2] for p in parsed)  # MNIST labels are the digits
+        predicted = np.array([int(p[1]) for p in parsed])
+        assert (predicted == y).mean() >= 0.95, (predicted, y)
+        assert all(np.isfinite(float(p[0])) for p in parsed)
+
+
+@pytest.mark.triton
+def test_denoiser_serves_several_sizes_in_one_run(grpc, sessions) -> None:
+    rng = np.random.default_rng(3)
+    for h, w in ((64, 64), (333, 517), (16, 16)):
+        noisy = rng.random((1, 1, h, w), dtype=np.float32)
+        sigma = np.array([15 / 255], np.float32)
+        got = grpc.infer("csc-denoiser", _inputs(grpcclient, {"noisy": noisy, "sigma": sigma})).as_numpy("denoised")
+        assert got.shape == (1, 1, h, w)
+        want = sessions["csc-denoiser"].run(None, {"noisy": noisy, "sigma": sigma})[0]
+        np.testing.assert_allclose(got, want, rtol=0, atol=TOL)
+
+
+@pytest.mark.triton
+def test_lam_is_optional_and_defaults_to_the_trained_value(grpc) -> None:
+    x = _images(2, seed=4)
+    without = grpc.infer("sdnet-mnist", _inputs(grpcclient, {"image": x})).as_numpy("logits")
+    default = grpc.infer("sdnet-mnist", _inputs(grpcclient, {"image": x, "lam": np.full(2, 0.1, np.float32)}))
+    other = grpc.infer("sdnet-mnist", _inputs(grpcclient, {"image": x, "lam": np.full(2, 0.5, np.float32)}))
+    np.testing.assert_allclose(without, default.as_numpy("logits"), rtol=0, atol=1e-6)
+    assert np.abs(without - other.as_numpy("logits")).max() > 1e-4  # lam really reaches the model
+
+
+# ---------------------------------------------------------------- server: batching and errors
+
+
+@pytest.mark.triton
+def test_concurrent_burst_is_dynamically_batched(server, grpc, sessions) -> None:
+    def batch_counts() -> dict[int, int]:
+        stats = grpc.get_inference_statistics("sdnet-mnist").model_stats[0]
+        return {b.batch_size: b.compute_infer.count for b in stats.batch_stats}
+
+    before = batch_counts()
+    n = 32
+    x = _images(n, seed=5)
+    results: dict[int, np.ndarray] = {}
+    errors: list[Exception] = []
+    done = threading.Semaphore(0)
+
+    def callback(i: int):
+        def cb(result, error) -> None:
+            if error is not None:
+                errors.append(error)
+            else:
+                results[i] = result.as_numpy("logits")
+            done.release()
+        return cb
+
+    clients = [grpcclient.InferenceServerClient(server.grpc_url) for _ in range(4)]
+    for i in range(n):
+        clients[i % 4].async_infer("sdnet-mnist", _inputs(grpcclient, {"image": x[i:i + 1]}), callback(i))
+    for _ in range(n):
+        assert done.acquire(timeout=60)
+    assert not errors, errors[0]
+    want = sessions["sdnet-mnist"].run(None, {"image": x, "lam": np.full(n, 0.1, np.float32)})[0]
+    np.testing.assert_allclose(np.concatenate([results[i] for i in range(n)]), want, rtol=0, atol=TOL)
+    after = batch_counts()
+    grown = {b: after[b] - before.get(b, 0) for b in after if after[b] > before.get(b, 0)}
+    assert sum(b * c for b, c in grown.items()) == n  # every request executed exactly once
+    assert max(grown) > 1, f"no execution with batch size > 1 after a burst of {n}: {grown}"
+
+
+@pytest.mark.triton
+def test_bad_requests_get_tritons_error_and_the_server_keeps_serving(http, grpc) -> None:
+    bad = {
+        "wrong shape": ("sdnet-mnist", {"image": np.zeros((1, 1, 27, 28), np.float32)}, "shape"),
+        "wrong dtype": ("sdnet-mnist", {"image": np.zeros((1, 1, 28, 28), np.float64)}, "FP64"),
+        "missing input": ("csc-denoiser", {"noisy": np.zeros((1, 1, 32, 32), np.float32)}, "sigma"),
+        "too small for the model": ("csc-denoiser", {"noisy": np.zeros((1, 1, 2, 2), np.float32),
+                                                     "sigma": np.array([0.1], np.float32)}, "INVALID_ARGUMENT"),
+    }
+    for what, (model, arrays, mentions) in bad.items():
+        for client, mod in ((http, httpclient), (grpc, grpcclient)):
+            with pytest.raises(InferenceServerException) as info:
+                client.infer(model, _inputs(mod, arrays))
+            assert mentions in str(info.value), (what, str(info.value))
+    assert http.is_server_ready()
+    ok = grpc.infer("sdnet-mnist", _inputs(grpcclient, {"image": _images(1)})).as_numpy("logits")
+    assert ok.shape == (1, 10) and np.isfinite(ok).all()
+
+
+# ---------------------------------------------------------------- repository: GPU configs and validation
+
+
+def _fake_plan(plan_dir: Path, name: str, precision: str) -> None:
+    plan_dir.mkdir(parents=True, exist_ok=True)
+    (plan_dir / f"{name}.{precision}.plan").write_bytes(b"not a real engine: only the config is tested")
+
+
+def test_gpu_repository_parses_and_matches_the_onnx(onnx_dir: Path, tmp_path: Path) -> None:
+    plans = tmp_path / "trt"
+    _fake_plan(plans, "csc-denoiser", "fp16")
+    out = tmp_path / "gpu"
+    write_repository("gpu", DEMO, out, precision="fp16", onnx_dir=onnx_dir, plan_dir=plans)
+    cfgs = validate_repository(out, onnx_dir=onnx_dir)
+    assert set(cfgs) == set(DEMO)
+    for name, cfg in cfgs.items():
+        parsed = text_format.Parse((out / name / "config.pbtxt").read_text(), mc.ModelConfig())
+        assert parsed == cfg and parsed.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
+        assert parsed.max_batch_size > 0 and parsed.dynamic_batching.max_queue_delay_microseconds > 0
+        assert len(parsed.model_warmup) >= 1 and not any(i.optional for i in parsed.input)  # GPU: lam required
+    mnist = cfgs["sdnet-mnist"]
+    assert mnist.platform == "onnxruntime_onnx" and (out / "sdnet-mnist" / "1" / "model.onnx").exists()
+    acc = mnist.optimization.execution_accelerators.gpu_execution_accelerator[0]
+    assert acc.name == "tensorrt" and acc.parameters["precision_mode"] == "FP16"
+    assert acc.parameters["trt_engine_cache_enable"] == "1" and acc.parameters["trt_engine_cache_path"]
+    b = mnist.max_batch_size
+    assert acc.parameters["trt_profile_max_shapes"] == f"image:{b}x1x28x28,lam:{b}"
+    den = cfgs["csc-denoiser"]
+    assert den.platform == "tensorrt_plan" and (out / "csc-denoiser" / "1" / "model.plan").exists()
+    assert not (out / "csc-denoiser" / "1" / "model.onnx").exists()
+    assert (out / "sdnet-mnist" / "labels.txt").read_text().split() == [str(i) for i in range(10)]
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+
+
+def test_a_config_that_disagrees_with_the_onnx_fails_naming_the_tensor(onnx_dir: Path, tmp_path: Path) -> None:
+    cases = {
+        "dims": ("sdnet-mnist", "dims: 28\n}", "dims: 27\n}", "'image'"),
+        "dtype": ("csc-denoiser", "data_type: TYPE_FP32", "data_type: TYPE_FP16", "'noisy'"),
+        "name": ("csc-denoiser", 'name: "denoised"', 'name: "clean"', "'clean'"),
+        "reshape": ("sdnet-mnist-autolam", 'name: "lam"\n  data_type: TYPE_FP32\n  dims: 1\n  reshape {\n  }',
+                    'name: "lam"\n  data_type: TYPE_FP32\n  dims: 1', "'lam'"),
+        "labels": ("sdnet-mnist", "dims: 10", "dims: 11", "'logits'"),
+    }
+    for what, (model, old, new, named) in cases.items():
+        out = tmp_path / what
+        write_repository("cpu", [model], out, onnx_dir=onnx_dir)
+        validate_model(out / model)  # as written: fine
+        _edit(out / model / "config.pbtxt", old, new)
+        with pytest.raises(RepositoryError, match=named):
+            validate_model(out / model)
+    out = tmp_path / "syntax"
+    write_repository("gpu", ["sdnet-mnist"], out, onnx_dir=onnx_dir)
+    _edit(out / "sdnet-mnist" / "config.pbtxt", "\nmax_batch_size:", "\nmax_batch:")
+    with pytest.raises(RepositoryError, match="not a valid Triton model config"):
+        validate_repository(out)
+
+
+def test_write_repository_refuses_what_it_cannot_build(onnx_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(RepositoryError, match="unroll export vars-d"):
+        write_repository("cpu", ["vars-d"], tmp_path, onnx_dir=onnx_dir)
+    with pytest.raises(RepositoryError, match="unroll quantize sdnet-mnist"):
+        write_repository("cpu", ["sdnet-mnist"], tmp_path, precision="int8", onnx_dir=onnx_dir)
+    with pytest.raises(RepositoryError, match="target"):
+        write_repository("tpu", ["sdnet-mnist"], tmp_path, onnx_dir=onnx_dir)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- start(): failures and clean shutdown
+
+
+def _tiny_repo(onnx_dir: Path, root: Path, broken: bool) -> Path:
+    repo = root / ("broken" if broken else "tiny")
+    write_repository("cpu", ["sdnet-mnist-autolam"], repo, onnx_dir=onnx_dir)
+    if broken:
+        (repo / "sdnet-mnist-autolam" / "1" / "model.onnx").write_bytes(b"garbage, not a protobuf")
+    return repo
+
+
+@pytest.mark.triton
+def test_a_model_that_fails_to_load_raises_with_tritons_reason(onnx_dir: Path, tmp_path: Path) -> None:
+    repo = _tiny_repo(onnx_dir, tmp_path, broken=True)
+    with pytest.raises(triton.TritonStartError) as info:
+        triton.start(repo, *free_ports(3), log_file=tmp_path / "broken.log", timeout_s=60)
+    msg = str(info.value)
+    assert "failed to load 'sdnet-mnist-autolam'" in msg and "INVALID_PROTOBUF" in msg, msg
+    assert info.value.log_path == tmp_path / "broken.log"
+
+
+def test_missing_repository_or_busy_port_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(triton.TritonStartError, match="does not exist"):
+        triton.start(tmp_path / "nope", *free_ports(3))
+    tmp_path.joinpath("repo").mkdir()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(triton.TritonStartError, match=f"gRPC port {port} .* not available"):
+            triton.start(tmp_path / "repo", free_ports(1)[0], port, free_ports(1)[0])
+
+
+def test_stub_goes_to_a_writable_copy_when_site_packages_is_read_only(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(triton, "_writable", lambda path: False)
+    layout = triton.server_layout()
+    assert layout.backends.is_relative_to(tmp_path)
+    assert (layout.backends / "python" / "libtriton_python.so").exists()
+    assert os.access(layout.backends / "python" / "triton_python_backend_stub", os.X_OK)
+    assert triton.server_layout() == layout  # idempotent
+
+
+# ---------------------------------------------------------------- the two CLI commands
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command("repo")(repo_cmd)
+    app.command("triton")(triton_cmd)
+    return app
+
+
+def test_repo_command_writes_and_validates(onnx_dir: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    out = tmp_path / "repo"
+    res = runner.invoke(_app(), ["repo", "--out", str(out), "--onnx-dir", str(onnx_dir)])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in out.iterdir()) == sorted(DEMO)  # the autolam companion is added
+    assert (out / "csc-denoiser" / "1" / "model.py").exists()
+    res = runner.invoke(_app(), ["repo", "--target", "tpu", "--out", str(out)])
+    assert res.exit_code == 1 and "cpu or gpu" in res.output and "Traceback" not in res.output
+    res = runner.invoke(_app(), ["triton", "--repo", str(tmp_path / "nope")])
+    assert res.exit_code == 1 and "does not exist" in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.triton
+def test_triton_command_serves_until_sigint_and_leaves_no_process(onnx_dir: Path, tmp_path: Path) -> None:
+    repo = _tiny_repo(onnx_dir, tmp_path, broken=False)
+    http_port, grpc_port, metrics_port = free_ports(3)
+    code = ("import typer; from serving.triton_cli import repo, triton; app = typer.Typer(); "
+            "app.command('repo')(repo); app.command('triton')(triton); app()")
+    proc = subprocess.Popen([sys.executable, "-c", code, "triton", "--repo", str(repo), "--http-port", str(http_port),
+                             "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+                             "--log-file", str(tmp_path / "cli.log")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=Path(__file__).resolve().parents[1], env={**os.environ, "COLUMNS": "200"})
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{http_port}")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if client.is_model_ready("sdnet-mnist-autolam"):
+                    break
+            except Exception:  # not listening yet
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.3)
+        else:
+            pytest.fail("the triton command did not become ready")
+        pids = subprocess.run(["pgrep", "-f", str(repo)], capture_output=True, text=True).stdout.split()
+        assert pids  # tritonserver (and its stub) run with the repository in their command line
+        client.close()  # Triton drains open connections (up to --exit-timeout-secs) before it exits
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    assert "Triton ready" in output and f"127.0.0.1:{http_port}" in output and "Triton stopped" in output
+    for pid in pids:  # nothing left behind
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_stub_install_is_idempotent() -> None:
+    a = triton.server_layout()
+    stub = a.backends / "python" / "triton_python_backend_stub"
+    mtime = stub.stat().st_mtime_ns
+    b = triton.server_layout()
+    assert a == b and stub.stat().st_mtime_ns == mtime and os.access(stub, os.X_OK)
+    assert os.access(a.binary, os.X_OK) and all(d.is_dir() for d in a.lib_dirs)
