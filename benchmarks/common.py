@@ -5,16 +5,22 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def machine_info(threads: int) -> dict:
+    """CPU model, cores, threads used, Python/platform and package versions, UTC date."""
     cpu = platform.processor() or "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -24,13 +30,20 @@ def machine_info(threads: int) -> dict:
     except OSError:
         pass
     versions = {}
-    for pkg in ("torch", "onnxruntime", "onnx", "onnxslim", "numpy", "tritonclient", "nvidia-pytriton", "bm3d"):
+    for pkg in ("torch", "onnxruntime", "onnx", "onnxslim", "numpy", "tritonclient", "nvidia-pytriton", "bm3d",
+                "scikit-image", "fastapi", "uvicorn", "httpx"):
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             pass
+    env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS") if k in os.environ}
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
     return {"cpu": cpu, "logical_cores": os.cpu_count(), "threads_used": threads, "python": platform.python_version(),
-            "platform": platform.platform(), "versions": versions,
+            "platform": platform.platform(), "versions": versions, "env": env,
+            "load_avg_at_start": load,  # 1/5/15-min load: well above 0 means other work shared the cores
             "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
 
 
@@ -51,8 +64,64 @@ def time_call(fn: Callable[[], object], warmup: int = 3, min_repeats: int = 5, m
 
 
 def write_results(stem: str, payload: dict, markdown: str, out_dir: Path = RESULTS) -> tuple[Path, Path]:
+    """``out_dir/STEM.json`` (the payload) and ``out_dir/STEM.md``; returns both paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     j, m = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
     j.write_text(json.dumps(payload, indent=2) + "\n")
     m.write_text(markdown)
     return j, m
+
+
+def latency_summary(latencies_ms: Sequence[float]) -> dict[str, float]:
+    """Mean and p50/p90/p95/p99/max of latencies in ms (empty → NaNs)."""
+    import numpy as np
+
+    if len(latencies_ms) == 0:
+        return {k: float("nan") for k in ("mean", "p50", "p90", "p95", "p99", "max")}
+    a = np.asarray(latencies_ms, dtype=np.float64)
+    p50, p90, p95, p99 = np.percentile(a, [50, 90, 95, 99])
+    return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p95": float(p95), "p99": float(p99),
+            "max": float(a.max())}
+
+
+def ort_session(path: str | Path, threads: int, spinning: bool = False):
+    """A CPU ONNX Runtime session set up as Triton's model runs it (serving/triton_backend_model.py).
+
+    ``threads`` intra-op threads, one inter-op thread, all graph optimizations, and idle threads
+    sleeping instead of spinning (spinning costs latency whenever other processes share the cores).
+    """
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (bound together, so they differ)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@contextmanager
+def progress_bars(enabled: bool = True) -> Iterator[Progress]:
+    """rich progress bars on stderr (``enabled=False``: the same API, nothing drawn)."""
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[info]}"), console=Console(stderr=True), disable=not enabled) as bar:
+        yield bar
+
+
+def fmt(x: float | None, digits: int = 2, unit: str = "") -> str:
+    """A number for a Markdown cell; ``-`` for missing/NaN."""
+    if x is None or x != x:
+        return "-"
+    return f"{x:.{digits}f}{unit}"

@@ -192,7 +192,8 @@ def to_int8(model_path: Path, feeds: list[dict[str, np.ndarray]], exclude: list[
             activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, nodes_to_exclude=exclude,
             calibrate_method={"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                               "percentile": CalibrationMethod.Percentile}[method],
-            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
+            # Biases stay FP32: TensorRT takes Q/DQ on int8 tensors, not int32-quantized biases.
+            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False})
     return onnx.load(out_path)
 
 

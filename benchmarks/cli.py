@@ -1,0 +1,233 @@
+"""``unroll bench serve | models | quality | all``: Typer-annotated functions, registered on ``unroll.cli.bench_app``.
+
+Heavy imports happen inside the commands, so importing this module (at every ``unroll`` start) is cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+RESULTS = Path("benchmarks/results")
+ONNX_DIR = Path("build/onnx")
+err = Console(stderr=True)
+
+OutOpt = Annotated[Path, typer.Option("--out", help="Results folder (JSON, Markdown, PNG are rewritten there)")]
+OnnxOpt = Annotated[Path, typer.Option(help="ONNX exports (missing or stale ones are exported first)")]
+ThreadsOpt = Annotated[int, typer.Option(help="Threads for every engine (PyTorch, ONNX Runtime, Triton's models)")]
+ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars")]
+
+
+def _fail(message: str) -> typer.Exit:
+    err.print(f"[bold red]error:[/] {message}")
+    return typer.Exit(1)
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{what}: expected comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise typer.BadParameter(f"{what}: expected integers ≥ 1, got {text!r}")
+    return vals
+
+
+def _wrote(out: Path, stems: list[str]) -> None:
+    files = sorted(p.name for s in stems for p in out.glob(f"{s}*") if p.suffix in (".json", ".md", ".png"))
+    err.print(f"[green]✓[/] wrote {', '.join(files)} in {out}")
+
+
+def _targets(payload: dict) -> None:
+    for t in payload.get("targets", []):
+        mark = "[dim]n/a[/]" if t["met"] is None else ("[green]met[/]" if t["met"] else "[bold red]not met[/]")
+        err.print(f"  {mark}  {t['target']}: {t['measured'] or 'not measured'}")
+
+
+def bench_serve(
+    duration: Annotated[float, typer.Option(help="Measured seconds per concurrency level")] = 5.0,
+    warmup: Annotated[float, typer.Option(help="Unrecorded warm-up seconds before each level")] = 1.0,
+    concurrency: Annotated[str, typer.Option(help="In-flight requests per level, sdnet-mnist")] = "1,2,4,8,16,32",
+    denoise_concurrency: Annotated[str, typer.Option(help="In-flight requests per level, csc-denoiser")] = "1,4",
+    denoise_sizes: Annotated[str, typer.Option(help="Denoiser image sides (square images)")] = "256,512",
+    batching_concurrency: Annotated[int, typer.Option(help="Concurrency of the batching on/off comparison")] = 16,
+    paths: Annotated[str, typer.Option(help="Paths to measure: onnxruntime, triton-http, triton-grpc, gateway")]
+    = "onnxruntime,triton-http,triton-grpc,gateway",
+    url: Annotated[str | None, typer.Option(help="Attach to a running gateway (base URL, e.g. "
+                                                 "http://127.0.0.1:8080); needs --triton-url")] = None,
+    triton_url: Annotated[str | None, typer.Option(help="Attach to a running Triton: its HTTP HOST:PORT")] = None,
+    triton_grpc_url: Annotated[str | None, typer.Option(help="Its gRPC HOST:PORT (default: HTTP port + 1)")] = None,
+    quick: Annotated[bool, typer.Option(help="Smoke run: 1 s levels, concurrency 1,4, one 128² denoiser size")]
+    = False,
+    threads: ThreadsOpt = 2,
+    onnx_dir: OnnxOpt = ONNX_DIR,
+    out: OutOpt = RESULTS,
+    progress: ProgressOpt = True,
+) -> None:
+    """The serving path under load: in-process ONNX Runtime vs Triton (HTTP, gRPC) vs the REST gateway.
+
+    Starts Triton and the gateway on free ports (or attaches with --url / --triton-url), then runs a
+    closed-loop concurrency sweep on MNIST digits (sdnet-mnist) and noisy photos (csc-denoiser).
+    Per level: throughput, client latency p50/p90/p95/p99/max, errors, Triton's own split (queue,
+    compute input, infer, output) and average batch size, the gateway's share. Then dynamic
+    batching on vs off (a second Triton with max_batch_size 1) at --batching-concurrency.
+    Writes serve.json, serve.md (with the targets) and serve_latency/throughput/split.png.
+    """
+    from benchmarks import serve_bench
+
+    kw: dict = {"duration_s": duration, "warmup_s": warmup, "concurrency": _ints(concurrency, "--concurrency"),
+                "denoise_concurrency": _ints(denoise_concurrency, "--denoise-concurrency"),
+                "denoise_sizes": _ints(denoise_sizes, "--denoise-sizes")}
+    if quick:
+        kw = {"duration_s": min(duration, 1.0), "warmup_s": min(warmup, 0.3), "concurrency": (1, 4),
+              "denoise_concurrency": (1,), "denoise_sizes": (128,), "mnist_samples": 64}
+    try:
+        payload = serve_bench.run(**kw, batching_concurrency=batching_concurrency,
+                                  paths=tuple(p.strip() for p in paths.split(",") if p.strip()), url=url,
+                                  triton_url=triton_url, triton_grpc_url=triton_grpc_url, onnx_dir=onnx_dir,
+                                  threads=threads, progress=progress, out_dir=out, log=lambda m: err.print(m))
+    except serve_bench.BenchError as e:
+        raise _fail(str(e)) from None
+    _targets(payload)
+    _wrote(out, ["serve"])
+
+
+def bench_models(
+    model: Annotated[list[str] | None, typer.Option("--model", "-m", help="Only these models (repeatable); "
+                                                                         "default: every registered model")] = None,
+    budget: Annotated[float, typer.Option(help="Seconds of timed repeats per engine and case (at least 3 repeats)")]
+    = 1.0,
+    compile_: Annotated[bool, typer.Option("--compile/--no-compile",
+                                           help="Also time torch.compile (compiles every case: slow)")] = False,
+    scaling: Annotated[bool, typer.Option("--scaling/--no-scaling",
+                                          help="Denoiser latency vs pixels (128²…1024²), classifier throughput "
+                                               "vs batch")] = True,
+    quick: Annotated[bool, typer.Option(help="Smoke run: batch 1 and 4, 64² denoiser, 0.2 s budget")] = False,
+    threads: ThreadsOpt = 2,
+    onnx_dir: OnnxOpt = ONNX_DIR,
+    out: OutOpt = RESULTS,
+    progress: ProgressOpt = True,
+) -> None:
+    """PyTorch eager vs torch.compile vs ONNX Runtime FP32/FP16/INT8 for every registered model.
+
+    Same threads and inputs for every engine, warm-up, median of repeats, ratios to PyTorch eager
+    from the same run. FP16/INT8 where `unroll quantize` left the graphs. Also: denoiser latency vs
+    pixel count with a fitted power-law exponent, classifier throughput vs batch size, and the
+    FP32/FP16/INT8 speed + accuracy table. Writes models.json, models.md, models_scaling.png.
+    """
+    from benchmarks import models_bench
+    from unroll.registry import REGISTRY
+
+    unknown = [m for m in model or [] if m not in REGISTRY]
+    if unknown:
+        raise _fail(f"unknown model(s) {', '.join(unknown)}; registered: {', '.join(REGISTRY)}")
+    models_bench.run(model or None, threads=threads, budget_s=budget, with_compile=compile_, quick=quick,
+                     onnx_dir=onnx_dir, progress=progress, out_dir=out, with_scaling=scaling)
+    _wrote(out, ["models"])
+
+
+def bench_quality(
+    task: Annotated[str, typer.Option(help="denoise, classify or all")] = "all",
+    bm3d: Annotated[bool, typer.Option("--bm3d/--no-bm3d", help="Include BM3D (~8 s per 512² image)")] = True,
+    quick: Annotated[bool, typer.Option(help="Smoke run: 2 images cropped to 128², σ=25; 200 digits, σ 0 and 0.3")]
+    = False,
+    threads: ThreadsOpt = 2,
+    onnx_dir: OnnxOpt = ONNX_DIR,
+    out: OutOpt = RESULTS,
+    progress: ProgressOpt = True,
+) -> None:
+    """Denoising PSNR/SSIM (FP32/FP16/INT8 vs BM3D, NL-means, TV, wavelet) and sdnet-mnist accuracy per precision.
+
+    Denoising: the 8 held-out images at σ = 15/25/50, the same seeded noisy image for every method,
+    with each method's wall time per image and the 512×512 speed ratio vs BM3D. Classification:
+    the 1,000 held-out digits, clean and under Gaussian noise σ = 0.1…0.5, λ fixed vs lam=auto.
+    Writes quality_denoise.{json,md,png} and quality_classify.{json,md,png}.
+    """
+    from benchmarks import quality_bench
+
+    if task not in ("denoise", "classify", "all"):
+        raise _fail(f"--task must be denoise, classify or all, not {task!r}")
+    if task in ("denoise", "all"):
+        quality_bench.run_denoise(threads, quick=quick, with_bm3d=bm3d, onnx_dir=onnx_dir, progress=progress,
+                                  out_dir=out)
+    if task in ("classify", "all"):
+        quality_bench.run_classify(threads, quick=quick, onnx_dir=onnx_dir, progress=progress, out_dir=out)
+    _wrote(out, [f"quality_{t}" for t in (("denoise", "classify") if task == "all" else (task,))])
+
+
+STAGES = ("export", "models", "quality", "serve")
+
+
+def bench_all(
+    only: Annotated[str, typer.Option(help="Stages to run, comma-separated: export, models, quality, serve")]
+    = ",".join(STAGES),
+    quantize: Annotated[bool, typer.Option("--quantize/--no-quantize",
+                                           help="Quantize (FP16/INT8, default gates) where the graphs are missing "
+                                                "or stale, before measuring")] = True,
+    compile_: Annotated[bool, typer.Option("--compile/--no-compile", help="Also time torch.compile (slow)")] = False,
+    duration: Annotated[float, typer.Option(help="serve: measured seconds per concurrency level")] = 5.0,
+    quick: Annotated[bool, typer.Option(help="Smoke run of every stage")] = False,
+    threads: ThreadsOpt = 2,
+    onnx_dir: OnnxOpt = ONNX_DIR,
+    out: OutOpt = RESULTS,
+    progress: ProgressOpt = True,
+) -> None:
+    """Every benchmark with its defaults (what `make bench` runs): export, models, quality, serve.
+
+    Rewrites the result files in --out (about 12–15 minutes on a quiet 2-core machine once build/onnx
+    exists; a fresh clone also exports and quantizes first). bench_all.json records each stage's time.
+    """
+    from benchmarks.common import machine_info
+
+    stages = [s.strip() for s in only.split(",") if s.strip()]
+    bad = [s for s in stages if s not in STAGES]
+    if bad:
+        raise _fail(f"unknown stage(s) {', '.join(bad)}; choose from {', '.join(STAGES)}")
+    out.mkdir(parents=True, exist_ok=True)
+    timing: dict[str, float] = {}
+    t_all = time.perf_counter()
+    if quantize and ({"models", "quality"} & set(stages)):
+        from benchmarks.models_bench import ensure_quantized
+
+        t0 = time.perf_counter()
+        failed = ensure_quantized(Path(onnx_dir), log=lambda m: err.print(m))
+        timing["quantize"] = time.perf_counter() - t0
+        for k, v in failed.items():
+            err.print(f"[yellow]warning:[/] {k} not quantized: {v}")
+    for stage in stages:
+        t0 = time.perf_counter()
+        err.rule(f"bench {stage}")
+        if stage == "export":
+            from benchmarks import export_speed
+
+            rows = None
+            if quick:
+                rows = [("sdnet-mnist", "batch 1", 1), ("csc-denoiser", "64×64", (64, 64))]
+            with err.status("benchmarking exports") as status:
+                export_speed.run(threads, rows=rows, with_compile=compile_, budget_s=0.3 if quick else 2.0,
+                                 progress=lambda m: status.update(m), out_dir=out)
+            _wrote(out, ["export_speed"])
+        elif stage == "models":
+            bench_models(model=None, budget=1.0, compile_=compile_, scaling=True, quick=quick, threads=threads,
+                         onnx_dir=onnx_dir, out=out, progress=progress)
+        elif stage == "quality":
+            bench_quality(task="all", bm3d=True, quick=quick, threads=threads, onnx_dir=onnx_dir, out=out,
+                          progress=progress)
+        else:
+            bench_serve(duration=duration, warmup=1.0, concurrency="1,2,4,8,16,32", denoise_concurrency="1,4",
+                        denoise_sizes="256,512", batching_concurrency=16,
+                        paths="onnxruntime,triton-http,triton-grpc,gateway", url=None, triton_url=None,
+                        triton_grpc_url=None, quick=quick, threads=threads, onnx_dir=onnx_dir, out=out,
+                        progress=progress)
+        timing[stage] = time.perf_counter() - t0
+        err.print(f"bench {stage}: {timing[stage]:.0f} s")
+    total = time.perf_counter() - t_all
+    (out / "bench_all.json").write_text(json.dumps(
+        {"stages_s": {k: round(v, 1) for k, v in timing.items()}, "total_s": round(total, 1), "quick": quick,
+         "machine": machine_info(threads)}, indent=2) + "\n")
+    err.print(f"[green]✓[/] all benchmarks in {total / 60:.1f} min → {out}")

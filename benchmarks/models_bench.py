@@ -1,0 +1,383 @@
+"""The engines, one model at a time: PyTorch eager vs torch.compile vs ONNX Runtime FP32 / FP16 / INT8.
+
+Every registered model at a few batch sizes (classifiers, blocks) or image sizes (the denoiser), on
+real inputs, with the same thread count for every engine, warm-up, median of repeats, and ratios to
+PyTorch eager from the same run. ONNX graphs come from ``ONNX_DIR/NAME.onnx`` (exported when missing
+or stale); the FP16/INT8 graphs are used where ``unroll quantize`` left them (and are newer than the
+FP32 graph). Scaling: the denoiser's latency vs pixel count (128² … 1024², fitted power law
+``ms ∝ pixels^k``) and the MNIST classifier's throughput vs batch size. The precision table puts
+ONNX Runtime FP32/FP16/INT8 speed beside the accuracy figures of the quantization reports.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.common import machine_info, ort_session, progress_bars, time_call, write_results
+
+ENGINES = ("pytorch eager", "torch.compile", "onnxruntime fp32", "onnxruntime fp16", "onnxruntime int8")
+QUANTIZED = ("fp16", "int8")
+#: Batch sizes per model (classifiers and blocks) — small and "a full batch" for the model's size.
+BATCHES = {"sdnet-mnist": (1, 64), "sdnet18-cifar": (1, 32), "sdnet18all-cifar": (1, 32),
+           "sdnet18-imagenet": (1, 8), "sdnet34-imagenet": (1, 8), "csc-fista": (1, 32)}
+DEFAULT_BLOCK_BATCHES = (1, 8)
+DENOISE_SIZES = (256, 512)
+SCALING_SIDES = (128, 256, 512, 768, 1024)
+THROUGHPUT_BATCHES = (1, 4, 16, 64, 256)
+DENOISE_SIGMA = 25.0
+QUICK = {"batches": (1, 4), "denoise_sizes": (64,), "scaling_sides": (64, 96, 128), "throughput_batches": (1, 8),
+         "budget_s": 0.2}
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+
+
+def _lam(onnx_dir: Path, name: str) -> float:
+    """The first CSC layer's trained λ from the export report (what Triton feeds by default)."""
+    try:
+        report = json.loads((onnx_dir / f"{name}.report.json").read_text())
+        return next(float(s["lambda"]) for s in report.get("solvers", []) if "lambda" in s)
+    except (OSError, ValueError, StopIteration):
+        return 0.1
+
+
+def _noisy_camera(side: int) -> dict[str, torch.Tensor]:
+    from skimage.transform import resize
+
+    from unroll import data
+
+    img = resize(data.bundled_image("camera"), (side, side), anti_aliasing=True).astype(np.float32)
+    noisy = data.add_noise(img, DENOISE_SIGMA, data.noise_seed("camera", DENOISE_SIGMA))
+    return {"noisy": torch.from_numpy(noisy)[None, None], "sigma": torch.tensor([DENOISE_SIGMA / 255.0])}
+
+
+def case_inputs(name: str, case: int, lam: float = 0.1) -> dict[str, torch.Tensor]:
+    """Graph-named inputs: ``case`` is the batch size, or the image side for the denoiser."""
+    from export import inputs as ex
+    from unroll.registry import get_spec
+
+    spec = get_spec(name)
+    if spec.task == "denoising":
+        return _noisy_camera(case)
+    if spec.task == "classification":
+        return {"image": ex.image_batch(spec, case), "lam": torch.full((case,), lam)}
+    if name == "csc-fista":
+        return {"x": ex.image_batch(spec, case)}
+    if name == "nmf-ham":
+        c, h, w = spec.input_shape
+        return {"x": torch.cat([ex._tokens(h * w, c, ex._PHOTOS[i % len(ex._PHOTOS)]).transpose(1, 2)
+                                .reshape(1, c, h, w) for i in range(case)])}
+    n, dim = spec.input_shape
+    return {"x": torch.cat([ex._tokens(n, dim, ex._PHOTOS[i % len(ex._PHOTOS)]) for i in range(case)])}
+
+
+def cases_for(name: str, quick: bool = False) -> list[tuple[str, int]]:
+    """(label, case) pairs: ``batch N`` or ``S×S``."""
+    from unroll.registry import get_spec
+
+    if get_spec(name).task == "denoising":
+        return [(f"{s}×{s}", s) for s in (QUICK["denoise_sizes"] if quick else DENOISE_SIZES)]
+    batches = QUICK["batches"] if quick else BATCHES.get(name, DEFAULT_BLOCK_BATCHES)
+    return [(f"batch {b}", b) for b in batches]
+
+
+def _torch_fn(model: torch.nn.Module, task: str, feeds: dict[str, torch.Tensor]) -> Callable[[], object]:
+    if task == "classification":
+        return partial(model, feeds["image"], feeds["lam"])
+    if task == "denoising":
+        return partial(model, feeds["noisy"], feeds["sigma"])
+    return partial(model, feeds["x"])
+
+
+# ----------------------------------------------------------------------------------------------- graphs
+
+
+def ensure_export(name: str, onnx_dir: Path) -> Path:
+    """``onnx_dir/NAME.onnx``, exported (fused, verified) first when missing or older than the weights."""
+    from export.onnx_export import export_model
+    from serving.serve import stale_reason
+
+    if stale_reason(name, onnx_dir) is not None:
+        export_model(name, onnx_dir, naive=False)
+    return onnx_dir / f"{name}.onnx"
+
+
+def quantized_graphs(name: str, onnx_dir: Path) -> tuple[dict[str, Path], dict[str, str]]:
+    """FP16/INT8 graphs usable for ``name`` and, for the others, why not (missing or stale)."""
+    fp32 = onnx_dir / f"{name}.onnx"
+    ok, why = {}, {}
+    for p in QUANTIZED:
+        q = onnx_dir / f"{name}.{p}.onnx"
+        if not q.exists():
+            why[p] = "not quantized"
+        elif fp32.exists() and q.stat().st_mtime < fp32.stat().st_mtime:
+            why[p] = "older than the FP32 export (re-run unroll quantize)"
+        else:
+            ok[p] = q
+    return ok, why
+
+
+def ensure_quantized(onnx_dir: Path, models: tuple[str, ...] = ("sdnet-mnist", "csc-denoiser"),
+                     log: Callable[[str], None] = print) -> dict[str, str]:
+    """Run ``unroll quantize`` (default gates) for each missing or stale FP16/INT8 graph; returns failures."""
+    from export.quantize import GateFailed, quantize
+
+    failed = {}
+    for name in models:
+        ensure_export(name, onnx_dir)
+        _, why = quantized_graphs(name, onnx_dir)
+        for p in why:
+            log(f"quantizing {name} to {p} ({why[p]})")
+            try:
+                quantize(name, p, onnx_dir)
+            except (GateFailed, ValueError, FileNotFoundError) as e:
+                failed[f"{name}.{p}"] = str(e)
+                log(f"  {name} {p}: {e}")
+    return failed
+
+
+def quant_report(name: str, precision: str, onnx_dir: Path) -> dict | None:
+    path = onnx_dir / f"{name}.{precision}.report.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# ----------------------------------------------------------------------------------------------- the benchmark
+
+
+def _timed(fn: Callable[[], object], budget_s: float) -> dict:
+    """Median of at least 3 repeats after warm-up (1 call for quick budgets, else 2)."""
+    return time_call(fn, warmup=1 if budget_s < QUICK["budget_s"] + 1e-9 else 2, min_repeats=3, max_repeats=200,
+                     budget_s=budget_s)
+
+
+def bench_model(name: str, onnx_dir: Path, threads: int, budget_s: float, with_compile: bool, quick: bool,
+                status: Callable[[str], None]) -> list[dict]:
+    """Rows for one registered model: every case × every engine available."""
+    import unroll
+    from unroll.registry import get_spec
+
+    spec = get_spec(name)
+    model = unroll.load(name, pretrained=spec.has_weights)
+    lam = _lam(onnx_dir, name)
+    notes: dict[str, str] = {}
+    sessions = {}
+    try:
+        sessions["fp32"] = ort_session(ensure_export(name, onnx_dir), threads)
+    except Exception as e:  # an export that fails is a result to report, not a reason to stop
+        notes["onnxruntime fp32"] = f"export failed: {type(e).__name__}: {e}"[:200]
+    q, why = quantized_graphs(name, onnx_dir)
+    sessions.update({p: ort_session(path, threads) for p, path in q.items()})
+    if spec.task in ("classification", "denoising"):
+        notes.update({f"onnxruntime {p}": w for p, w in why.items()})
+    rows = []
+    for label, case in cases_for(name, quick):
+        feeds = case_inputs(name, case, lam)
+        row: dict = {"model": name, "task": spec.task, "case": label, "weights": spec.has_weights, "timings": {},
+                     "notes": dict(notes)}
+        with torch.inference_mode():
+            status(f"{name} {label}: pytorch eager")
+            row["timings"]["pytorch eager"] = _timed(_torch_fn(model, spec.task, feeds), budget_s)
+            if with_compile:
+                status(f"{name} {label}: torch.compile (compiling)")
+                try:
+                    compiled = torch.compile(model, dynamic=False)
+                    fn = _torch_fn(compiled, spec.task, feeds)
+                    fn()
+                    row["timings"]["torch.compile"] = _timed(fn, budget_s)
+                except Exception as e:
+                    row["notes"]["torch.compile"] = f"{type(e).__name__}: {e}"[:200]
+        for p, sess in sessions.items():
+            status(f"{name} {label}: onnxruntime {p}")
+            names = {i.name for i in sess.get_inputs()}
+            np_feeds = {k: v.numpy() for k, v in feeds.items() if k in names}
+            row["timings"][f"onnxruntime {p}"] = _timed(partial(sess.run, None, np_feeds), budget_s)
+        eager = row["timings"]["pytorch eager"]["median_ms"]
+        row["speedup_vs_eager"] = {k: eager / v["median_ms"] for k, v in row["timings"].items()}
+        rows.append(row)
+    return rows
+
+
+def _fit_power_law(pixels: list[int], ms: list[float]) -> dict:
+    k, c = np.polyfit(np.log(pixels), np.log(ms), 1)
+    return {"exponent": float(k), "log_coef": float(c)}
+
+
+def scaling(onnx_dir: Path, threads: int, budget_s: float, quick: bool, status: Callable[[str], None]) -> dict:
+    """Denoiser latency vs pixels (ONNX Runtime FP32) and classifier throughput vs batch (eager, ORT FP32/INT8)."""
+    import unroll
+
+    out: dict = {"denoiser": {}, "classifier": {"model": "sdnet-mnist", "engines": {}}}
+    sess = ort_session(ensure_export("csc-denoiser", onnx_dir), threads)
+    points = []
+    for side in (QUICK["scaling_sides"] if quick else SCALING_SIDES):
+        status(f"scaling: csc-denoiser {side}×{side}")
+        feeds = {k: v.numpy() for k, v in _noisy_camera(side).items()}
+        t = _timed(partial(sess.run, None, feeds), budget_s)
+        points.append({"side": side, "pixels": side * side, **t})
+    out["denoiser"]["onnxruntime fp32"] = {
+        "model": "csc-denoiser", "points": points,
+        "fit": _fit_power_law([p["pixels"] for p in points], [p["median_ms"] for p in points])}
+    model = unroll.load("sdnet-mnist")
+    lam = _lam(onnx_dir, "sdnet-mnist")
+    engines: dict[str, Callable[[dict[str, torch.Tensor]], Callable[[], object]]] = {
+        "pytorch eager": lambda f: partial(model, f["image"], f["lam"])}
+    graphs = {"fp32": ensure_export("sdnet-mnist", onnx_dir), **quantized_graphs("sdnet-mnist", onnx_dir)[0]}
+    for p in ("fp32", "int8"):
+        if p in graphs:
+            s = ort_session(graphs[p], threads)
+            engines[f"onnxruntime {p}"] = lambda f, s=s: partial(s.run, None, {k: v.numpy() for k, v in f.items()})
+    for engine, make in engines.items():
+        pts = []
+        for b in (QUICK["throughput_batches"] if quick else THROUGHPUT_BATCHES):
+            status(f"scaling: sdnet-mnist {engine} batch {b}")
+            with torch.inference_mode():
+                t = _timed(make(case_inputs("sdnet-mnist", b, lam)), budget_s)
+            pts.append({"batch": b, **t, "images_per_s": b / (t["median_ms"] / 1e3)})
+        out["classifier"]["engines"][engine] = pts
+    return out
+
+
+def _quality(model: str, precision: str, onnx_dir: Path) -> dict | None:
+    """Accuracy (sdnet-mnist) or PSNR per σ (csc-denoiser) for one precision, from the quantization reports."""
+    reports = {p: quant_report(model, p, onnx_dir) for p in QUANTIZED}
+    rep = (reports["int8"] or reports["fp16"]) if precision == "fp32" else reports[precision]
+    m = (rep or {}).get("metrics") or {}
+    fp32 = precision == "fp32"
+    if "accuracy" in m:
+        return {"accuracy": m["accuracy_fp32"] if fp32 else m["accuracy"],
+                "top1_agreement": 1.0 if fp32 else m.get("top1_agreement"), "n": m.get("n")}
+    if "per_sigma" in m:
+        ps = m["per_sigma"]
+        return {"psnr_db": {s: v["psnr_fp32"] if fp32 else v["psnr"] for s, v in ps.items()},
+                "psnr_loss_db": {s: 0.0 if fp32 else v["psnr_loss_db"] for s, v in ps.items()}}
+    return None
+
+
+def precision_table(rows: list[dict], onnx_dir: Path) -> list[dict]:
+    """ONNX Runtime FP32 vs FP16 vs INT8 speed for the quantizable models, beside their accuracy-gate figures."""
+    out = []
+    for r in rows:
+        if r["model"] not in ("sdnet-mnist", "csc-denoiser") or "onnxruntime fp32" not in r["timings"]:
+            continue
+        base = r["timings"]["onnxruntime fp32"]["median_ms"]
+        for p in ("fp32", *QUANTIZED):
+            t = r["timings"].get(f"onnxruntime {p}")
+            out.append({"model": r["model"], "case": r["case"], "precision": p,
+                        "median_ms": t["median_ms"] if t else None,
+                        "speedup_vs_fp32": base / t["median_ms"] if t else None,
+                        "note": r["notes"].get(f"onnxruntime {p}"), "quality": _quality(r["model"], p, onnx_dir)})
+    return out
+
+
+def run(models: list[str] | None = None, threads: int = 2, budget_s: float = 1.0, with_compile: bool = False,
+        quick: bool = False, onnx_dir: Path = Path("build/onnx"), progress: bool = True,
+        out_dir: Path | None = None, with_scaling: bool = True) -> dict:
+    """Benchmark every registered model (or ``models``); write ``models.json|md`` + ``models_scaling.png``."""
+    from unroll.registry import list_models
+
+    torch.set_num_threads(threads)
+    onnx_dir = Path(onnx_dir)
+    onnx_dir.mkdir(parents=True, exist_ok=True)
+    names = models or list_models()
+    if quick:
+        budget_s = min(budget_s, QUICK["budget_s"])
+    rows: list[dict] = []
+    with progress_bars(progress) as bars:
+        task = bars.add_task("models", total=len(names) + (1 if with_scaling else 0), info="")
+
+        def status(msg: str) -> None:
+            bars.update(task, info=msg)
+
+        for name in names:
+            rows += bench_model(name, onnx_dir, threads, budget_s, with_compile, quick, status)
+            bars.advance(task)
+        scal = scaling(onnx_dir, threads, budget_s, quick, status) if with_scaling else {}
+        bars.advance(task)
+    payload = {"benchmark": "models", "machine": machine_info(threads),
+               "config": {"threads": threads, "budget_s": budget_s, "torch_compile": with_compile, "quick": quick,
+                          "timing": f"{1 if quick else 2} warm-up call(s), then repeats until the budget (≥ 3): median",
+                          "onnx_dir": str(onnx_dir)},
+               "rows": rows, "precision": precision_table(rows, onnx_dir), "scaling": scal}
+    if out_dir is not None:
+        write(payload, Path(out_dir))
+    return payload
+
+
+def write(payload: dict, out_dir: Path) -> list[Path]:
+    from benchmarks import plots
+
+    paths = list(write_results("models", payload, markdown(payload), out_dir))
+    if payload.get("scaling"):
+        paths += plots.models_plots(payload, out_dir)
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------- Markdown
+
+
+def _cell(t: dict | None, ratio: float | None) -> str:
+    return "-" if t is None else f"{t['median_ms']:.2f} ({ratio:.2f}×)"
+
+
+def markdown(payload: dict) -> str:
+    m, cfg = payload["machine"], payload["config"]
+    engines = [e for e in ENGINES if any(e in r["timings"] for r in payload["rows"])]
+    lines = [f"# Engines per model ({m['cpu']}, {cfg['threads']} threads, torch {m['versions'].get('torch')}, "
+             f"onnxruntime {m['versions'].get('onnxruntime')})", "",
+             f"Median latency in ms per call ({cfg['timing']}); in parentheses the speed-up vs PyTorch eager in "
+             "the same run. Models without committed weights run a seeded random initialisation (same cost). "
+             + ("" if cfg["torch_compile"] else "torch.compile skipped (pass --compile; slow to compile)."), "",
+             "| model | case | " + " | ".join(engines) + " |", "|---|---|" + "---|" * len(engines)]
+    for r in payload["rows"]:
+        cells = [_cell(r["timings"].get(e), r["speedup_vs_eager"].get(e)) for e in engines]
+        lines.append(f"| {r['model']} | {r['case']} | " + " | ".join(cells) + " |")
+    notes = sorted({f"{r['model']} {k}: {v}" for r in payload["rows"] for k, v in r["notes"].items()})
+    if notes:
+        lines += ["", "Not measured: " + "; ".join(notes) + "."]
+    if payload["precision"]:
+        lines += ["", "## ONNX Runtime CPU: FP32 vs FP16 vs INT8, speed and accuracy", "",
+                  "Accuracy figures are the quantization gates' (`build/onnx/NAME.<precision>.report.json`): "
+                  "sdnet-mnist on the 1,000 held-out digits, csc-denoiser mean PSNR over the 8 held-out images.", "",
+                  "| model | case | precision | median ms | speed vs FP32 | accuracy / PSNR σ=15, 25, 50 (dB) "
+                  "| change vs FP32 |", "|---|---|---|---|---|---|---|"]
+        for e in payload["precision"]:
+            q = e.get("quality") or {}
+            if "accuracy" in q:
+                qual = "-" if q["accuracy"] is None else f"{100 * q['accuracy']:.1f} %"
+                diff = "-" if q.get("top1_agreement") is None else f"top-1 agreement {100 * q['top1_agreement']:.1f} %"
+            elif "psnr_db" in q:
+                qual = ", ".join(f"{v:.2f}" for v in q["psnr_db"].values())
+                diff = ", ".join(f"{-v:+.3f}" for v in q["psnr_loss_db"].values()) + " dB"
+            else:
+                qual = diff = "-"
+            ms = "-" if e["median_ms"] is None else f"{e['median_ms']:.2f}"
+            sp = "-" if e["speedup_vs_fp32"] is None else f"{e['speedup_vs_fp32']:.2f}×"
+            if e["median_ms"] is None and e.get("note"):
+                ms = e["note"]
+            lines.append(f"| {e['model']} | {e['case']} | {e['precision'].upper()} | {ms} | {sp} | {qual} | {diff} |")
+    sc = payload.get("scaling") or {}
+    for engine, d in sc.get("denoiser", {}).items():
+        lines += ["", f"## Scaling: csc-denoiser latency vs image size ({engine})", "",
+                  f"Fitted power law: latency ∝ pixels^**{d['fit']['exponent']:.2f}** (1.0 = linear in pixels).", "",
+                  "| size | pixels | median ms | µs / pixel |", "|---|---|---|---|"]
+        for p in d["points"]:
+            lines.append(f"| {p['side']}×{p['side']} | {p['pixels']:,} | {p['median_ms']:.1f} | "
+                         f"{1e3 * p['median_ms'] / p['pixels']:.3f} |")
+    cl = sc.get("classifier", {}).get("engines", {})
+    if cl:
+        batches = [p["batch"] for p in next(iter(cl.values()))]
+        lines += ["", f"## Scaling: {sc['classifier']['model']} throughput vs batch size (images/s)", "",
+                  "| engine | " + " | ".join(f"batch {b}" for b in batches) + " |", "|---|" + "---|" * len(batches)]
+        for engine, pts in cl.items():
+            lines.append(f"| {engine} | " + " | ".join(f"{p['images_per_s']:.0f}" for p in pts) + " |")
+    lines += ["", "Plot: `models_scaling.png`.", ""]
+    return "\n".join(lines)

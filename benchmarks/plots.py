@@ -1,0 +1,225 @@
+"""PNG plots for the benchmark results (matplotlib, Agg: no display needed).
+
+Each function takes a benchmark's payload (the same dict that goes to JSON) and an output folder,
+writes its PNG(s) and returns the paths. ``matplotlib.figure.Figure`` is used directly, without
+pyplot, so nothing global (backend, open figures) is touched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
+
+DPI = 110
+PATH_COLORS = {"onnxruntime": "tab:green", "triton-http": "tab:blue", "triton-grpc": "tab:purple",
+               "gateway": "tab:red"}
+PATH_LABELS = {"onnxruntime": "in-process ONNX Runtime", "triton-http": "Triton HTTP", "triton-grpc": "Triton gRPC",
+               "gateway": "gateway"}
+LAYERS = (("queue_ms", "Triton queue", "tab:orange"), ("compute_input_ms", "compute input", "tab:olive"),
+          ("compute_infer_ms", "infer", "tab:blue"), ("compute_output_ms", "compute output", "tab:cyan"),
+          ("other_ms", "other (server)", "tab:gray"))
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    return path
+
+
+def _levels_axis(ax, levels: list[int], log_y: bool = False) -> None:
+    """Concurrency on a log2 x axis labelled with the measured levels; plain numbers on a log y axis."""
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(sorted(set(levels)) or [1]))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_locator(NullLocator())
+    if log_y:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(ScalarFormatter())
+        ax.tick_params(axis="y", which="minor", labelsize=6)
+
+
+def _grid(n: int, width: float = 5.0, height: float = 3.8) -> tuple[Figure, list]:
+    fig = Figure(figsize=(width * n, height))
+    axes = [fig.add_subplot(1, n, i + 1) for i in range(n)]
+    return fig, axes
+
+
+# ----------------------------------------------------------------------------------------------- serve
+
+
+def serve_plots(payload: dict, out_dir: Path) -> list[Path]:
+    """``serve_latency.png``, ``serve_throughput.png`` and ``serve_split.png``."""
+    runs = payload["runs"]
+    workloads = [k for k in payload["config"]["workloads"] if any(r["workload"] == k for r in runs)]
+    labels = {k: f"{v['model']}: {v['input']}" for k, v in payload["config"]["workloads"].items()}
+    out = []
+
+    fig, axes = _grid(len(workloads))
+    for ax, key in zip(axes, workloads, strict=True):
+        for path, color in PATH_COLORS.items():
+            rs = sorted((r for r in runs if r["workload"] == key and r["path"] == path and r["requests"]),
+                        key=lambda r: r["concurrency"])
+            if not rs:
+                continue
+            c = [r["concurrency"] for r in rs]
+            ax.plot(c, [r["latency_ms"]["p50"] for r in rs], "o-", color=color, label=f"{PATH_LABELS[path]} p50")
+            ax.plot(c, [r["latency_ms"]["p99"] for r in rs], "s--", color=color, alpha=0.7,
+                    label=f"{PATH_LABELS[path]} p99")
+            ax.fill_between(c, [r["latency_ms"]["p90"] for r in rs], [r["latency_ms"]["p95"] for r in rs],
+                            color=color, alpha=0.12)
+        _levels_axis(ax, [r["concurrency"] for r in runs if r["workload"] == key], log_y=True)
+        ax.set_xlabel("in-flight requests")
+        ax.set_ylabel("latency (ms)")
+        ax.set_title(labels[key], fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Client latency vs concurrency (p50 solid, p99 dashed, p90–p95 shaded)", fontsize=10)
+    out.append(_save(fig, out_dir / "serve_latency.png"))
+
+    b = payload.get("batching")
+    fig, axes = _grid(len(workloads) + (1 if b else 0), width=4.6)
+    for ax, key in zip(axes, workloads, strict=False):
+        for path, color in PATH_COLORS.items():
+            rs = sorted((r for r in runs if r["workload"] == key and r["path"] == path),
+                        key=lambda r: r["concurrency"])
+            if rs:
+                ax.plot([r["concurrency"] for r in rs], [r["throughput_rps"] for r in rs], "o-", color=color,
+                        label=PATH_LABELS[path])
+        _levels_axis(ax, [r["concurrency"] for r in runs if r["workload"] == key])
+        ax.set_xlabel("in-flight requests")
+        ax.set_ylabel("requests / s")
+        ax.set_title(labels[key], fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.set_ylim(bottom=0)
+    axes[0].legend(fontsize=7)
+    if b:
+        ax = axes[-1]
+        vals = [b["on"]["throughput_rps"], b["off"]["throughput_rps"]]
+        bars = ax.bar(["batching on", "batching off\n(max_batch_size 1)"], vals, color=["tab:purple", "tab:gray"])
+        ax.bar_label(bars, fmt="%.0f")
+        ax.margins(y=0.15)
+        ax.set_ylabel("requests / s")
+        sp = b.get("speedup")
+        ax.set_title(f"sdnet-mnist, gRPC, {b['concurrency']} in flight: "
+                     + (f"{sp:.2f}×" if sp else "-"), fontsize=9)
+    fig.suptitle("Throughput vs concurrency", fontsize=10)
+    out.append(_save(fig, out_dir / "serve_throughput.png"))
+
+    key = "mnist" if "mnist" in workloads else workloads[0]
+    server_paths = [p for p in ("triton-http", "triton-grpc", "gateway")
+                    if any(r["workload"] == key and r["path"] == p for r in runs)]
+    fig, axes = _grid(max(1, len(server_paths)), width=4.6)
+    ort_runs = {r["concurrency"]: r for r in runs if r["workload"] == key and r["path"] == "onnxruntime"}
+    for ax, path in zip(axes, server_paths, strict=False):
+        rs = sorted((r for r in runs if r["workload"] == key and r["path"] == path), key=lambda r: r["concurrency"])
+        x = np.arange(len(rs))
+        bottom = np.zeros(len(rs))
+        for field, name, color in LAYERS:
+            v = np.array([(r["server"] or {}).get(field) or 0.0 for r in rs])
+            ax.bar(x, v, bottom=bottom, color=color, label=name)
+            bottom += v
+        outside = np.array([max(0.0, r["latency_ms"]["mean"] - ((r["server"] or {}).get("total_ms") or 0.0))
+                            for r in rs])
+        ax.bar(x, outside, bottom=bottom, color="tab:red" if path == "gateway" else "tab:pink",
+               label="gateway + client + network" if path == "gateway" else "client + network")
+        ref = [ort_runs[r["concurrency"]]["latency_ms"]["mean"] if r["concurrency"] in ort_runs else np.nan
+               for r in rs]
+        ax.plot(x, ref, "k_", markersize=18, mew=2, label="in-process ONNX Runtime")
+        ax.set_xticks(x, [str(r["concurrency"]) for r in rs])
+        ax.set_xlabel("in-flight requests")
+        ax.set_ylabel("mean latency (ms)")
+        ax.set_title(PATH_LABELS[path], fontsize=9)
+        ax.legend(fontsize=6)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"Where the time goes ({labels[key]}): Triton statistics + the rest, mean per request",
+                 fontsize=10)
+    out.append(_save(fig, out_dir / "serve_split.png"))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- models
+
+
+def models_plots(payload: dict, out_dir: Path) -> list[Path]:
+    """``models_scaling.png``: denoiser latency vs pixels (log-log, fitted exponent); classifier throughput vs batch."""
+    fig, (a1, a2) = _grid(2, width=5.2)
+    sc = payload.get("scaling", {})
+    for engine, d in sc.get("denoiser", {}).items():
+        px = np.array([p["pixels"] for p in d["points"]], dtype=float)
+        ms = np.array([p["median_ms"] for p in d["points"]])
+        line = a1.loglog(px, ms, "o", label=f"{engine}: exponent {d['fit']['exponent']:.2f}")[0]
+        xx = np.geomspace(px.min(), px.max(), 50)
+        a1.loglog(xx, np.exp(d["fit"]["log_coef"]) * xx ** d["fit"]["exponent"], "-", color=line.get_color(),
+                  alpha=0.6)
+        for p in d["points"]:
+            a1.annotate(f"{p['side']}²", (p["pixels"], p["median_ms"]), fontsize=7, xytext=(3, -8),
+                        textcoords="offset points")
+    a1.set_xlabel("pixels (H×W)")
+    a1.set_ylabel("median latency (ms)")
+    a1.set_title("csc-denoiser latency vs image size (fit: ms ∝ pixels^k)", fontsize=9)
+    a1.grid(True, which="both", alpha=0.3)
+    a1.legend(fontsize=7)
+    for engine, pts in sc.get("classifier", {}).get("engines", {}).items():
+        a2.plot([p["batch"] for p in pts], [p["images_per_s"] for p in pts], "o-", label=engine)
+    _levels_axis(a2, [p["batch"] for pts in sc.get("classifier", {}).get("engines", {}).values() for p in pts])
+    a2.set_xlabel("batch size")
+    a2.set_ylabel("images / s")
+    a2.set_title(f"{sc.get('classifier', {}).get('model', 'classifier')} throughput vs batch size", fontsize=9)
+    a2.grid(True, alpha=0.3)
+    a2.legend(fontsize=7)
+    a2.set_ylim(bottom=0)
+    return [_save(fig, out_dir / "models_scaling.png")]
+
+
+# ----------------------------------------------------------------------------------------------- quality
+
+
+def quality_denoise_plot(payload: dict, out_dir: Path) -> Path:
+    """``quality_denoise.png``: mean PSNR per method and σ (bars) and wall time per image (log)."""
+    methods = payload["methods"]
+    sigmas = payload["sigmas"]
+    fig, (a1, a2) = _grid(2, width=6.0)
+    width = 0.8 / max(1, len(methods))
+    x = np.arange(len(sigmas))
+    for i, m in enumerate(methods):
+        v = [payload["summary"][m][f"{s:g}"]["psnr"] for s in sigmas]
+        a1.bar(x + (i - (len(methods) - 1) / 2) * width, v, width, label=m)
+    a1.set_xticks(x, [f"σ = {s:g}" for s in sigmas])
+    a1.set_ylabel("mean PSNR (dB)")
+    vals = [payload["summary"][m][f"{s:g}"]["psnr"] for m in methods for s in sigmas]
+    lo, hi = max(0.0, min(vals) - 3), max(vals)
+    a1.set_ylim(lo, hi + 0.45 * (hi - lo))  # headroom for the legend
+    a1.set_title(f"PSNR on {payload['n_images']} held-out images (same noisy inputs)", fontsize=9)
+    a1.legend(fontsize=7, ncol=3, loc="upper right")
+    a1.grid(True, axis="y", alpha=0.3)
+    t = [payload["time_s"][m]["mean"] for m in methods]
+    bars = a2.barh(methods, t, color="tab:gray")
+    a2.bar_label(bars, fmt="%.3g s", fontsize=7)
+    a2.set_xscale("log")
+    a2.set_xlabel("mean wall time per image (s)")
+    a2.set_title("Speed (one image, 2 threads where the method threads)", fontsize=9)
+    a2.invert_yaxis()
+    return _save(fig, out_dir / "quality_denoise.png")
+
+
+def quality_classify_plot(payload: dict, out_dir: Path) -> Path:
+    """``quality_classify.png``: sdnet-mnist accuracy vs noise σ per precision, λ fixed (solid) vs auto (dashed)."""
+    fig, (ax,) = _grid(1, width=6.5, height=4.2)
+    colors = {"fp32": "tab:blue", "fp16": "tab:orange", "int8": "tab:green", "pytorch (record)": "black"}
+    for prec, d in payload["results"].items():
+        c = colors.get(prec)
+        s = [r["sigma"] for r in d]
+        ax.plot(s, [100 * r["acc_fixed"] for r in d], "o-", color=c, label=f"{prec}, λ fixed")
+        if all(r.get("acc_auto") is not None for r in d):
+            ax.plot(s, [100 * r["acc_auto"] for r in d], "s--", color=c, label=f"{prec}, λ auto")
+    ax.set_xlabel("Gaussian noise σ (pixel scale 0–1)")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(f"sdnet-mnist on {payload['n_digits']} held-out digits", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(fig, out_dir / "quality_classify.png")

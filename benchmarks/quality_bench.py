@@ -1,0 +1,294 @@
+"""Quality beside speed: denoising PSNR/SSIM vs classical denoisers, and sdnet-mnist accuracy per precision.
+
+Denoising: the held-out images (``unroll.data.DENOISE_TEST_IMAGES``) at σ = 15/25/50 with the seeded
+noise every method shares (``add_noise(img, σ, noise_seed(name, σ))``): csc-denoiser through ONNX
+Runtime in FP32/FP16/INT8 beside BM3D and scikit-image's non-local means, TV (Chambolle) and
+wavelet (BayesShrink) denoisers, with each method's wall time per image.
+
+Classification: sdnet-mnist's accuracy per precision (ONNX Runtime FP32/FP16/INT8) on the 1,000
+held-out digits, clean and under Gaussian noise σ = 0.1 … 0.5 (the noise of ``unroll.train.mnist``'s
+evaluation), with the trained λ fixed vs ``lam=auto`` (λ per image from ``sdnet-mnist.autolam.onnx``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import machine_info, ort_session, progress_bars, write_results
+
+SIGMAS = (15.0, 25.0, 50.0)
+PRECISIONS = ("fp32", "fp16", "int8")
+#: TV weight = TV_WEIGHT_PER_SIGMA × σ (σ on the 0–1 scale): best of 0.5/0.75/1/1.5/2 on *training* images
+#: (astronaut, coffee, page) at σ = 15/25/50.
+TV_WEIGHT_PER_SIGMA = 0.75
+NOISE_SIGMAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
+QUICK = {"images": ("camera", "coins"), "crop": 128, "sigmas": (25.0,), "digits": 200, "noise": (0.0, 0.3)}
+BATCH = 500
+
+
+# ----------------------------------------------------------------------------------------------- denoisers
+
+
+def _classical() -> dict[str, Callable[[np.ndarray, float], np.ndarray]]:
+    from skimage.restoration import denoise_nl_means, denoise_tv_chambolle, denoise_wavelet, estimate_sigma
+
+    from unroll.baselines import bm3d_denoise
+
+    def nlm(noisy: np.ndarray, s255: float) -> np.ndarray:
+        est = float(np.mean(estimate_sigma(noisy)))  # scikit-image's recipe: h from the estimated σ
+        return denoise_nl_means(noisy, h=0.8 * est, sigma=est, fast_mode=True, patch_size=5, patch_distance=6)
+
+    return {
+        "BM3D": bm3d_denoise,
+        "NL-means": nlm,
+        "TV (Chambolle)": lambda noisy, s255: denoise_tv_chambolle(noisy, weight=TV_WEIGHT_PER_SIGMA * s255 / 255),
+        "wavelet (BayesShrink)": lambda noisy, s255: denoise_wavelet(noisy, sigma=s255 / 255, method="BayesShrink",
+                                                                     mode="soft", rescale_sigma=True),
+    }
+
+
+def _onnx_denoiser(session) -> Callable[[np.ndarray, float], np.ndarray]:
+    def run(noisy: np.ndarray, s255: float) -> np.ndarray:
+        out = session.run(None, {"noisy": noisy[None, None].astype(np.float32),
+                                 "sigma": np.array([s255 / 255], np.float32)})[0]
+        return out[0, 0]
+
+    return run
+
+
+def _graphs(name: str, onnx_dir: Path) -> tuple[dict[str, Path], dict[str, str]]:
+    from benchmarks.models_bench import ensure_export, quantized_graphs
+
+    graphs = {"fp32": ensure_export(name, onnx_dir)}
+    q, why = quantized_graphs(name, onnx_dir)
+    return {**graphs, **q}, why
+
+
+def _images(quick: bool, images: tuple[str, ...] | None) -> dict[str, np.ndarray]:
+    from unroll import data
+
+    if quick:
+        c = QUICK["crop"]
+        out = {}
+        for n in images or QUICK["images"]:
+            img = data.bundled_image(n)
+            y, x = (img.shape[0] - c) // 2, (img.shape[1] - c) // 2
+            out[n] = np.ascontiguousarray(img[y:y + c, x:x + c])
+        return out
+    return {n: data.bundled_image(n) for n in (images or data.DENOISE_TEST_IMAGES)}
+
+
+def run_denoise(threads: int = 2, sigmas: tuple[float, ...] = SIGMAS, quick: bool = False,
+                images: tuple[str, ...] | None = None, with_bm3d: bool = True, onnx_dir: Path = Path("build/onnx"),
+                progress: bool = True, out_dir: Path | None = None) -> dict:
+    """PSNR/SSIM and wall time per image for every method on the same noisy images."""
+    from skimage.metrics import structural_similarity
+
+    from unroll import data
+    from unroll.train.denoiser import psnr
+
+    onnx_dir = Path(onnx_dir)
+    if quick:
+        sigmas = tuple(s for s in sigmas if s in QUICK["sigmas"]) or QUICK["sigmas"]
+    imgs = _images(quick, images)
+    graphs, missing = _graphs("csc-denoiser", onnx_dir)
+    methods: dict[str, Callable[[np.ndarray, float], np.ndarray]] = {}
+    for p in PRECISIONS:
+        if p in graphs:
+            sess = ort_session(graphs[p], threads)
+            methods[f"csc-denoiser {p.upper()}"] = _onnx_denoiser(sess)
+    for k, f in _classical().items():
+        if k != "BM3D" or with_bm3d:
+            methods[k] = f
+    warm = data.add_noise(np.full((48, 48), 0.5, np.float32), 25.0, 0)
+    for f in methods.values():  # imports and first-call set-up stay outside the timings
+        f(warm, 25.0)
+    per_image = []
+    with progress_bars(progress) as bars:
+        task = bars.add_task("denoising quality", total=len(methods) * len(sigmas) * len(imgs), info="")
+        for s in sigmas:
+            for name, clean in imgs.items():
+                noisy = data.add_noise(clean, s, data.noise_seed(name, s))
+                for m, f in methods.items():
+                    bars.update(task, info=f"σ={s:g} {name} {m}")
+                    t0 = time.perf_counter()
+                    est = np.asarray(f(noisy, s), dtype=np.float32)
+                    dt = time.perf_counter() - t0
+                    per_image.append({"method": m, "sigma": s, "image": name, "shape": list(clean.shape),
+                                      "psnr": psnr(clean, est),
+                                      "ssim": float(structural_similarity(clean, np.clip(est, 0, 1), data_range=1.0)),
+                                      "time_s": dt})
+                    bars.advance(task)
+    names = list(methods)
+    summary = {m: {f"{s:g}": {k: float(np.mean([r[k] for r in per_image if r["method"] == m and r["sigma"] == s]))
+                              for k in ("psnr", "ssim", "time_s")} for s in sigmas} for m in names}
+    times = {}
+    for m in names:
+        rs = [r for r in per_image if r["method"] == m]
+        r512 = [r["time_s"] for r in rs if r["shape"] == [512, 512]]
+        times[m] = {"mean": float(np.mean([r["time_s"] for r in rs])),
+                    "mean_512x512": float(np.mean(r512)) if r512 else None}
+    ours, bm = times.get("csc-denoiser FP32", {}).get("mean_512x512"), times.get("BM3D", {}).get("mean_512x512")
+    payload = {"benchmark": "quality: denoising", "machine": machine_info(threads),
+               "config": {"threads": threads, "quick": quick, "onnx_dir": str(onnx_dir),
+                          "noise": "unroll.data.add_noise(img, σ, noise_seed(name, σ)), not clipped",
+                          "parameters": {"BM3D": "bm3d.bm3d(noisy, sigma_psd=σ) (true σ)",
+                                         "NL-means": "h = 0.8·σ̂, sigma = σ̂ with σ̂ = estimate_sigma(noisy); "
+                                                     "fast mode, 5×5 patches, distance 6",
+                                         "TV (Chambolle)": f"weight = {TV_WEIGHT_PER_SIGMA}·σ (true σ; tuned on "
+                                                           "training images)",
+                                         "wavelet (BayesShrink)": "sigma = true σ, soft thresholding, rescale_sigma",
+                                         "csc-denoiser": "ONNX Runtime, true σ, "
+                                                         f"{threads} threads"},
+                          "missing_precisions": missing},
+               "methods": names, "sigmas": list(sigmas), "n_images": len(imgs),
+               "images": {n: list(v.shape) for n, v in imgs.items()}, "summary": summary, "time_s": times,
+               "speed_512": {"csc_fp32_s": ours, "bm3d_s": bm, "bm3d_over_csc": bm / ours if ours and bm else None},
+               "per_image": per_image}
+    if out_dir is not None:
+        from benchmarks import plots
+
+        write_results("quality_denoise", payload, markdown_denoise(payload), Path(out_dir))
+        plots.quality_denoise_plot(payload, Path(out_dir))
+    return payload
+
+
+def markdown_denoise(payload: dict) -> str:
+    m, sig = payload["machine"], payload["sigmas"]
+    lines = [f"# Denoising quality and speed ({m['cpu']}, {payload['n_images']} held-out images"
+             + (", quick run" if payload["config"]["quick"] else "") + ")", "",
+             "Mean PSNR (dB) / SSIM over the same seeded noisy images for every method; wall time per image "
+             "(mean over all images and σ).", "",
+             "| method | " + " | ".join(f"σ={s:g} PSNR / SSIM" for s in sig) + " | s / image | s / 512² image |",
+             "|---|" + "---|" * (len(sig) + 2)]
+    best = {f"{s:g}": max(payload["summary"][k][f"{s:g}"]["psnr"] for k in payload["methods"]) for s in sig}
+    for k in payload["methods"]:
+        cells = []
+        for s in sig:
+            v = payload["summary"][k][f"{s:g}"]
+            p = f"{v['psnr']:.2f}"
+            cells.append(f"{'**' + p + '**' if v['psnr'] == best[f'{s:g}'] else p} / {v['ssim']:.3f}")
+        t = payload["time_s"][k]
+        t512 = "-" if t["mean_512x512"] is None else f"{t['mean_512x512']:.3g}"
+        lines.append(f"| {k} | " + " | ".join(cells) + f" | {t['mean']:.3g} | {t512} |")
+    sp = payload["speed_512"]
+    lines += [""]
+    if sp["bm3d_over_csc"]:
+        lines.append(f"On 512×512 images csc-denoiser (ONNX Runtime FP32) takes {sp['csc_fp32_s']:.3g} s and BM3D "
+                     f"{sp['bm3d_s']:.3g} s: **{sp['bm3d_over_csc']:.1f}× faster**.")
+    else:
+        lines.append("512×512 speed ratio vs BM3D: not measured in this run (no 512×512 image, or BM3D skipped).")
+    missing = payload["config"].get("missing_precisions") or {}
+    if missing:
+        lines.append("Not measured: " + "; ".join(f"csc-denoiser {p.upper()}: {w}" for p, w in missing.items()) + ".")
+    lines += ["", "Parameters:", ""]
+    lines += [f"- {k}: {v}" for k, v in payload["config"]["parameters"].items()]
+    lines += ["", "Images: " + ", ".join(f"{n} {s[1]}×{s[0]}" for n, s in payload["images"].items()) + ".",
+              "", "Plot: `quality_denoise.png`.", ""]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- classification
+
+
+def _predict(session, x: np.ndarray, lam: np.ndarray) -> np.ndarray:
+    out = [session.run(None, {"image": x[i:i + BATCH], "lam": lam[i:i + BATCH]})[0].argmax(1)
+           for i in range(0, len(x), BATCH)]
+    return np.concatenate(out)
+
+
+def _auto_lam(session, x: np.ndarray) -> np.ndarray:
+    return np.concatenate([session.run(None, {"image": x[i:i + BATCH]})[0] for i in range(0, len(x), BATCH)])
+
+
+def run_classify(threads: int = 2, quick: bool = False, noise: tuple[float, ...] = NOISE_SIGMAS,
+                 onnx_dir: Path = Path("build/onnx"), progress: bool = True, out_dir: Path | None = None) -> dict:
+    """sdnet-mnist accuracy per precision, clean and noisy, λ fixed vs λ auto."""
+    from benchmarks.models_bench import _lam
+    from export.onnx_export import export_auto_lam
+    from unroll import data
+    from unroll.registry import get_spec
+    from unroll.train.mnist import _noisy
+
+    onnx_dir = Path(onnx_dir)
+    graphs, missing = _graphs("sdnet-mnist", onnx_dir)
+    autolam = onnx_dir / "sdnet-mnist.autolam.onnx"
+    if not autolam.exists() or autolam.stat().st_mtime < graphs["fp32"].stat().st_mtime:
+        export_auto_lam("sdnet-mnist", onnx_dir)
+    auto = ort_session(autolam, threads)
+    sessions = {p: ort_session(graphs[p], threads) for p in PRECISIONS if p in graphs}
+    _, _, x, y = data.mnist_split()
+    if quick:
+        x, y, noise = x[:QUICK["digits"]], y[:QUICK["digits"]], QUICK["noise"]
+    lam0 = _lam(onnx_dir, "sdnet-mnist")
+    results: dict[str, list[dict]] = {p: [] for p in sessions}
+    with progress_bars(progress) as bars:
+        task = bars.add_task("classification accuracy", total=len(noise) * len(sessions), info="")
+        for s in noise:
+            xn = _noisy(x, s, seed=2000 + int(s * 100)).numpy()  # the same noise as unroll.train.mnist.evaluate
+            lam_auto = _auto_lam(auto, xn).astype(np.float32)
+            fixed = np.full(len(xn), lam0, np.float32)
+            for p, sess in sessions.items():
+                bars.update(task, info=f"σ={s:g} {p}")
+                t0 = time.perf_counter()
+                acc_fixed = float((_predict(sess, xn, fixed) == y).mean())
+                dt = time.perf_counter() - t0
+                acc_auto = float((_predict(sess, xn, lam_auto) == y).mean())
+                results[p].append({"sigma": s, "acc_fixed": acc_fixed, "acc_auto": acc_auto,
+                                   "mean_auto_lam": float(lam_auto.mean()), "ms_per_digit": 1e3 * dt / len(xn)})
+                bars.advance(task)
+    record = get_spec("sdnet-mnist").info().get("metrics", {})
+    if not quick and record.get("robustness"):
+        want = {round(s, 3) for s in noise}
+        results["pytorch (record)"] = [{"sigma": r["sigma"], "acc_fixed": r["acc_train_lam"],
+                                        "acc_auto": r["acc_auto_lam"], "mean_auto_lam": r["mean_auto_lam"]}
+                                       for r in record["robustness"] if round(r["sigma"], 3) in want]
+    payload = {"benchmark": "quality: classification", "machine": machine_info(threads),
+               "config": {"threads": threads, "quick": quick, "onnx_dir": str(onnx_dir), "lam_fixed": lam0,
+                          "noise": "x + σ·N(0, 1), seed 2000 + 100σ (as unroll.train.mnist.evaluate), not clipped",
+                          "lam_auto": "per image from sdnet-mnist.autolam.onnx (FP32) for every precision",
+                          "missing_precisions": missing},
+               "n_digits": len(x), "noise_sigmas": list(noise), "results": results}
+    if out_dir is not None:
+        from benchmarks import plots
+
+        write_results("quality_classify", payload, markdown_classify(payload), Path(out_dir))
+        plots.quality_classify_plot(payload, Path(out_dir))
+    return payload
+
+
+def markdown_classify(payload: dict) -> str:
+    m, cfg = payload["machine"], payload["config"]
+    res = payload["results"]
+    sig = payload["noise_sigmas"]
+    lines = [f"# sdnet-mnist accuracy per precision ({m['cpu']}, {payload['n_digits']} held-out digits"
+             + (", quick run" if cfg["quick"] else "") + ")", "",
+             f"Accuracy (%) with λ fixed at the trained {cfg['lam_fixed']:g} / with `lam=auto`; noise: {cfg['noise']}. "
+             "ONNX Runtime CPU unless marked; `pytorch (record)` is the committed training record "
+             "(`unroll/weights/sdnet-mnist.json`).", "",
+             "| precision | " + " | ".join("clean" if s == 0 else f"σ={s:g}" for s in sig) + " |",
+             "|---|" + "---|" * len(sig)]
+    for p, rows in res.items():
+        by = {round(r["sigma"], 3): r for r in rows}
+        cells = []
+        for s in sig:
+            r = by.get(round(s, 3))
+            cells.append("-" if r is None else f"{100 * r['acc_fixed']:.1f} / {100 * r['acc_auto']:.1f}")
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    missing = cfg.get("missing_precisions") or {}
+    if missing:
+        lines += ["", "Not measured: " + "; ".join(f"{p.upper()}: {w}" for p, w in missing.items()) + "."]
+    lines += ["", "Plot: `quality_classify.png`.", ""]
+    return "\n".join(lines)
+
+
+def run(threads: int = 2, quick: bool = False, with_bm3d: bool = True, onnx_dir: Path = Path("build/onnx"),
+        progress: bool = True, out_dir: Path | None = None) -> dict:
+    """Both quality benchmarks; returns ``{"denoise": …, "classify": …}``."""
+    return {"denoise": run_denoise(threads, quick=quick, with_bm3d=with_bm3d, onnx_dir=onnx_dir, progress=progress,
+                                   out_dir=out_dir),
+            "classify": run_classify(threads, quick=quick, onnx_dir=onnx_dir, progress=progress, out_dir=out_dir)}

@@ -1,0 +1,679 @@
+"""The serving path under load: in-process ONNX Runtime vs Triton (HTTP, gRPC) vs the REST gateway.
+
+A closed-loop load generator (one thread per in-flight request, each with its own client) drives a
+concurrency sweep for a fixed duration per level, on real inputs: MNIST test digits for
+``sdnet-mnist``, held-out photos resized to 256² and 512² with σ = 25 noise for ``csc-denoiser``.
+Per level it records the client's throughput and latency percentiles and the errors; for the Triton
+and gateway paths also the server's own split from Triton's statistics API (queue, compute input,
+infer, output — deltas of ``/v2/models/NAME/stats`` around the level) and the average batch size
+Triton formed. The gateway's share is its latency minus Triton-direct HTTP (the protocol the gateway
+uses) at the same level. Then dynamic batching on (the main repository) vs off (a second Triton on a
+repository with ``max_batch_size: 1`` and no ``dynamic_batching``) at one concurrency.
+
+Everything runs on the same machine as the client, so client, gateway and Triton share its cores:
+the numbers answer "what does this box serve", not "what does the server do on idle cores".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import free_ports, latency_summary, machine_info, ort_session, progress_bars, write_results
+
+PATHS = ("onnxruntime", "triton-http", "triton-grpc", "gateway")
+PATH_LABELS = {"onnxruntime": "in-process ONNX Runtime", "triton-http": "Triton HTTP", "triton-grpc": "Triton gRPC",
+               "gateway": "gateway (HTTP, PNG)"}
+DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32)
+DEFAULT_DENOISE_CONCURRENCY = (1, 4)
+DEFAULT_DENOISE_SIZES = (256, 512)
+#: The denoiser sweeps skip Triton HTTP (gRPC stands for "Triton direct"): 512² requests take ~0.6 s each.
+DENOISE_PATHS = ("onnxruntime", "triton-grpc", "gateway")
+TRITON_MODELS = ("sdnet-mnist", "sdnet-mnist-autolam", "csc-denoiser")
+DENOISE_SIGMA = 25.0
+MNIST_SAMPLES = 256
+DENOISE_IMAGES = 4
+TARGET_OVERHEAD_MS = 2.0
+TARGET_BATCHING_SPEEDUP = 1.5
+MAX_ERROR_SAMPLES = 3
+
+
+class BenchError(RuntimeError):
+    """A server could not be started or reached; the message says which and why."""
+
+
+# ----------------------------------------------------------------------------------------------- workloads
+
+
+@dataclass
+class Workload:
+    """One model + input kind: the graph inputs (batch 1) and the same inputs as image files for the gateway."""
+
+    key: str  #: short id used in file names and tables, e.g. ``mnist`` or ``denoise-512``
+    model: str
+    label: str
+    arrays: list[dict[str, np.ndarray]]
+    images: list[bytes]
+    gateway_path: str
+    output: str
+    concurrency: tuple[int, ...] = ()
+    paths: tuple[str, ...] = PATHS
+
+
+def _png(a: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.rint(np.clip(a, 0, 1) * 255).astype(np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def mnist_workload(n: int = MNIST_SAMPLES, lam: float = 0.1) -> Workload:
+    """The first ``n`` held-out MNIST digits, one per request, with the trained λ."""
+    from unroll.data import mnist_split
+
+    _, _, x, _ = mnist_split()
+    x = x[:n]
+    arrays = [{"image": x[i:i + 1], "lam": np.array([lam], np.float32)} for i in range(len(x))]
+    return Workload("mnist", "sdnet-mnist", "MNIST digit 28×28", arrays, [_png(d[0]) for d in x],
+                    "/v1/classify?model=sdnet-mnist&top_k=5", "logits")
+
+
+def denoise_workload(size: int, n: int = DENOISE_IMAGES, sigma255: float = DENOISE_SIGMA) -> Workload:
+    """Held-out photos resized to ``size``², seeded σ noise (the same noisy image for every path)."""
+    from skimage.transform import resize
+
+    from unroll.data import DENOISE_TEST_IMAGES, add_noise, bundled_image, noise_seed
+
+    arrays, images = [], []
+    for name in DENOISE_TEST_IMAGES[:n]:
+        img = resize(bundled_image(name), (size, size), anti_aliasing=True).astype(np.float32)
+        noisy = add_noise(img, sigma255, noise_seed(name, sigma255))
+        arrays.append({"noisy": noisy[None, None], "sigma": np.array([sigma255 / 255.0], np.float32)})
+        images.append(_png(noisy))
+    return Workload(f"denoise-{size}", "csc-denoiser", f"{size}×{size} photo, σ={sigma255:g}", arrays, images,
+                    f"/v1/denoise?model=csc-denoiser&sigma={sigma255:g}", "denoised")
+
+
+# ----------------------------------------------------------------------------------------------- clients
+
+#: Per-thread client: ``(call(i), close())``; ``call`` sends sample ``i`` and raises on any error.
+Client = tuple[Callable[[int], object], Callable[[], None]]
+
+
+def _as_batch(a: np.ndarray) -> np.ndarray:
+    return a.reshape(-1, 1) if a.ndim == 1 else a  # [B] (lam, sigma) travels as [B, 1] (config: dims [1] + reshape)
+
+
+def ort_client(session, w: Workload) -> Callable[[], Client]:
+    feeds = w.arrays
+
+    def make() -> Client:
+        return (lambda i: session.run(None, feeds[i % len(feeds)])), (lambda: None)
+
+    return make
+
+
+def triton_http_client(url: str, w: Workload) -> Callable[[], Client]:
+    def make() -> Client:
+        import tritonclient.http as httpclient
+
+        client = httpclient.InferenceServerClient(url, connection_timeout=60, network_timeout=120)
+        outputs = [httpclient.InferRequestedOutput(w.output, binary_data=True)]
+
+        def call(i: int) -> object:
+            ins = []
+            for name, a in w.arrays[i % len(w.arrays)].items():
+                a = _as_batch(a)
+                t = httpclient.InferInput(name, list(a.shape), "FP32")
+                t.set_data_from_numpy(a, binary_data=True)
+                ins.append(t)
+            return client.infer(w.model, ins, outputs=outputs).as_numpy(w.output)
+
+        return call, client.close
+
+    return make
+
+
+def triton_grpc_client(url: str, w: Workload) -> Callable[[], Client]:
+    def make() -> Client:
+        import tritonclient.grpc as grpcclient
+
+        client = grpcclient.InferenceServerClient(url)
+        outputs = [grpcclient.InferRequestedOutput(w.output)]
+
+        def call(i: int) -> object:
+            ins = []
+            for name, a in w.arrays[i % len(w.arrays)].items():
+                a = _as_batch(a)
+                t = grpcclient.InferInput(name, list(a.shape), "FP32")
+                t.set_data_from_numpy(a)
+                ins.append(t)
+            return client.infer(w.model, ins, outputs=outputs, client_timeout=120).as_numpy(w.output)
+
+        return call, client.close
+
+    return make
+
+
+def gateway_client(base: str, w: Workload) -> Callable[[], Client]:
+    def make() -> Client:
+        import httpx
+
+        client = httpx.Client(base_url=base, timeout=120)
+
+        def call(i: int) -> object:
+            r = client.post(w.gateway_path, content=w.images[i % len(w.images)],
+                            headers={"Content-Type": "image/png"})
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:160]}")
+            return r.content
+
+        return call, client.close
+
+    return make
+
+
+# ----------------------------------------------------------------------------------------------- load loop
+
+
+@dataclass
+class LoopResult:
+    latencies_ms: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+
+def closed_loop(make: Callable[[], Client], concurrency: int, duration_s: float, warmup_s: float,
+                on_measure_start: Callable[[], None] | None = None,
+                tick: Callable[[float], None] | None = None) -> LoopResult:
+    """``concurrency`` threads, each sending its next request as soon as the previous one answered.
+
+    Phase 1 (``warmup_s``, not recorded) warms connections and caches; all threads then drain and
+    meet, ``on_measure_start`` runs (statistics snapshot), and phase 2 records for ``duration_s``.
+    Requests in flight at the deadline finish and count; none starts after it. ``tick(elapsed)`` is
+    called about 10× a second from the calling thread (progress bars).
+    """
+    lat: list[list[float]] = [[] for _ in range(concurrency)]
+    errs: list[list[str]] = [[] for _ in range(concurrency)]
+    ends = [0.0] * concurrency
+    ready = threading.Barrier(concurrency + 1)
+    go = threading.Event()
+    clock: dict[str, float] = {}
+
+    def worker(k: int) -> None:
+        try:
+            call, close = make()
+        except Exception as e:  # a client that cannot even connect is an error of this level
+            errs[k].append(f"client: {type(e).__name__}: {e}"[:200])
+            with contextlib.suppress(threading.BrokenBarrierError):
+                ready.wait()
+            return
+        try:
+            i = k
+            stop = time.perf_counter() + warmup_s
+            while time.perf_counter() < stop:
+                with contextlib.suppress(Exception):
+                    call(i)
+                i += concurrency
+            ready.wait()
+            go.wait()
+            deadline = clock["deadline"]
+            while (t0 := time.perf_counter()) < deadline:
+                try:
+                    call(i)
+                    lat[k].append((time.perf_counter() - t0) * 1e3)
+                except Exception as e:
+                    errs[k].append(f"{type(e).__name__}: {e}"[:200])
+                i += concurrency
+            ends[k] = time.perf_counter()
+        finally:
+            close()
+
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(concurrency)]
+    for t in threads:
+        t.start()
+    ready.wait()
+    if on_measure_start is not None:
+        on_measure_start()
+    clock["start"] = time.perf_counter()
+    clock["deadline"] = clock["start"] + duration_s
+    go.set()
+    while any(t.is_alive() for t in threads):
+        if tick is not None:
+            tick(time.perf_counter() - clock["start"])
+        time.sleep(0.1)
+    for t in threads:
+        t.join()
+    end = max([e for e in ends if e > 0], default=clock["start"] + duration_s)
+    return LoopResult([x for part in lat for x in part], [x for part in errs for x in part], end - clock["start"])
+
+
+# ----------------------------------------------------------------------------------------------- Triton statistics
+
+STAT_KEYS = ("queue", "compute_input", "compute_infer", "compute_output")
+
+
+def _get_json(url: str, timeout: float = 10.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def triton_stats(http_url: str, model: str) -> dict | None:
+    """Triton's cumulative statistics for ``model`` (``None`` when they cannot be read)."""
+    try:
+        return _get_json(f"http://{http_url}/v2/models/{model}/stats")["model_stats"][0]
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+
+
+def triton_config(http_url: str, model: str) -> dict:
+    """The batching part of a served model's config (max_batch_size, dynamic_batching)."""
+    try:
+        cfg = _get_json(f"http://{http_url}/v2/models/{model}/config")
+    except (OSError, ValueError):
+        return {}
+    return {"max_batch_size": cfg.get("max_batch_size"), "dynamic_batching": cfg.get("dynamic_batching"),
+            "instances": sum(int(g.get("count", 1)) for g in cfg.get("instance_group", []))}
+
+
+def stats_delta(before: dict | None, after: dict | None) -> dict | None:
+    """Per-request server split (mean ms) and average batch size between two statistics snapshots."""
+    if before is None or after is None:
+        return None
+    a, b = after["inference_stats"], before["inference_stats"]
+
+    def d(key: str, what: str) -> int:
+        return int(a.get(key, {}).get(what, 0)) - int(b.get(key, {}).get(what, 0))
+
+    n = d("success", "count")
+    if n <= 0:
+        return None
+    out = {"requests": n, "failed": d("fail", "count"),
+           "executions": int(after.get("execution_count", 0)) - int(before.get("execution_count", 0)),
+           "inferences": int(after.get("inference_count", 0)) - int(before.get("inference_count", 0)),
+           "total_ms": d("success", "ns") / n / 1e6}
+    for k in STAT_KEYS:
+        out[f"{k}_ms"] = d(k, "ns") / n / 1e6
+    out["avg_batch"] = out["inferences"] / out["executions"] if out["executions"] > 0 else None
+    out["other_ms"] = max(0.0, out["total_ms"] - sum(out[f"{k}_ms"] for k in STAT_KEYS))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- servers
+
+
+@dataclass
+class Servers:
+    """Where Triton (HTTP + gRPC) and the gateway listen, and whether this run started them."""
+
+    triton_http: str
+    triton_grpc: str
+    gateway: str | None
+    started_triton: bool = False
+    started_gateway: bool = False
+    gateway_protocol: str = "http"
+
+
+def _wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:] if log and log.exists() else ""
+            raise BenchError(f"the gateway exited with code {proc.returncode}:\n{tail}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise BenchError(f"{url} did not answer 200 within {timeout_s:g} s")
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def gateway_process(triton_url: str, protocol: str = "http", log: Path | None = None) -> Iterator[str]:
+    """``python -m serving.gateway`` on a free port in front of ``triton_url``; yields its base URL."""
+    from serving.gateway.settings import ENV_PREFIX, Settings
+
+    port = free_ports(1)[0]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    env.update(Settings(triton_url=triton_url, triton_protocol=protocol).env())
+    log = log or Path(tempfile.mkstemp(prefix="unroll-gateway-", suffix=".log")[1])
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "serving.gateway", "--port", str(port), "--log-level",
+                                 "warning"], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                cwd=Path(__file__).resolve().parent.parent)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(base + "/readyz", 90, proc, log)
+        yield base
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def write_repositories(onnx_dir: Path, root: Path) -> tuple[Path, Path]:
+    """The batching repository (project defaults) and a no-batching one for sdnet-mnist.
+
+    No batching = ``max_batch_size: 1`` and the ``dynamic_batching`` block removed (Triton's default
+    scheduler: one request per execution).
+    """
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from serving.repository import validate_model, write_repository
+    from serving.serve import ensure_onnx
+
+    ensure_onnx(onnx_dir, TRITON_MODELS)
+    on, off = root / "batching", root / "no-batching"
+    write_repository("cpu", list(TRITON_MODELS), on, onnx_dir=onnx_dir)
+    write_repository("cpu", ["sdnet-mnist"], off, onnx_dir=onnx_dir, max_batch_size=1)
+    path = off / "sdnet-mnist" / "config.pbtxt"
+    text = path.read_text()
+    header = "".join(ln + "\n" for ln in text.splitlines() if ln.startswith("#"))
+    cfg = text_format.Parse(text, mc.ModelConfig())
+    cfg.ClearField("dynamic_batching")
+    path.write_text(header + "# unroll bench serve: dynamic batching removed (max_batch_size 1, default scheduler).\n"
+                    + text_format.MessageToString(cfg))
+    validate_model(off / "sdnet-mnist", reference_onnx=onnx_dir / "sdnet-mnist.onnx")
+    return on, off
+
+
+@contextlib.contextmanager
+def triton_server(repo: Path, log: Path) -> Iterator[tuple[str, str]]:
+    """A tritonserver on free ports; yields (HTTP url, gRPC url) and always stops it."""
+    from serving.triton import TritonStartError, start
+
+    try:
+        handle = start(repo, *free_ports(3), log_file=log, timeout_s=300, extra_args=["--exit-timeout-secs=2"])
+    except TritonStartError as e:
+        raise BenchError(f"could not start Triton: {e.reason} (log: {log})") from None
+    try:
+        yield handle.url, handle.grpc_url
+    finally:
+        handle.stop()
+
+
+# ----------------------------------------------------------------------------------------------- the benchmark
+
+
+def _client_for(path: str, w: Workload, servers: Servers, sessions: dict) -> Callable[[], Client]:
+    if path == "onnxruntime":
+        return ort_client(sessions[w.model], w)
+    if path == "triton-http":
+        return triton_http_client(servers.triton_http, w)
+    if path == "triton-grpc":
+        return triton_grpc_client(servers.triton_grpc, w)
+    if servers.gateway is None:
+        raise BenchError("no gateway to measure")
+    return gateway_client(servers.gateway, w)
+
+
+def measure(path: str, w: Workload, concurrency: int, duration_s: float, warmup_s: float, servers: Servers | None,
+            sessions: dict, stats_url: str | None = None, tick: Callable[[float], None] | None = None) -> dict:
+    """One (path, concurrency) cell: client latencies + throughput, and Triton's split when a server is involved."""
+    make = _client_for(path, w, servers, sessions)  # type: ignore[arg-type]
+    stats_url = stats_url or (servers.triton_http if servers is not None and path != "onnxruntime" else None)
+    snap: dict[str, dict | None] = {}
+
+    def before() -> None:
+        if stats_url:
+            snap["before"] = triton_stats(stats_url, w.model)
+
+    res = closed_loop(make, concurrency, duration_s, warmup_s, before, tick)
+    server = stats_delta(snap.get("before"), triton_stats(stats_url, w.model)) if stats_url else None
+    n = len(res.latencies_ms)
+    return {"workload": w.key, "model": w.model, "input": w.label, "path": path, "concurrency": concurrency,
+            "duration_s": res.elapsed_s, "requests": n, "errors": len(res.errors),
+            "error_samples": list(dict.fromkeys(res.errors))[:MAX_ERROR_SAMPLES],
+            "throughput_rps": n / res.elapsed_s if res.elapsed_s > 0 else 0.0,
+            "latency_ms": latency_summary(res.latencies_ms), "server": server}
+
+
+def _add_gateway_share(runs: list[dict]) -> None:
+    """Gateway latency minus Triton-direct latency at the same workload and concurrency (p50 and mean).
+
+    Triton-direct is HTTP (the gateway's own protocol to Triton) where measured, else gRPC.
+    """
+    direct: dict[tuple[str, int], dict] = {}
+    for path in ("triton-grpc", "triton-http"):  # HTTP (what the gateway uses) wins where both were measured
+        direct.update({(r["workload"], r["concurrency"]): r for r in runs if r["path"] == path and r["requests"]})
+    for r in runs:
+        d = direct.get((r["workload"], r["concurrency"]))
+        if r["path"] == "gateway" and d is not None:
+            r["gateway_share_ms"] = {"vs": d["path"], "p50": r["latency_ms"]["p50"] - d["latency_ms"]["p50"],
+                                     "mean": r["latency_ms"]["mean"] - d["latency_ms"]["mean"]}
+
+
+def targets(payload: dict) -> list[dict]:
+    """The issue's targets, measured vs target (``met`` is None when this run could not measure one)."""
+    runs = payload["runs"]
+
+    def cell(path: str, c: int = 1) -> dict | None:
+        return next((r for r in runs if r["workload"] == "mnist" and r["path"] == path and r["concurrency"] == c),
+                    None)
+
+    out = []
+    gw, ort_ = cell("gateway"), cell("onnxruntime")
+    over = gw["latency_ms"]["p50"] - ort_["latency_ms"]["p50"] if gw and ort_ else None
+    out.append({"target": f"gateway + Triton adds ≤ {TARGET_OVERHEAD_MS:g} ms p50 over in-process ONNX Runtime "
+                          "(one MNIST digit, concurrency 1)",
+                "measured": None if over is None else f"{over:+.2f} ms (gateway p50 {gw['latency_ms']['p50']:.2f} ms, "
+                                                      f"ONNX Runtime p50 {ort_['latency_ms']['p50']:.2f} ms)",
+                "value": over, "met": None if over is None else over <= TARGET_OVERHEAD_MS})
+    b = payload.get("batching")
+    sp = b.get("speedup") if b else None
+    out.append({"target": f"dynamic batching ≥ {TARGET_BATCHING_SPEEDUP:g}× the throughput of no batching "
+                          f"(concurrency {b['concurrency'] if b else '-'})",
+                "measured": None if sp is None else f"{sp:.2f}× ({b['on']['throughput_rps']:.0f} vs "
+                                                    f"{b['off']['throughput_rps']:.0f} req/s)",
+                "value": sp, "met": None if sp is None else sp >= TARGET_BATCHING_SPEEDUP})
+    all_runs = runs + ([b["on"], b["off"]] if b else [])
+    n_err = sum(r["errors"] for r in all_runs)
+    bad = sorted({f"{r['workload']} {r['path']} c={r['concurrency']}" for r in all_runs if r["errors"]})
+    out.append({"target": "zero errors at every level", "value": n_err, "met": n_err == 0,
+                "measured": f"{n_err} errors" + (f" ({', '.join(bad[:6])})" if bad else "")})
+    return out
+
+
+def _workloads(onnx_dir: Path, concurrency: tuple[int, ...], denoise_sizes: tuple[int, ...],
+               denoise_concurrency: tuple[int, ...], paths: tuple[str, ...], mnist_samples: int) -> list[Workload]:
+    report = json.loads((onnx_dir / "sdnet-mnist.report.json").read_text())
+    lam = next((float(s["lambda"]) for s in report.get("solvers", []) if "lambda" in s), 0.1)
+    mnist = mnist_workload(mnist_samples, lam)
+    mnist.concurrency, mnist.paths = tuple(concurrency), tuple(paths)
+    out = [mnist]
+    for size in denoise_sizes:
+        w = denoise_workload(size)
+        w.concurrency, w.paths = tuple(denoise_concurrency), tuple(p for p in paths if p in DENOISE_PATHS)
+        out.append(w)
+    return out
+
+
+def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 5.0, warmup_s: float = 1.0,
+        denoise_sizes: tuple[int, ...] = DEFAULT_DENOISE_SIZES,
+        denoise_concurrency: tuple[int, ...] = DEFAULT_DENOISE_CONCURRENCY, batching_concurrency: int = 16,
+        paths: tuple[str, ...] = PATHS, url: str | None = None, triton_url: str | None = None,
+        triton_grpc_url: str | None = None, onnx_dir: Path = Path("build/onnx"), threads: int = 2,
+        mnist_samples: int = MNIST_SAMPLES, progress: bool = True, out_dir: Path | None = None,
+        log: Callable[[str], None] = print) -> dict:
+    """Start (or attach to) Triton and the gateway, sweep every workload × path × concurrency; write results.
+
+    ``url`` attaches to a running gateway (then ``triton_url``, the Triton behind it, is required);
+    ``triton_url`` (HTTP ``host:port``) attaches to a running Triton (gRPC: ``triton_grpc_url``, by
+    default the HTTP port + 1). The no-batching comparison always starts its own Triton.
+    """
+    bad = [p for p in paths if p not in PATHS]
+    if bad:
+        raise BenchError(f"unknown path(s) {bad}; choose from {', '.join(PATHS)}")
+    if url is not None and triton_url is None:
+        raise BenchError("--url needs --triton-url: the Triton behind that gateway (for Triton-direct and its "
+                         "statistics)")
+    onnx_dir = Path(onnx_dir)
+    payload: dict = {"benchmark": "serve", "machine": machine_info(threads)}
+    runs: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="unroll-bench-serve-")))
+        log(f"writing Triton repositories from {onnx_dir}")
+        repo_on, repo_off = write_repositories(onnx_dir, tmp)
+        workloads = _workloads(onnx_dir, concurrency, denoise_sizes, denoise_concurrency, paths, mnist_samples)
+        cells = [(w, p, c) for w in workloads for p in w.paths for c in w.concurrency]
+        payload["config"] = {
+            "duration_s": duration_s, "warmup_s": warmup_s, "threads": threads,
+            "workloads": {w.key: {"model": w.model, "input": w.label, "paths": list(w.paths),
+                                  "concurrency": list(w.concurrency)} for w in workloads},
+            "batching_concurrency": batching_concurrency,
+            "client": "closed loop, one thread (and client) per in-flight request, on the same machine"}
+        if triton_url is None:
+            log("starting Triton (batching repository)")
+            http_url, grpc_url = stack.enter_context(triton_server(repo_on, tmp / "triton.log"))
+            servers = Servers(http_url, grpc_url, None, started_triton=True)
+        else:
+            host, port = triton_url.rsplit(":", 1)
+            servers = Servers(triton_url, triton_grpc_url or f"{host}:{int(port) + 1}", None)
+            _wait_ready(f"http://{triton_url}/v2/health/ready", 10)
+        if "gateway" in paths:
+            if url is None:
+                log("starting the gateway")
+                servers.gateway = stack.enter_context(gateway_process(servers.triton_http, "http", tmp / "gw.log"))
+                servers.started_gateway = True
+            else:
+                servers.gateway = url.rstrip("/")
+                servers.gateway_protocol = "unknown (attached)"
+                _wait_ready(servers.gateway + "/readyz", 10)
+        sessions = {"sdnet-mnist": ort_session(onnx_dir / "sdnet-mnist.onnx", threads),
+                    "csc-denoiser": ort_session(onnx_dir / "csc-denoiser.onnx", threads)}
+        payload["servers"] = {"triton_http": servers.triton_http, "triton_grpc": servers.triton_grpc,
+                              "gateway": servers.gateway, "started_triton": servers.started_triton,
+                              "started_gateway": servers.started_gateway,
+                              "gateway_triton_protocol": servers.gateway_protocol,
+                              "config": {m: triton_config(servers.triton_http, m) for m in TRITON_MODELS}}
+        with progress_bars(progress) as bars:
+            total = bars.add_task("serve sweep", total=len(cells) + 2, info="")
+            level = bars.add_task("level", total=duration_s, info="")
+            for w, p, c in cells:
+                bars.update(level, description=f"{w.key} {p} c={c}", completed=0, info="")
+                r = measure(p, w, c, duration_s, warmup_s, servers, sessions,
+                            tick=lambda t: bars.update(level, completed=min(t, duration_s)))
+                bars.update(level, info=f"{r['throughput_rps']:.1f} req/s, p50 {r['latency_ms']['p50']:.1f} ms"
+                                        + (f", {r['errors']} errors" if r["errors"] else ""))
+                runs.append(r)
+                bars.advance(total)
+            # dynamic batching on (the main server) vs off (its own server), sdnet-mnist over gRPC
+            mnist = workloads[0]
+            bars.update(level, description=f"batching on, c={batching_concurrency}", completed=0, info="")
+            on = measure("triton-grpc", mnist, batching_concurrency, duration_s, warmup_s, servers, sessions,
+                         tick=lambda t: bars.update(level, completed=min(t, duration_s)))
+            bars.advance(total)
+            bars.update(level, description="starting Triton without batching", completed=0, info="")
+            with triton_server(repo_off, tmp / "triton-off.log") as (off_http, off_grpc):
+                bars.update(level, description=f"batching off, c={batching_concurrency}")
+                off = measure("triton-grpc", mnist, batching_concurrency, duration_s, warmup_s,
+                              Servers(off_http, off_grpc, None), sessions,
+                              tick=lambda t: bars.update(level, completed=min(t, duration_s)))
+                off_cfg = triton_config(off_http, "sdnet-mnist")
+            bars.advance(total)
+    _add_gateway_share(runs)
+    payload["runs"] = runs
+    payload["batching"] = {"concurrency": batching_concurrency, "path": "triton-grpc", "model": "sdnet-mnist",
+                           "on": on, "off": off,
+                           "config_on": payload["servers"]["config"].get("sdnet-mnist", {}), "config_off": off_cfg,
+                           "speedup": on["throughput_rps"] / off["throughput_rps"] if off["throughput_rps"] else None}
+    payload["targets"] = targets(payload)
+    if out_dir is not None:
+        write(payload, Path(out_dir))
+    return payload
+
+
+def write(payload: dict, out_dir: Path) -> list[Path]:
+    """``serve.json``, ``serve.md`` and the three PNG plots."""
+    from benchmarks import plots
+
+    paths = list(write_results("serve", payload, markdown(payload), out_dir))
+    paths += plots.serve_plots(payload, out_dir)
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------- Markdown
+
+
+def _f(x: float | None, d: int = 2) -> str:
+    return "-" if x is None or x != x else f"{x:.{d}f}"
+
+
+def _batching(cfg: dict) -> str:
+    db = cfg.get("dynamic_batching")
+    if db is None:
+        return f"max_batch_size {cfg.get('max_batch_size', '-')}, no dynamic batching"
+    return (f"max_batch_size {cfg.get('max_batch_size', '-')}, dynamic batching (max queue delay "
+            f"{int(db.get('max_queue_delay_microseconds', 0))} µs)")
+
+
+def markdown(payload: dict) -> str:
+    m, cfg, srv = payload["machine"], payload["config"], payload.get("servers", {})
+    gw_cfg = srv.get("config", {}).get("sdnet-mnist", {})
+    lines = [f"# Serving under load ({m['cpu']}, {m['logical_cores']} cores, onnxruntime "
+             f"{m['versions'].get('onnxruntime')}, tritonclient {m['versions'].get('tritonclient')})", "",
+             f"Closed loop: one client thread per in-flight request, {cfg['duration_s']:g} s per level after "
+             f"{cfg['warmup_s']:g} s warm-up, client, gateway and Triton on the same machine. Latency from the "
+             "client in ms. Triton split: mean ms per request from its statistics API over the level "
+             "(queue, compute input, infer, output); batch = average batch size Triton formed. Gateway share = "
+             "gateway latency − Triton-direct HTTP latency at the same concurrency (p50). "
+             f"Triton sdnet-mnist: {_batching(gw_cfg)}; in-process ONNX Runtime uses the same session options "
+             f"as Triton's model ({cfg['threads']} threads, no spinning).", ""]
+    lines += ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
+    for t in payload["targets"]:
+        met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
+        lines.append(f"| {t['target']} | {t['measured'] or 'not measured'} | {met} |")
+    for key, w in cfg["workloads"].items():
+        rows = [r for r in payload["runs"] if r["workload"] == key]
+        if not rows:
+            continue
+        lines += ["", f"## {w['model']}: {w['input']}", "",
+                  "| path | conc. | req/s | p50 | p90 | p95 | p99 | max | errors | queue | in | infer | out | batch "
+                  "| gateway share |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            L, s = r["latency_ms"], r["server"] or {}
+            share = r.get("gateway_share_ms", {}).get("p50")
+            lines.append(f"| {PATH_LABELS[r['path']]} | {r['concurrency']} | {_f(r['throughput_rps'], 1)} | "
+                         f"{_f(L['p50'])} | {_f(L['p90'])} | {_f(L['p95'])} | {_f(L['p99'])} | {_f(L['max'])} | "
+                         f"{r['errors']} | {_f(s.get('queue_ms'))} | {_f(s.get('compute_input_ms'))} | "
+                         f"{_f(s.get('compute_infer_ms'))} | {_f(s.get('compute_output_ms'))} | "
+                         f"{_f(s.get('avg_batch'))} | {_f(share)} |")
+    b = payload.get("batching")
+    if b:
+        lines += ["", f"## Dynamic batching on vs off (sdnet-mnist, Triton gRPC, concurrency {b['concurrency']})", "",
+                  "| Triton config | req/s | p50 | p99 | avg batch | errors |", "|---|---|---|---|---|---|"]
+        for tag, r, c in (("on", b["on"], b["config_on"]), ("off", b["off"], b["config_off"])):
+            lines.append(f"| {tag}: {_batching(c)} | {_f(r['throughput_rps'], 1)} | {_f(r['latency_ms']['p50'])} | "
+                         f"{_f(r['latency_ms']['p99'])} | {_f((r['server'] or {}).get('avg_batch'))} | "
+                         f"{r['errors']} |")
+        lines += ["", f"Speed-up: {_f(b['speedup'])}×."]
+    errs = [(r, e) for r in payload["runs"] + ([b["on"], b["off"]] if b else []) for e in r["error_samples"]]
+    if errs:
+        lines += ["", "## Error samples", ""]
+        lines += [f"- {r['workload']} {r['path']} c={r['concurrency']}: `{e}`" for r, e in errs[:20]]
+    lines += ["", "Plots: `serve_latency.png` (p50/p99 vs concurrency), `serve_throughput.png`, `serve_split.png` "
+              "(per-layer mean ms).", ""]
+    return "\n".join(lines)

@@ -1,0 +1,182 @@
+"""Smoke runs of ``unroll bench serve | models | quality`` (tiny durations, --quick) into a temporary folder.
+
+The ONNX graphs are exported afresh into a temporary folder (with an FP16 sdnet-mnist through the real
+quantizer), so the benchmarks never depend on a stale ``build/onnx``. Each run goes through the
+Typer command, then the JSON, Markdown and PNG files are checked for a sane structure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from benchmarks import cli
+from benchmarks.common import latency_summary
+from benchmarks.serve_bench import closed_loop, stats_delta
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    app.command("serve")(cli.bench_serve)
+    app.command("models")(cli.bench_models)
+    app.command("quality")(cli.bench_quality)
+    app.command("all")(cli.bench_all)
+    return app
+
+
+def _invoke(*args: str) -> None:
+    res = CliRunner().invoke(_app(), list(args))
+    assert res.exit_code == 0, f"{args}: exit {res.exit_code}\n{res.output}\n{res.exception!r}"
+
+
+def _png(path: Path) -> None:
+    assert path.read_bytes()[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    assert path.stat().st_size > 5_000, f"{path} looks empty"
+
+
+def _load(out: Path, stem: str) -> tuple[dict, str]:
+    return json.loads((out / f"{stem}.json").read_text()), (out / f"{stem}.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def onnx_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from export.onnx_export import export_auto_lam, export_model
+    from export.quantize import quantize
+
+    out = tmp_path_factory.mktemp("onnx")
+    export_model("sdnet-mnist", out, naive=False)
+    export_auto_lam("sdnet-mnist", out)
+    export_model("csc-denoiser", out, naive=False)
+    quantize("sdnet-mnist", "fp16", out)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- fast unit checks
+
+
+def test_latency_summary_and_closed_loop_count_requests_and_errors() -> None:
+    s = latency_summary([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert s["p50"] == 3.0 and s["max"] == 100.0 and s["p50"] <= s["p90"] <= s["p95"] <= s["p99"] <= s["max"]
+    assert all(math.isnan(v) for v in latency_summary([]).values())
+
+    def make():
+        def call(i: int) -> None:
+            time.sleep(0.002)
+            if i % 5 == 4:
+                raise RuntimeError("boom")
+        return call, lambda: None
+
+    started = []
+    r = closed_loop(make, concurrency=3, duration_s=0.3, warmup_s=0.05, on_measure_start=lambda: started.append(1))
+    assert started == [1] and r.latencies_ms and r.errors and all("boom" in e for e in r.errors)
+    assert 0.3 <= r.elapsed_s < 1.0
+    assert len(r.errors) == pytest.approx((len(r.latencies_ms) + len(r.errors)) / 5, abs=4)
+
+
+def test_stats_delta_splits_per_request_and_averages_the_batch() -> None:
+    def snap(n: int, execs: int, ns: int) -> dict:
+        part = {"count": n, "ns": ns}
+        return {"execution_count": execs, "inference_count": n,
+                "inference_stats": {"success": {"count": n, "ns": 4 * ns}, "fail": {"count": 0, "ns": 0},
+                                    **{k: dict(part) for k in ("queue", "compute_input", "compute_infer",
+                                                               "compute_output")}}}
+
+    d = stats_delta(snap(10, 10, 10_000_000), snap(30, 15, 50_000_000))
+    assert d["requests"] == 20 and d["avg_batch"] == 4.0
+    assert d["queue_ms"] == pytest.approx(2.0) and d["total_ms"] == pytest.approx(8.0)
+    assert stats_delta(snap(3, 3, 1), snap(3, 3, 1)) is None and stats_delta(None, snap(1, 1, 1)) is None
+
+
+def test_cli_help_and_bad_arguments() -> None:
+    runner = CliRunner()
+    for cmd in ("serve", "models", "quality", "all"):
+        res = runner.invoke(_app(), [cmd, "--help"])
+        assert res.exit_code == 0 and "--out" in res.output, res.output
+    assert runner.invoke(_app(), ["serve", "--concurrency", "0,x"]).exit_code != 0
+    res = runner.invoke(_app(), ["serve", "--url", "http://127.0.0.1:9", "--no-progress"])
+    assert res.exit_code == 1 and "--triton-url" in res.output
+    assert runner.invoke(_app(), ["models", "-m", "no-such-model"]).exit_code == 1
+    assert runner.invoke(_app(), ["all", "--only", "nope"]).exit_code == 1
+
+
+# ----------------------------------------------------------------------------------------------- smoke runs
+
+
+@pytest.mark.slow
+def test_models_bench_quick(onnx_dir: Path, tmp_path: Path) -> None:
+    _invoke("models", "--quick", "-m", "sdnet-mnist", "-m", "csc-denoiser", "--onnx-dir", str(onnx_dir),
+            "--out", str(tmp_path), "--no-progress")
+    payload, md = _load(tmp_path, "models")
+    _png(tmp_path / "models_scaling.png")
+    assert payload["machine"]["logical_cores"] and payload["machine"]["versions"]["onnxruntime"]
+    assert {r["model"] for r in payload["rows"]} == {"sdnet-mnist", "csc-denoiser"}
+    for r in payload["rows"]:
+        assert {"pytorch eager", "onnxruntime fp32"} <= set(r["timings"])
+        assert all(t["median_ms"] > 0 and t["repeats"] >= 3 for t in r["timings"].values())
+        assert r["speedup_vs_eager"]["pytorch eager"] == pytest.approx(1.0)
+    mnist = [e for e in payload["precision"] if e["model"] == "sdnet-mnist"]
+    fp16 = [e for e in mnist if e["precision"] == "fp16"]
+    assert fp16 and all(e["median_ms"] > 0 and e["quality"]["accuracy"] > 0.9 for e in fp16)
+    assert all(e["median_ms"] is None and "not quantized" in e["note"] for e in mnist if e["precision"] == "int8")
+    fit = payload["scaling"]["denoiser"]["onnxruntime fp32"]["fit"]
+    assert 0.3 < fit["exponent"] < 2.0
+    assert all(p["images_per_s"] > 0 for pts in payload["scaling"]["classifier"]["engines"].values() for p in pts)
+    assert "| sdnet-mnist | batch 1 |" in md and "FP32 vs FP16 vs INT8" in md and "pixels^" in md
+
+
+@pytest.mark.slow
+def test_quality_bench_quick(onnx_dir: Path, tmp_path: Path) -> None:
+    _invoke("quality", "--quick", "--onnx-dir", str(onnx_dir), "--out", str(tmp_path), "--no-progress")
+    den, md = _load(tmp_path, "quality_denoise")
+    _png(tmp_path / "quality_denoise.png")
+    assert {"csc-denoiser FP32", "BM3D", "NL-means", "TV (Chambolle)", "wavelet (BayesShrink)"} <= set(den["methods"])
+    assert den["config"]["missing_precisions"].keys() == {"fp16", "int8"}
+    noisy_psnr = 20 * math.log10(255 / 25)  # ≈ 20.2 dB: every method must beat doing nothing
+    for r in den["per_image"]:
+        assert r["psnr"] > noisy_psnr + 1 and 0 < r["ssim"] <= 1 and r["time_s"] > 0
+    assert len(den["per_image"]) == len(den["methods"]) * den["n_images"]
+    assert "| csc-denoiser FP32 |" in md
+    cls, md = _load(tmp_path, "quality_classify")
+    _png(tmp_path / "quality_classify.png")
+    assert set(cls["results"]) == {"fp32", "fp16"}
+    clean = {p: rows[0] for p, rows in cls["results"].items()}
+    assert all(r["sigma"] == 0 and r["acc_fixed"] >= 0.9 for r in clean.values())
+    noisy = cls["results"]["fp32"][-1]
+    assert noisy["sigma"] > 0 and noisy["acc_auto"] > noisy["acc_fixed"]  # lam=auto is what it is for
+    assert "| fp32 |" in md
+
+
+@pytest.mark.slow
+@pytest.mark.triton
+def test_serve_bench_quick(onnx_dir: Path, tmp_path: Path) -> None:
+    _invoke("serve", "--quick", "--duration", "0.6", "--batching-concurrency", "8", "--onnx-dir", str(onnx_dir),
+            "--out", str(tmp_path), "--no-progress")
+    payload, md = _load(tmp_path, "serve")
+    for name in ("serve_latency.png", "serve_throughput.png", "serve_split.png"):
+        _png(tmp_path / name)
+    runs = payload["runs"]
+    assert {r["path"] for r in runs} == {"onnxruntime", "triton-http", "triton-grpc", "gateway"}
+    assert {r["workload"] for r in runs} == {"mnist", "denoise-128"}
+    for r in runs:
+        assert r["requests"] > 0 and r["throughput_rps"] > 0, r
+        L = r["latency_ms"]
+        assert 0 < L["p50"] <= L["p90"] <= L["p95"] <= L["p99"] <= L["max"], r
+        if r["concurrency"] == 1:
+            assert r["errors"] == 0, r["error_samples"]
+        if r["path"] != "onnxruntime":  # Triton's own statistics for the level
+            s = r["server"]
+            assert s["requests"] > 0 and s["avg_batch"] >= 1 and s["compute_infer_ms"] > 0, s
+    assert all("gateway_share_ms" in r for r in runs if r["path"] == "gateway")
+    b = payload["batching"]
+    assert b["off"]["server"]["avg_batch"] == 1.0 and b["config_off"]["max_batch_size"] == 1
+    assert b["config_off"].get("dynamic_batching") is None and b["speedup"] > 0
+    assert [t["met"] is not None for t in payload["targets"]] == [True, True, True]
+    assert "## Targets" in md and "measured" in md and "Dynamic batching on vs off" in md
