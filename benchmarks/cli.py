@@ -51,7 +51,7 @@ def _targets(payload: dict) -> None:
 
 def bench_serve(
     duration: Annotated[float, typer.Option(help="Measured seconds per concurrency level")] = 5.0,
-    warmup: Annotated[float, typer.Option(help="Unrecorded warm-up seconds before each level")] = 1.0,
+    warmup: Annotated[float, typer.Option(help="Unrecorded warm-up seconds before each level")] = 0.5,
     concurrency: Annotated[str, typer.Option(help="In-flight requests per level, sdnet-mnist")] = "1,2,4,8,16,32",
     denoise_concurrency: Annotated[str, typer.Option(help="In-flight requests per level, csc-denoiser")] = "1,4",
     denoise_sizes: Annotated[str, typer.Option(help="Denoiser image sides (square images)")] = "256,512",
@@ -209,7 +209,7 @@ def bench_all(
             if quick:
                 rows = [("sdnet-mnist", "batch 1", 1), ("csc-denoiser", "64×64", (64, 64))]
             with err.status("benchmarking exports") as status:
-                export_speed.run(threads, rows=rows, with_compile=compile_, budget_s=0.3 if quick else 2.0,
+                export_speed.run(threads, rows=rows, with_compile=not quick, budget_s=0.3 if quick else 2.0,
                                  progress=lambda m: status.update(m), out_dir=out)
             _wrote(out, ["export_speed"])
         elif stage == "models":
@@ -219,7 +219,7 @@ def bench_all(
             bench_quality(task="all", bm3d=True, quick=quick, threads=threads, onnx_dir=onnx_dir, out=out,
                           progress=progress)
         else:
-            bench_serve(duration=duration, warmup=1.0, concurrency="1,2,4,8,16,32", denoise_concurrency="1,4",
+            bench_serve(duration=duration, warmup=0.5, concurrency="1,2,4,8,16,32", denoise_concurrency="1,4",
                         denoise_sizes="256,512", batching_concurrency=16,
                         paths="onnxruntime,triton-http,triton-grpc,gateway", url=None, triton_url=None,
                         triton_grpc_url=None, quick=quick, threads=threads, onnx_dir=onnx_dir, out=out,

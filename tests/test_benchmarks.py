@@ -77,7 +77,7 @@ def test_latency_summary_and_closed_loop_count_requests_and_errors() -> None:
     started = []
     r = closed_loop(make, concurrency=3, duration_s=0.3, warmup_s=0.05, on_measure_start=lambda: started.append(1))
     assert started == [1] and r.latencies_ms and r.errors and all("boom" in e for e in r.errors)
-    assert 0.3 <= r.elapsed_s < 1.0
+    assert 0.3 <= r.elapsed_s < 2.0
     assert len(r.errors) == pytest.approx((len(r.latencies_ms) + len(r.errors)) / 5, abs=4)
 
 
@@ -127,7 +127,7 @@ def test_models_bench_quick(onnx_dir: Path, tmp_path: Path) -> None:
     assert fp16 and all(e["median_ms"] > 0 and e["quality"]["accuracy"] > 0.9 for e in fp16)
     assert all(e["median_ms"] is None and "not quantized" in e["note"] for e in mnist if e["precision"] == "int8")
     fit = payload["scaling"]["denoiser"]["onnxruntime fp32"]["fit"]
-    assert 0.3 < fit["exponent"] < 2.0
+    assert 0.2 < fit["exponent"] < 2.5
     assert all(p["images_per_s"] > 0 for pts in payload["scaling"]["classifier"]["engines"].values() for p in pts)
     assert "| sdnet-mnist | batch 1 |" in md and "FP32 vs FP16 vs INT8" in md and "pixels^" in md
 

@@ -36,7 +36,7 @@ def test_fp16_passes_gate_with_fp32_io(onnx_dir, name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["sdnet-mnist", "csc-denoiser"])
 def test_int8_explicit_qdq_passes_gate(onnx_dir, name: str) -> None:
-    r = quantize(name, "int8", onnx_dir, calib=256 if name == "sdnet-mnist" else 128)
+    r = quantize(name, "int8", onnx_dir, calib=256 if name == "sdnet-mnist" else 64)
     assert r["passed"], r["failures"]
     model = onnx.load(onnx_dir / f"{name}.int8.onnx")
     ops = [n.op_type for n in model.graph.node]

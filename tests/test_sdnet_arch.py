@@ -185,7 +185,9 @@ def test_forward_shapes_lam_and_determinism(name: str) -> None:
 
         # λ = the default 0.1 reproduces the plain call; a larger λ changes the output; per-sample λ
         # acts per sample (eval BN keeps the samples independent).
-        torch.testing.assert_close(model(x, torch.full((2,), 0.1)), out)
+        # λ as an input subtracts λt after the conv; baked λ rides in the conv bias: same maths, other rounding,
+        # amplified through an untrained ResNet-34's BatchNorms (seen: 1.4e-5 abs).
+        torch.testing.assert_close(model(x, torch.full((2,), 0.1)), out, rtol=1e-4, atol=1e-4)
         high = model(x, torch.full((2,), 0.8))
         assert (high - out).abs().max() > 1e-4
         mixed = model(x, torch.tensor([0.1, 0.8]))

@@ -287,6 +287,7 @@ def bench_export(
 
 def _register_subsystem_commands() -> None:
     """Commands whose code lives with its subsystem (serving, TensorRT)."""
+    from benchmarks.cli import bench_all, bench_models, bench_quality, bench_serve
     from export.trt_cli import build
     from serving.serve import serve_command
     from serving.triton_cli import repo, triton
@@ -295,6 +296,10 @@ def _register_subsystem_commands() -> None:
     app.command("repo")(repo)
     app.command("triton")(triton)
     app.command("serve")(serve_command)
+    bench_app.command("serve")(bench_serve)
+    bench_app.command("models")(bench_models)
+    bench_app.command("quality")(bench_quality)
+    bench_app.command("all")(bench_all)
 
 
 _register_subsystem_commands()
