@@ -17,9 +17,8 @@ def _cases() -> list[str]:
     return sorted({k.split("/")[0] for k in np.load(FIXTURE).files})
 
 
-@pytest.mark.skipif(not FIXTURE.exists(), reason=f"golden fixture not found at {FIXTURE}")
-@pytest.mark.parametrize("case", _cases())
-def test_dictblock_matches_official(case: str) -> None:
+def _run_case(case: str) -> tuple[np.ndarray, np.ndarray]:
+    """Our layer on one golden case's inputs (weight, step size, λ, K, stride) → (ours, official)."""
     d = np.load(FIXTURE)
     g = {k.split("/")[1]: d[k] for k in d.files if k.startswith(case + "/")}
     w = torch.from_numpy(g["weight"])
@@ -29,7 +28,14 @@ def test_dictblock_matches_official(case: str) -> None:
         block.weight.copy_(w)
         block.step_size.fill_(float(g["step_size"]))
         out = block(torch.from_numpy(g["x"]))
-    np.testing.assert_allclose(out.numpy(), g["out"], atol=1e-5, rtol=0)
+    return out.numpy(), g["out"]
+
+
+@pytest.mark.skipif(not FIXTURE.exists(), reason=f"golden fixture not found at {FIXTURE}")
+@pytest.mark.parametrize("case", _cases())
+def test_dictblock_matches_official(case: str) -> None:
+    ours, official = _run_case(case)
+    np.testing.assert_allclose(ours, official, atol=1e-5, rtol=0)
 
 
 @pytest.mark.skipif(not FIXTURE.exists(), reason=f"golden fixture not found at {FIXTURE}")
@@ -55,13 +61,6 @@ def test_textbook_form_matches_official_too(case: str) -> None:
     """The unfused textbook form (the naive export's source) is the same maths."""
     from unroll.solvers.shrink import textbook_mode
 
-    d = np.load(FIXTURE)
-    g = {k.split("/")[1]: d[k] for k in d.files if k.startswith(case + "/")}
-    w = torch.from_numpy(g["weight"])
-    block = DictBlock(w.shape[1], w.shape[0], kernel_size=w.shape[-1], stride=int(g["stride"]),
-                      padding=int(g["padding"]), lmbd=float(g["lmbd"]), n_steps=int(g["n_steps"])).eval()
-    with torch.no_grad(), textbook_mode():
-        block.weight.copy_(w)
-        block.step_size.fill_(float(g["step_size"]))
-        out = block(torch.from_numpy(g["x"]))
-    np.testing.assert_allclose(out.numpy(), g["out"], atol=1e-5, rtol=0)
+    with textbook_mode():
+        ours, official = _run_case(case)
+    np.testing.assert_allclose(ours, official, atol=1e-5, rtol=0)
