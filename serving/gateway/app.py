@@ -387,7 +387,9 @@ async def models(request: Request) -> dict[str, Any]:
 
 def _warm_sigma_estimator() -> None:
     try:
-        images.estimate_sigma(images.Planes(np.zeros((1, 16, 16), np.float32), None, "L"))
+        # A textured probe: an all-zero image makes the wavelet MAD divide by an empty slice (a warning).
+        probe = np.random.default_rng(0).random((1, 32, 32), dtype=np.float32)
+        images.estimate_sigma(images.Planes(probe, None, "L"))
     except ImportError as e:
         raise RuntimeError(f"sigma estimation needs scikit-image with PyWavelets ({e}); pip install PyWavelets") from e
 
