@@ -1,5 +1,7 @@
 """Shared test set-up: deterministic, 2 threads (the CI machine's cores)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -7,3 +9,15 @@ import torch
 @pytest.fixture(autouse=True, scope="session")
 def _threads() -> None:
     torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def demo_onnx_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The served demo graphs (sdnet-mnist, its auto-λ graph, csc-denoiser), exported once per session."""
+    from export.onnx_export import export_auto_lam, export_model
+
+    out = tmp_path_factory.mktemp("demo_onnx")
+    export_model("sdnet-mnist", out, naive=False)
+    export_auto_lam("sdnet-mnist", out)
+    export_model("csc-denoiser", out, naive=False)
+    return out

@@ -47,16 +47,11 @@ def _load(out: Path, stem: str) -> tuple[dict, str]:
 
 
 @pytest.fixture(scope="module")
-def onnx_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from export.onnx_export import export_auto_lam, export_model
+def onnx_dir(demo_onnx_dir: Path) -> Path:
     from export.quantize import quantize
 
-    out = tmp_path_factory.mktemp("onnx")
-    export_model("sdnet-mnist", out, naive=False)
-    export_auto_lam("sdnet-mnist", out)
-    export_model("csc-denoiser", out, naive=False)
-    quantize("sdnet-mnist", "fp16", out)
-    return out
+    quantize("sdnet-mnist", "fp16", demo_onnx_dir)
+    return demo_onnx_dir
 
 
 # ----------------------------------------------------------------------------------------------- fast unit checks

@@ -48,14 +48,8 @@ def free_ports(n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def onnx_dir(tmp_path_factory) -> Path:
-    from export.onnx_export import export_auto_lam, export_model
-
-    out = tmp_path_factory.mktemp("onnx")
-    export_model("sdnet-mnist", out, naive=False)
-    export_auto_lam("sdnet-mnist", out)
-    export_model("csc-denoiser", out, naive=False)
-    return out
+def onnx_dir(demo_onnx_dir: Path) -> Path:
+    return demo_onnx_dir
 
 
 @pytest.fixture(scope="module")
