@@ -6,7 +6,7 @@ concurrency sweep for a fixed duration per level, on real inputs: MNIST test dig
 Per level it records the client's throughput and latency percentiles and the errors; for the Triton
 and gateway paths also the server's own split from Triton's statistics API (queue, compute input,
 infer, output — deltas of ``/v2/models/NAME/stats`` around the level) and the average batch size
-Triton formed. The gateway's share is its latency minus Triton-direct HTTP (the protocol the gateway
+Triton formed. The gateway's share is its latency minus Triton-direct gRPC (the protocol the gateway
 uses) at the same level. Then dynamic batching on (the main repository) vs off (a second Triton on a
 repository with ``max_batch_size: 1`` and no ``dynamic_batching``) at one concurrency.
 
@@ -333,7 +333,7 @@ class Servers:
     gateway: str | None
     started_triton: bool = False
     started_gateway: bool = False
-    gateway_protocol: str = "http"
+    gateway_protocol: str = "grpc"
 
 
 def _wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
@@ -368,7 +368,7 @@ def _check_grpc(url: str) -> None:
 
 
 @contextlib.contextmanager
-def gateway_process(triton_url: str, protocol: str = "http", log: Path | None = None) -> Iterator[str]:
+def gateway_process(triton_url: str, protocol: str = "grpc", log: Path | None = None) -> Iterator[str]:
     """``python -m serving.gateway`` on a free port in front of ``triton_url``; yields its base URL."""
     from serving.gateway.settings import ENV_PREFIX, Settings
 
@@ -472,13 +472,14 @@ def measure(path: str, w: Workload, concurrency: int, duration_s: float, warmup_
             "latency_ms": latency_summary(res.latencies_ms), "server": server}
 
 
-def _add_gateway_share(runs: list[dict]) -> None:
+def _add_gateway_share(runs: list[dict], gateway_protocol: str = "grpc") -> None:
     """Gateway latency minus Triton-direct latency at the same workload and concurrency (p50 and mean).
 
-    Triton-direct is HTTP (the gateway's own protocol to Triton) where measured, else gRPC.
+    Triton-direct is the gateway's own protocol to Triton where measured, else the other one.
     """
+    own = _direct_path(gateway_protocol)
     direct: dict[tuple[str, int], dict] = {}
-    for path in ("triton-grpc", "triton-http"):  # HTTP (what the gateway uses) wins where both were measured
+    for path in sorted(("triton-http", "triton-grpc"), key=lambda p: p == own):  # its own protocol wins
         direct.update({(r["workload"], r["concurrency"]): r for r in runs if r["path"] == path and r["requests"]})
     for r in runs:
         d = direct.get((r["workload"], r["concurrency"]))
@@ -578,7 +579,7 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
         if "gateway" in paths:
             if url is None:
                 log("starting the gateway")
-                servers.gateway = stack.enter_context(gateway_process(servers.triton_http, "http", tmp / "gw.log"))
+                servers.gateway = stack.enter_context(gateway_process(servers.triton_grpc, "grpc", tmp / "gw.log"))
                 servers.started_gateway = True
             else:
                 servers.gateway = url.rstrip("/")
@@ -616,7 +617,7 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
                               tick=lambda t: bars.update(level, completed=min(t, duration_s)))
                 off_cfg = triton_config(off_http, "sdnet-mnist")
             bars.advance(total)
-    _add_gateway_share(runs)
+    _add_gateway_share(runs, servers.gateway_protocol)
     payload["runs"] = runs
     payload["batching"] = {"concurrency": batching_concurrency, "path": "triton-grpc", "model": "sdnet-mnist",
                            "on": on, "off": off,
@@ -652,8 +653,14 @@ def _batching(cfg: dict) -> str:
             f"{int(db.get('max_queue_delay_microseconds', 0))} µs)")
 
 
+def _direct_path(gateway_protocol: str) -> str:
+    """The Triton-direct path the gateway's share is measured against: its own protocol to Triton."""
+    return "triton-http" if gateway_protocol == "http" else "triton-grpc"
+
+
 def markdown(payload: dict) -> str:
     m, cfg, srv = payload["machine"], payload["config"], payload.get("servers", {})
+    own = _direct_path(srv.get("gateway_triton_protocol", "grpc"))
     gw_cfg = srv.get("config", {}).get("sdnet-mnist", {})
     lines = [f"# Serving under load ({m['cpu']}, {m['logical_cores']} cores, onnxruntime "
              f"{m['versions'].get('onnxruntime')}, tritonclient {m['versions'].get('tritonclient')})", "",
@@ -661,7 +668,7 @@ def markdown(payload: dict) -> str:
              f"{cfg['warmup_s']:g} s warm-up, client, gateway and Triton on the same machine. Latency from the "
              "client in ms. Triton split: mean ms per request from its statistics API over the level "
              "(queue, compute input, infer, output); batch = average batch size Triton formed. Gateway share = "
-             "gateway latency − Triton-direct HTTP latency at the same concurrency (p50). "
+             f"gateway latency − {PATH_LABELS[own]} latency at the same concurrency (p50). "
              f"Triton sdnet-mnist: {_batching(gw_cfg)}; in-process ONNX Runtime uses the same session options "
              f"as Triton's model ({cfg['threads']} threads, no spinning). {load_note(m)}", ""]
     lines += ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
@@ -679,14 +686,16 @@ def markdown(payload: dict) -> str:
         for r in rows:
             L, s = r["latency_ms"], r["server"] or {}
             gs = r.get("gateway_share_ms", {})
-            share = _f(gs.get("p50")) + ("†" if gs.get("vs") == "triton-grpc" else "")
+            share = _f(gs.get("p50")) + ("†" if gs.get("vs") not in (None, own) else "")
             lines.append(f"| {PATH_LABELS[r['path']]} | {r['concurrency']} | {_f(r['throughput_rps'], 1)} | "
                          f"{_f(L['p50'])} | {_f(L['p90'])} | {_f(L['p95'])} | {_f(L['p99'])} | {_f(L['max'])} | "
                          f"{r['errors']} | {_f(s.get('queue_ms'))} | {_f(s.get('compute_input_ms'))} | "
                          f"{_f(s.get('compute_infer_ms'))} | {_f(s.get('compute_output_ms'))} | "
                          f"{_f(s.get('avg_batch'))} | {share} |")
-        if any(r.get("gateway_share_ms", {}).get("vs") == "triton-grpc" for r in rows):
-            lines += ["", "† vs Triton gRPC (Triton HTTP not measured for this input)."]
+        other = {r["gateway_share_ms"]["vs"] for r in rows
+                 if r.get("gateway_share_ms", {}).get("vs") not in (None, own)}
+        for vs in sorted(other):
+            lines += ["", f"† vs {PATH_LABELS[vs]} ({PATH_LABELS[own]} not measured for this input)."]
     b = payload.get("batching")
     if b:
         lines += ["", f"## Dynamic batching on vs off (sdnet-mnist, Triton gRPC, concurrency {b['concurrency']})", "",

@@ -162,7 +162,7 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton_http_port: int = 8000,
           triton_grpc_port: int = 8001, triton_metrics_port: int = 8002, triton_url: str | None = None,
-          triton_protocol: str = "http", api_key: str | None = None, repo: Path = Path("model_repository"),
+          triton_protocol: str = "grpc", api_key: str | None = None, repo: Path = Path("model_repository"),
           onnx_dir: Path = Path("build/onnx"), samples_dir: Path = Path("build/samples"), rebuild: bool = False,
           log_level: str = "info", on_ready: Callable[[str], None] | None = None) -> None:
     """Build what is missing, start Triton (unless ``triton_url``) and the gateway; block until Ctrl-C/SIGTERM.
@@ -234,9 +234,10 @@ def serve_command(
     triton_http_port: Annotated[int, typer.Option(help="Triton HTTP port")] = 8000,
     triton_grpc_port: Annotated[int, typer.Option(help="Triton gRPC port")] = 8001,
     triton_metrics_port: Annotated[int, typer.Option(help="Triton metrics port")] = 8002,
-    triton_url: Annotated[str | None, typer.Option(help="Use a Triton already running at HOST:PORT (its HTTP "
-                                                        "port, or gRPC with --triton-protocol grpc)")] = None,
-    triton_protocol: Annotated[str, typer.Option(help="How the gateway talks to Triton: http or grpc")] = "http",
+    triton_url: Annotated[str | None, typer.Option(help="Use a Triton already running at HOST:PORT (its gRPC "
+                                                        "port, or HTTP with --triton-protocol http)")] = None,
+    triton_protocol: Annotated[str, typer.Option(help="How the gateway talks to Triton: grpc (faster here) or "
+                                                      "http")] = "grpc",
     api_key: Annotated[str | None, typer.Option(envvar="UNROLL_API_KEY", show_envvar=True,
                                                 help="Require this key on /v1/* (X-API-Key or Bearer)")] = None,
     repo: Annotated[Path, typer.Option(help="Triton model repository")] = Path("model_repository"),

@@ -1,7 +1,7 @@
 """End-to-end tests of the REST gateway: a real tritonserver, real uvicorn gateway processes, an httpx client.
 
-Two gateways share one Triton: ``gw`` (HTTP to Triton, small body/pixel limits) and ``gw_key`` (gRPC to
-Triton, an API key, one request at a time with no queue and a 1 s Triton deadline). The ONNX models
+Two gateways share one Triton: ``gw`` (gRPC to Triton, the default; small body/pixel limits) and ``gw_key``
+(HTTP to Triton, an API key, one request at a time with no queue and a 1 s Triton deadline). The ONNX models
 are exported afresh into a temporary folder, so the test never serves a stale ``build/onnx``. The
 Triton restart test runs last: it stops and restarts the shared server on the same ports.
 """
@@ -146,7 +146,7 @@ def triton(onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 @pytest.fixture(scope="module")
 def gw(triton: Triton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    g = Gateway(Settings(triton_url=triton.url, max_body_bytes=MAX_BODY, max_pixels=MAX_PIXELS,
+    g = Gateway(Settings(triton_url=triton.grpc_url, max_body_bytes=MAX_BODY, max_pixels=MAX_PIXELS,
                          request_timeout_s=20, retry_after_s=3),
                 tmp_path_factory.mktemp("gw") / "gateway.log")
     try:
@@ -157,7 +157,7 @@ def gw(triton: Triton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gat
 
 @pytest.fixture(scope="module")
 def gw_key(triton: Triton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    g = Gateway(Settings(triton_url=triton.grpc_url, triton_protocol="grpc", api_key=API_KEY, max_concurrency=1,
+    g = Gateway(Settings(triton_url=triton.url, triton_protocol="http", api_key=API_KEY, max_concurrency=1,
                          max_queue=0, request_timeout_s=1.0),
                 tmp_path_factory.mktemp("gw-key") / "gateway.log")
     try:

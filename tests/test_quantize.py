@@ -49,6 +49,11 @@ def test_int8_explicit_qdq_passes_gate(onnx_dir, name: str) -> None:
             assert zp.dtype == np.int8 and not zp.any(), "symmetric: zero point 0, int8"
             per_channel |= numpy_helper.to_array(inits[n.input[1]]).size > 1
     assert per_channel, "weights are quantized per channel"
+    # The kept placement is the first with the safety margin (or the report says none had it).
+    margins = [t["margin"] for t in r["tries"]]
+    k = next(i for i, t in enumerate(r["tries"]) if t["config"] == r["chosen"])
+    assert margins[k] >= 0.2 or r["notes"], (r["chosen"], margins)
+    assert all(m < 0.2 for m in margins[:k - k % 2]), "an earlier placement already had the margin"
     if name == "sdnet-mnist":
         assert r["metrics"]["top1_agreement"] >= 0.995 and r["metrics"]["accuracy_loss"] <= 0.003
     else:

@@ -229,12 +229,15 @@ def quantize(
     min_agreement: Annotated[float | None, typer.Option(help="Loosen/tighten the top-1 agreement gate (0–1)")] = None,
     max_accuracy_loss: Annotated[float | None, typer.Option(help="Accuracy-loss gate, as a fraction")] = None,
     max_psnr_loss: Annotated[float | None, typer.Option(help="PSNR-loss gate in dB")] = None,
+    safety: Annotated[float, typer.Option(help="INT8: fraction of each gate tolerance a layer placement must leave "
+                                               "unused to be taken (0: the first that passes at all)")] = 0.2,
 ) -> None:
     """FP16 or INT8 (explicit Q/DQ) ONNX behind an accuracy gate evaluated with ONNX Runtime.
 
     Gates (defaults): FP16 — top-1 agreement ≥ 99.9 %, PSNR loss ≤ 0.02 dB; INT8 — agreement ≥ 99.5 %,
-    accuracy loss ≤ 0.3 points, PSNR loss ≤ 0.15 dB (σ = 15/25/50, held-out images). A model that
-    fails is not written; the command exits non-zero naming the metric and the shortfall.
+    accuracy loss ≤ 0.3 points, PSNR loss ≤ 0.15 dB (σ = 15/25/50, held-out images). INT8 tries layer
+    placements from all-INT8 towards more FP32 and keeps the first that passes with the --safety margin.
+    A model that fails is not written; the command exits non-zero naming the metric and the shortfall.
     """
     from export.onnx_export import export_model
     from export.quantize import GateFailed
@@ -251,7 +254,7 @@ def quantize(
     try:
         with console.status(f"quantizing {name} to {precision}") as status:
             r = run_quantize(name, precision, out, calib=calib, gates=gates or None,
-                             progress=lambda m: status.update(m))
+                             progress=lambda m: status.update(m), safety=safety)
     except (GateFailed, ValueError, FileNotFoundError) as e:
         raise fail(str(e)) from None
     m = r["metrics"]
@@ -262,6 +265,8 @@ def quantize(
         summary = ", ".join(f"σ={s}: −{v['psnr_loss_db']:.3f} dB" for s, v in m["per_sigma"].items())
     console.print(f"[green]✓[/] {name} {precision}: gate passed ({summary}); {r['chosen']} → "
                   f"{out / f'{name}.{precision}.onnx'}")
+    for note in r.get("notes", []):
+        console.print(f"[yellow]note:[/] {note}")
 
 
 bench_app = typer.Typer(help="Measure speed and quality; results go to benchmarks/results/ (JSON, Markdown, PNG).",

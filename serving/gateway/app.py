@@ -96,7 +96,7 @@ COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
     429: _err("too_many_requests", "server busy: 8 requests running and 32 queued; retry later",
               "Over the concurrency limit and queue bound (see Retry-After)"),
     502: _err("triton_error", "Triton rejected inference on sdnet-mnist: …", "Triton answered with an error"),
-    503: _err("triton_unavailable", "cannot reach Triton at 127.0.0.1:8000", "Triton down or model not ready "
+    503: _err("triton_unavailable", "cannot reach Triton at 127.0.0.1:8001", "Triton down or model not ready "
               "(see Retry-After)"),
     504: _err("triton_timeout", "Triton did not answer inference on csc-denoiser within 60 s", "Triton too slow"),
 }
