@@ -56,6 +56,8 @@ def bench_serve(
     denoise_concurrency: Annotated[str, typer.Option(help="In-flight requests per level, csc-denoiser")] = "1,4",
     denoise_sizes: Annotated[str, typer.Option(help="Denoiser image sides (square images)")] = "256,512",
     batching_concurrency: Annotated[int, typer.Option(help="Concurrency of the batching on/off comparison")] = 16,
+    batching_rounds: Annotated[int | None, typer.Option(help="Interleaved on/off rounds of that comparison, median "
+                                                             "ratio reported [default: 3; 1 with --quick]")] = None,
     paths: Annotated[str, typer.Option(help="Paths to measure: onnxruntime, triton-http, triton-grpc, gateway")]
     = "onnxruntime,triton-http,triton-grpc,gateway",
     url: Annotated[str | None, typer.Option(help="Attach to a running gateway (base URL, e.g. "
@@ -86,8 +88,10 @@ def bench_serve(
     if quick:
         kw = {"duration_s": min(duration, 1.0), "warmup_s": min(warmup, 0.3), "concurrency": (1, 4),
               "denoise_concurrency": (1,), "denoise_sizes": (128,), "mnist_samples": 64}
+    if batching_rounds is None:
+        batching_rounds = 1 if quick else 3
     try:
-        payload = serve_bench.run(**kw, batching_concurrency=batching_concurrency,
+        payload = serve_bench.run(**kw, batching_concurrency=batching_concurrency, batching_rounds=batching_rounds,
                                   paths=tuple(p.strip() for p in paths.split(",") if p.strip()), url=url,
                                   triton_url=triton_url, triton_grpc_url=triton_grpc_url, onnx_dir=onnx_dir,
                                   threads=threads, progress=progress, out_dir=out, log=lambda m: err.print(m))
@@ -220,7 +224,7 @@ def bench_all(
                           progress=progress)
         else:
             bench_serve(duration=duration, warmup=0.5, concurrency="1,2,4,8,16,32", denoise_concurrency="1,4",
-                        denoise_sizes="256,512", batching_concurrency=16,
+                        denoise_sizes="256,512", batching_concurrency=16, batching_rounds=3,
                         paths="onnxruntime,triton-http,triton-grpc,gateway", url=None, triton_url=None,
                         triton_grpc_url=None, quick=quick, threads=threads, onnx_dir=onnx_dir, out=out,
                         progress=progress)
