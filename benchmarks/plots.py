@@ -105,7 +105,7 @@ def serve_plots(payload: dict, out_dir: Path) -> list[Path]:
         ax.margins(y=0.15)
         ax.set_ylabel("requests / s")
         sp = b.get("speedup")
-        n = len(b.get("rounds", [b]))
+        n = len(b["rounds"])
         ax.set_title(f"sdnet-mnist, gRPC, {b['concurrency']} in flight: "
                      + (f"{sp:.2f}×" if sp else "-") + (f" (median of {n} rounds)" if n > 1 else ""), fontsize=9)
     fig.suptitle("Throughput vs concurrency", fontsize=10)

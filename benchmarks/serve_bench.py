@@ -21,9 +21,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -35,7 +32,6 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import (
-    free_ports,
     latency_summary,
     load_note,
     machine_info,
@@ -338,21 +334,14 @@ class Servers:
     gateway_protocol: str = "grpc"
 
 
-def _wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc is not None and proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-2000:] if log and log.exists() else ""
-            raise BenchError(f"the gateway exited with code {proc.returncode}:\n{tail}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise BenchError(f"{url} did not answer 200 within {timeout_s:g} s")
-        time.sleep(0.2)
+def _wait_ready(url: str, timeout_s: float) -> None:
+    """An attached server must answer 200 on ``url`` (a health endpoint) within ``timeout_s``."""
+    from serving.gateway.process import GatewayStartError, wait_ready
+
+    try:
+        wait_ready(url, timeout_s)
+    except GatewayStartError as e:
+        raise BenchError(str(e)) from None
 
 
 def _check_grpc(url: str) -> None:
@@ -367,33 +356,6 @@ def _check_grpc(url: str) -> None:
     except InferenceServerException:
         pass
     raise BenchError(f"no ready Triton gRPC endpoint at {url}; pass --triton-grpc-url HOST:PORT")
-
-
-@contextlib.contextmanager
-def gateway_process(triton_url: str, protocol: str = "grpc", log: Path | None = None) -> Iterator[str]:
-    """``python -m serving.gateway`` on a free port in front of ``triton_url``; yields its base URL."""
-    from serving.gateway.settings import ENV_PREFIX, Settings
-
-    port = free_ports(1)[0]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
-    env.update(Settings(triton_url=triton_url, triton_protocol=protocol).env())
-    log = log or Path(tempfile.mkstemp(prefix="unroll-gateway-", suffix=".log")[1])
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "serving.gateway", "--port", str(port), "--log-level",
-                                 "warning"], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                cwd=Path(__file__).resolve().parent.parent)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(base + "/readyz", 90, proc, log)
-        yield base
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def write_repositories(onnx_dir: Path, root: Path) -> tuple[Path, Path]:
@@ -426,7 +388,7 @@ def write_repositories(onnx_dir: Path, root: Path) -> tuple[Path, Path]:
 @contextlib.contextmanager
 def triton_server(repo: Path, log: Path) -> Iterator[tuple[str, str]]:
     """A tritonserver on free ports; yields (HTTP url, gRPC url) and always stops it."""
-    from serving.triton import TritonStartError, start
+    from serving.triton import TritonStartError, free_ports, start
 
     try:
         handle = start(repo, *free_ports(3), log_file=log, timeout_s=300, extra_args=["--exit-timeout-secs=2"])
@@ -480,8 +442,9 @@ def _add_gateway_share(runs: list[dict], gateway_protocol: str = "grpc") -> None
     Triton-direct is the gateway's own protocol to Triton where measured, else the other one.
     """
     own = _direct_path(gateway_protocol)
+    other = "triton-grpc" if own == "triton-http" else "triton-http"
     direct: dict[tuple[str, int], dict] = {}
-    for path in sorted(("triton-http", "triton-grpc"), key=lambda p: p == own):  # its own protocol wins
+    for path in (other, own):  # its own protocol, updated last, wins where both were measured
         direct.update({(r["workload"], r["concurrency"]): r for r in runs if r["path"] == path and r["requests"]})
     for r in runs:
         d = direct.get((r["workload"], r["concurrency"]))
@@ -513,7 +476,7 @@ def targets(payload: dict) -> list[dict]:
                 "measured": None if sp is None else f"{sp:.2f}× ({b['on']['throughput_rps']:.0f} vs "
                                                     f"{b['off']['throughput_rps']:.0f} req/s)",
                 "value": sp, "met": None if sp is None else sp >= TARGET_BATCHING_SPEEDUP})
-    all_runs = runs + ([r[t] for r in b.get("rounds", [b]) for t in ("on", "off")] if b else [])
+    all_runs = runs + _batching_runs(b)
     n_err = sum(r["errors"] for r in all_runs)
     bad = sorted({f"{r['workload']} {r['path']} c={r['concurrency']}" for r in all_runs if r["errors"]})
     out.append({"target": "zero errors at every level", "value": n_err, "met": n_err == 0,
@@ -584,7 +547,14 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
         if "gateway" in paths:
             if url is None:
                 log("starting the gateway")
-                servers.gateway = stack.enter_context(gateway_process(servers.triton_grpc, "grpc", tmp / "gw.log"))
+                from serving.gateway.process import GatewayStartError, gateway_process
+                from serving.gateway.settings import Settings
+
+                settings = Settings(triton_url=servers.triton_grpc, triton_protocol="grpc")
+                try:
+                    servers.gateway = stack.enter_context(gateway_process(settings, tmp / "gw.log"))
+                except GatewayStartError as e:
+                    raise BenchError(str(e)) from None
                 servers.started_gateway = True
             else:
                 servers.gateway = url.rstrip("/")
@@ -638,6 +608,11 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
     if out_dir is not None:
         write(payload, Path(out_dir))
     return payload
+
+
+def _batching_runs(b: dict | None) -> list[dict]:
+    """Every measured level of the batching comparison (each round's on and off)."""
+    return [r[tag] for r in b["rounds"] for tag in ("on", "off")] if b else []
 
 
 def _median_round(rounds: list[dict]) -> dict:
@@ -722,13 +697,12 @@ def markdown(payload: dict) -> str:
             lines.append(f"| {tag}: {_batching(c)} | {_f(r['throughput_rps'], 1)} | {_f(r['latency_ms']['p50'])} | "
                          f"{_f(r['latency_ms']['p99'])} | {_f((r['server'] or {}).get('avg_batch'))} | "
                          f"{r['errors']} |")
-        rounds = b.get("rounds", [b])
+        rounds = b["rounds"]
         lines += ["", f"Speed-up: {_f(b['speedup'])}× (the median of {len(rounds)} interleaved round(s) of on, off; "
                       "the rows above are that round; every round: "
                       + ", ".join(f"{_f(r['on']['throughput_rps'], 0)} vs {_f(r['off']['throughput_rps'], 0)} req/s "
                                   f"→ {_f(r['speedup'])}×" for r in rounds) + ")."]
-    extra = [r[t] for r in b.get("rounds", [b]) for t in ("on", "off")] if b else []
-    errs = [(r, e) for r in payload["runs"] + extra for e in r["error_samples"]]
+    errs = [(r, e) for r in payload["runs"] + _batching_runs(b) for e in r["error_samples"]]
     if errs:
         lines += ["", "## Error samples", ""]
         lines += [f"- {r['workload']} {r['path']} c={r['concurrency']}: `{e}`" for r, e in errs[:20]]

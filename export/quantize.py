@@ -260,11 +260,11 @@ def quantize(name: str, precision: str, onnx_dir: Path = Path("build/onnx"), cal
                     path = Path(tmp) / f"q{i}_{method}.onnx"
                     cand = to_int8(src, feeds, exclude, path, method=method)
                     res = evaluate_gate(name, reference, _session(cand), precision, gates)
+                    margin = _margin(res)
                     tries.append({"config": f"{desc}; {method} calibration", "fp32_nodes": exclude,
-                                  "metrics": res.metrics, "failures": res.failures,
-                                  "margin": round(_margin(res), 4)})
-                    if best is None or _margin(res) > best[0]:
-                        best = (_margin(res), (cand, res, tries[-1]["config"], exclude))
+                                  "metrics": res.metrics, "failures": res.failures, "margin": round(margin, 4)})
+                    if best is None or margin > best[0]:
+                        best = (margin, (cand, res, tries[-1]["config"], exclude))
                 chosen = best[1]
                 if chosen[1].passed and first_pass is None:
                     first_pass = chosen

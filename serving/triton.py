@@ -278,6 +278,18 @@ def _model_states(host: str, port: int) -> str:
                      for m in index if m.get("state") != "READY")
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (bound together, so they differ), for servers on spare ports."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def _check_ports_free(host: str, ports: dict[str, int]) -> None:
     """Fail early and clearly, rather than let Triton half-start next to another server."""
     if len(set(ports.values())) != len(ports):

@@ -9,16 +9,14 @@ Triton restart test runs last: it stops and restarts the shared server on the sa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import math
-import os
-import socket
 import struct
-import subprocess
-import sys
 import time
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -26,7 +24,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from serving.gateway.settings import ENV_PREFIX, Settings
+from serving.gateway.process import gateway_process
+from serving.gateway.settings import Settings
+from serving.triton import free_ports
 
 pytestmark = pytest.mark.triton
 
@@ -34,12 +34,6 @@ MAX_BODY = 2 * 1024 * 1024
 MAX_PIXELS = 1_200_000  # 1200×1100 does not fit
 API_KEY = "s3cret-key"
 MODELS = ["sdnet-mnist", "sdnet-mnist-autolam", "csc-denoiser"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def png(arr: np.ndarray, mode: str | None = None) -> bytes:
@@ -62,7 +56,7 @@ class Triton:
 
     def __init__(self, repo: Path, log_dir: Path) -> None:
         self.repo, self.log_dir = repo, log_dir
-        self.ports = (free_port(), free_port(), free_port())
+        self.ports = tuple(free_ports(3))
         self.handle = None
         self.start()
 
@@ -87,43 +81,19 @@ class Triton:
         return f"127.0.0.1:{self.ports[1]}"
 
 
+@dataclass
 class Gateway:
-    """``python -m serving.gateway`` in a subprocess (a real uvicorn server), configured via UNROLL_* variables."""
+    """A running gateway process (:func:`serving.gateway.process.gateway_process`) and a client for it."""
 
-    def __init__(self, settings: Settings, log: Path) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
-        env.update(settings.env())
-        self.log = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "serving.gateway", "--port", str(self.port),
-                                          "--log-level", "warning"], env=env, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(self.base + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"gateway not up after 60 s:\n{log.read_text()}")
-            time.sleep(0.1)
-        self.client = httpx.Client(base_url=self.base, timeout=60)
+    base: str
+    client: httpx.Client
 
-    def stop(self) -> None:
-        if hasattr(self, "client"):
-            self.client.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+
+@contextlib.contextmanager
+def running_gateway(settings: Settings, log: Path) -> Iterator[Gateway]:
+    with gateway_process(settings, log, ready_path="/healthz", timeout_s=60) as base, \
+            httpx.Client(base_url=base, timeout=60) as client:
+        yield Gateway(base, client)
 
 
 @pytest.fixture(scope="module")
@@ -146,24 +116,18 @@ def triton(onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 @pytest.fixture(scope="module")
 def gw(triton: Triton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    g = Gateway(Settings(triton_url=triton.grpc_url, max_body_bytes=MAX_BODY, max_pixels=MAX_PIXELS,
-                         request_timeout_s=20, retry_after_s=3),
-                tmp_path_factory.mktemp("gw") / "gateway.log")
-    try:
+    with running_gateway(Settings(triton_url=triton.grpc_url, max_body_bytes=MAX_BODY, max_pixels=MAX_PIXELS,
+                                  request_timeout_s=20, retry_after_s=3),
+                         tmp_path_factory.mktemp("gw") / "gateway.log") as g:
         yield g
-    finally:
-        g.stop()
 
 
 @pytest.fixture(scope="module")
 def gw_key(triton: Triton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    g = Gateway(Settings(triton_url=triton.url, triton_protocol="http", api_key=API_KEY, max_concurrency=1,
-                         max_queue=0, request_timeout_s=1.0),
-                tmp_path_factory.mktemp("gw-key") / "gateway.log")
-    try:
+    with running_gateway(Settings(triton_url=triton.url, triton_protocol="http", api_key=API_KEY, max_concurrency=1,
+                                  max_queue=0, request_timeout_s=1.0),
+                         tmp_path_factory.mktemp("gw-key") / "gateway.log") as g:
         yield g
-    finally:
-        g.stop()
 
 
 @pytest.fixture(scope="module")

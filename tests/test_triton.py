@@ -30,21 +30,12 @@ from typer.testing import CliRunner
 
 from serving import triton
 from serving.repository import RepositoryError, validate_model, validate_repository, write_repository
+from serving.triton import free_ports
 from serving.triton_cli import repo as repo_cmd
 from serving.triton_cli import triton as triton_cmd
 
 DEMO = ["sdnet-mnist", "sdnet-mnist-autolam", "csc-denoiser"]
 TOL = 1e-5
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,72 @@
+"""The gateway as its own process: ``python -m serving.gateway`` under a real uvicorn, on a spare port.
+
+The tests and ``unroll bench serve`` run it this way (settings travel as ``UNROLL_*`` variables), so
+what they measure and check is the server a user starts, not an in-process app.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from serving.gateway.settings import ENV_PREFIX, Settings
+from serving.triton import free_ports
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class GatewayStartError(RuntimeError):
+    """The gateway process exited, or a server did not answer in time; the message holds the end of its log."""
+
+
+@contextlib.contextmanager
+def gateway_process(settings: Settings, log: Path, ready_path: str = "/readyz",
+                    timeout_s: float = 90.0) -> Iterator[str]:
+    """Start the gateway with ``settings``, logging to ``log``; yield its base URL once ``ready_path``
+    answers 200, and always stop it (SIGTERM, then SIGKILL after 15 s)."""
+    port = free_ports(1)[0]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    env.update(settings.env())
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "serving.gateway", "--port", str(port), "--log-level",
+                                 "warning"], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=_REPO_ROOT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base + ready_path, timeout_s, proc, log)
+        yield base
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    """Poll ``url`` until it answers 200; :class:`GatewayStartError` when ``proc`` exits first or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise GatewayStartError(f"the gateway exited with code {proc.returncode}:\n{_tail(log)}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise GatewayStartError(f"{url} did not answer 200 within {timeout_s:g} s" +
+                                    (f":\n{_tail(log)}" if log else ""))
+        time.sleep(0.1)
+
+
+def _tail(log: Path | None) -> str:
+    return log.read_text(errors="replace")[-2000:] if log is not None and log.exists() else ""
