@@ -80,7 +80,7 @@ def bench_serve(
     batching on vs off (a second Triton with max_batch_size 1) at --batching-concurrency.
     Writes serve.json, serve.md (with the targets) and serve_latency/throughput/split.png.
     """
-    from benchmarks import serve_bench
+    from unroll.benchmarks import serve_bench
 
     kw: dict = {"duration_s": duration, "warmup_s": warmup, "concurrency": _ints(concurrency, "--concurrency"),
                 "denoise_concurrency": _ints(denoise_concurrency, "--denoise-concurrency"),
@@ -124,7 +124,8 @@ def bench_models(
     pixel count with a fitted power-law exponent, classifier throughput vs batch size, and the
     FP32/FP16/INT8 speed + accuracy table. Writes models.json, models.md, models_scaling.png.
     """
-    from benchmarks import models_bench
+    from unroll.benchmarks import models_bench
+
     from unroll.registry import REGISTRY
 
     unknown = [m for m in model or [] if m not in REGISTRY]
@@ -152,7 +153,7 @@ def bench_quality(
     the 1,000 held-out digits, clean and under Gaussian noise σ = 0.1…0.5, λ fixed vs lam=auto.
     Writes quality_denoise.{json,md,png} and quality_classify.{json,md,png}.
     """
-    from benchmarks import quality_bench
+    from unroll.benchmarks import quality_bench
 
     if task not in ("denoise", "classify", "all"):
         raise _fail(f"--task must be denoise, classify or all, not {task!r}")
@@ -186,7 +187,7 @@ def bench_all(
     Rewrites the result files in --out (about 12–15 minutes on a quiet 2-core machine once build/onnx
     exists; a fresh clone also exports and quantizes first). bench_all.json records each stage's time.
     """
-    from benchmarks.common import machine_info
+    from unroll.benchmarks.common import machine_info
 
     stages = [s.strip() for s in only.split(",") if s.strip()]
     bad = [s for s in stages if s not in STAGES]
@@ -196,7 +197,7 @@ def bench_all(
     timing: dict[str, float] = {}
     t_all = time.perf_counter()
     if quantize and ({"models", "quality"} & set(stages)):
-        from benchmarks.models_bench import ensure_quantized
+        from unroll.benchmarks.models_bench import ensure_quantized
 
         t0 = time.perf_counter()
         failed = ensure_quantized(Path(onnx_dir), log=lambda m: err.print(m))
@@ -207,7 +208,7 @@ def bench_all(
         t0 = time.perf_counter()
         err.rule(f"bench {stage}")
         if stage == "export":
-            from benchmarks import export_speed
+            from unroll.benchmarks import export_speed
 
             rows = None
             if quick:

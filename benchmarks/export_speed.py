@@ -16,11 +16,11 @@ import onnx
 import onnxruntime as ort
 import onnxslim
 import torch
+from unroll.benchmarks.common import machine_info, time_call, write_results
+from unroll.export.inputs import image_batch
+from unroll.export.onnx_export import _Classifier, _torch_export, io_names
 
 import unroll
-from benchmarks.common import machine_info, time_call, write_results
-from export.inputs import image_batch
-from export.onnx_export import _Classifier, _torch_export, io_names
 from unroll.registry import get_spec
 from unroll.solvers.shrink import textbook_mode
 

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from benchmarks.common import load_note, machine_info, ort_session, progress_bars, time_call, write_results
+from unroll.benchmarks.common import load_note, machine_info, ort_session, progress_bars, time_call, write_results
 
 ENGINES = ("pytorch eager", "torch.compile", "onnxruntime fp32", "onnxruntime fp16", "onnxruntime int8")
 QUANTIZED = ("fp16", "int8")
-QUANTIZABLE = ("sdnet-mnist", "csc-denoiser")  # export.quantize.SUPPORTED
+QUANTIZABLE = ("sdnet-mnist", "csc-denoiser")  # unroll.export.quantize.SUPPORTED
 #: Batch sizes per model (classifiers and blocks) — small and "a full batch" for the model's size.
 BATCHES = {"sdnet-mnist": (1, 64), "sdnet18-cifar": (1, 32), "sdnet18all-cifar": (1, 32),
            "sdnet18-imagenet": (1, 8), "sdnet34-imagenet": (1, 8), "csc-fista": (1, 32)}
@@ -67,13 +66,14 @@ def _mnist_test() -> np.ndarray:
 
 def case_inputs(name: str, case: int, lam: float = 0.1) -> dict[str, torch.Tensor]:
     """Graph-named inputs: ``case`` is the batch size, or the image side for the denoiser."""
-    from export import inputs as ex
+    from unroll.export import inputs as ex
+
     from unroll.registry import get_spec
 
     spec = get_spec(name)
     if spec.task == "denoising":
         return _noisy_camera(case)
-    if name == "sdnet-mnist":  # the held-out digits, as export.inputs.image_batch gives them
+    if name == "sdnet-mnist":  # the held-out digits, as unroll.export.inputs.image_batch gives them
         x = _mnist_test()
         return {"image": torch.from_numpy(np.resize(x, (case, *x.shape[1:]))), "lam": torch.full((case,), lam)}
     if spec.task == "classification":
@@ -111,8 +111,8 @@ def _torch_fn(model: torch.nn.Module, task: str, feeds: dict[str, torch.Tensor])
 
 def ensure_export(name: str, onnx_dir: Path) -> Path:
     """``onnx_dir/NAME.onnx``, exported (fused, verified) first when missing or older than the weights."""
-    from export.onnx_export import export_model
-    from serving.serve import stale_reason
+    from unroll.export.onnx_export import export_model
+    from unroll.serving.serve import stale_reason
 
     if stale_reason(name, onnx_dir) is not None:
         export_model(name, onnx_dir, naive=False)
@@ -137,7 +137,7 @@ def quantized_graphs(name: str, onnx_dir: Path) -> tuple[dict[str, Path], dict[s
 def ensure_quantized(onnx_dir: Path, models: tuple[str, ...] = QUANTIZABLE,
                      log: Callable[[str], None] = print) -> dict[str, str]:
     """Run ``unroll quantize`` (default gates) for each missing or stale FP16/INT8 graph; returns failures."""
-    from export.quantize import GateFailed, quantize
+    from unroll.export.quantize import GateFailed, quantize
 
     failed = {}
     for name in models:
@@ -324,7 +324,7 @@ def run(models: list[str] | None = None, threads: int = 2, budget_s: float = 1.0
 
 
 def write(payload: dict, out_dir: Path) -> list[Path]:
-    from benchmarks import plots
+    from unroll.benchmarks import plots
 
     paths = list(write_results("models", payload, markdown(payload), out_dir))
     if payload.get("scaling"):

@@ -17,8 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-
-from benchmarks.common import load_note, machine_info, ort_session, progress_bars, write_results
+from unroll.benchmarks.common import load_note, machine_info, ort_session, progress_bars, write_results
 
 SIGMAS = (15.0, 25.0, 50.0)
 PRECISIONS = ("fp32", "fp16", "int8")
@@ -61,7 +60,7 @@ def _onnx_denoiser(session) -> Callable[[np.ndarray, float], np.ndarray]:
 
 
 def _graphs(name: str, onnx_dir: Path) -> tuple[dict[str, Path], dict[str, str]]:
-    from benchmarks.models_bench import ensure_export, quantized_graphs
+    from unroll.benchmarks.models_bench import ensure_export, quantized_graphs
 
     graphs = {"fp32": ensure_export(name, onnx_dir)}
     q, why = quantized_graphs(name, onnx_dir)
@@ -150,7 +149,7 @@ def run_denoise(threads: int = 2, sigmas: tuple[float, ...] = SIGMAS, quick: boo
                "speed_512": {"csc_fp32_s": ours, "bm3d_s": bm, "bm3d_over_csc": bm / ours if ours and bm else None},
                "per_image": per_image}
     if out_dir is not None:
-        from benchmarks import plots
+        from unroll.benchmarks import plots
 
         write_results("quality_denoise", payload, markdown_denoise(payload), Path(out_dir))
         plots.quality_denoise_plot(payload, Path(out_dir))
@@ -208,8 +207,9 @@ def _auto_lam(session, x: np.ndarray) -> np.ndarray:
 def run_classify(threads: int = 2, quick: bool = False, noise: tuple[float, ...] = NOISE_SIGMAS,
                  onnx_dir: Path = Path("build/onnx"), progress: bool = True, out_dir: Path | None = None) -> dict:
     """sdnet-mnist accuracy per precision, clean and noisy, λ fixed vs λ auto."""
-    from benchmarks.models_bench import _lam
-    from export.onnx_export import export_auto_lam
+    from unroll.benchmarks.models_bench import _lam
+    from unroll.export.onnx_export import export_auto_lam
+
     from unroll import data
     from unroll.registry import get_spec
     from unroll.train.mnist import _noisy
@@ -254,7 +254,7 @@ def run_classify(threads: int = 2, quick: bool = False, noise: tuple[float, ...]
                           "missing_precisions": missing},
                "n_digits": len(x), "noise_sigmas": list(noise), "results": results}
     if out_dir is not None:
-        from benchmarks import plots
+        from unroll.benchmarks import plots
 
         write_results("quality_classify", payload, markdown_classify(payload), Path(out_dir))
         plots.quality_classify_plot(payload, Path(out_dir))

@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from benchmarks.common import (
+from unroll.benchmarks.common import (
     latency_summary,
     load_note,
     machine_info,
@@ -336,7 +335,7 @@ class Servers:
 
 def _wait_ready(url: str, timeout_s: float) -> None:
     """An attached server must answer 200 on ``url`` (a health endpoint) within ``timeout_s``."""
-    from serving.gateway.process import GatewayStartError, wait_ready
+    from unroll.serving.gateway.process import GatewayStartError, wait_ready
 
     try:
         wait_ready(url, timeout_s)
@@ -366,9 +365,8 @@ def write_repositories(onnx_dir: Path, root: Path) -> tuple[Path, Path]:
     """
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2 as mc
-
-    from serving.repository import validate_model, write_repository
-    from serving.serve import ensure_onnx
+    from unroll.serving.repository import validate_model, write_repository
+    from unroll.serving.serve import ensure_onnx
 
     ensure_onnx(onnx_dir, TRITON_MODELS)
     on, off = root / "batching", root / "no-batching"
@@ -388,7 +386,7 @@ def write_repositories(onnx_dir: Path, root: Path) -> tuple[Path, Path]:
 @contextlib.contextmanager
 def triton_server(repo: Path, log: Path) -> Iterator[tuple[str, str]]:
     """A tritonserver on free ports; yields (HTTP url, gRPC url) and always stops it."""
-    from serving.triton import TritonStartError, free_ports, start
+    from unroll.serving.triton import TritonStartError, free_ports, start
 
     try:
         handle = start(repo, *free_ports(3), log_file=log, timeout_s=300, extra_args=["--exit-timeout-secs=2"])
@@ -547,8 +545,8 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
         if "gateway" in paths:
             if url is None:
                 log("starting the gateway")
-                from serving.gateway.process import GatewayStartError, gateway_process
-                from serving.gateway.settings import Settings
+                from unroll.serving.gateway.process import GatewayStartError, gateway_process
+                from unroll.serving.gateway.settings import Settings
 
                 settings = Settings(triton_url=servers.triton_grpc, triton_protocol="grpc")
                 try:
@@ -624,7 +622,7 @@ def _median_round(rounds: list[dict]) -> dict:
 
 def write(payload: dict, out_dir: Path) -> list[Path]:
     """``serve.json``, ``serve.md`` and the three PNG plots."""
-    from benchmarks import plots
+    from unroll.benchmarks import plots
 
     paths = list(write_results("serve", payload, markdown(payload), out_dir))
     paths += plots.serve_plots(payload, out_dir)

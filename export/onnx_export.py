@@ -26,10 +26,10 @@ import onnxruntime as ort
 import onnxslim
 import torch
 from torch import nn
+from unroll.export import inputs as example_inputs
+from unroll.export.trt_lint import lint
 
 import unroll
-from export import inputs as example_inputs
-from export.trt_lint import lint
 from unroll.registry import ModelSpec, get_spec
 from unroll.solvers.shrink import textbook_mode
 

@@ -25,7 +25,7 @@ strongly typed only when created with ``NetworkDefinitionCreationFlag.STRONGLY_T
 typing is always on and that flag is deprecated and ignored (``EXPLICIT_BATCH`` is gone: explicit batch
 has been the only mode since 10.0).
 
-Gate data (:func:`gate_cases`): the quantization step's ``export.quantize.gate_inputs(name)`` when its
+Gate data (:func:`gate_cases`): the quantization step's ``unroll.export.quantize.gate_inputs(name)`` when its
 cases carry the targets the metrics need (a :class:`GateCase`, a mapping with ``feeds`` and ``clean`` /
 ``labels`` / ``sigma255``, or ``(label, feeds, clean)``). When they are bare feed dicts, the same held-out
 data is rebuilt here with its targets: the 1,000 MNIST test digits (λ from the export report) for
@@ -66,7 +66,7 @@ MAX_OPT_LEVEL = 5  # TensorRT's builder optimization levels are 0…5 (3 is its 
 EVAL_SIGMAS = (15.0, 25.0, 50.0)
 
 #: Parity gates against ONNX Runtime FP32, per precision: the quantization step's thresholds (taken from
-#: ``export.quantize.DEFAULT_GATES`` when present, see :func:`gates_for`), and tighter ones for fp32.
+#: ``unroll.export.quantize.DEFAULT_GATES`` when present, see :func:`gates_for`), and tighter ones for fp32.
 GATES: dict[str, dict[str, float]] = {
     "fp32": {"min_top1_agreement": 0.999, "max_accuracy_loss_points": 0.1, "max_psnr_loss_db": 0.01},
     "fp16": {"min_top1_agreement": 0.999, "max_accuracy_loss_points": 0.1, "max_psnr_loss_db": 0.02},
@@ -366,13 +366,13 @@ def _coerce_case(i: int, item: Any) -> GateCase:
                         getattr(item, "labels", None), getattr(item, "sigma255", None))
     if isinstance(item, tuple) and len(item) in (2, 3) and isinstance(item[1], Mapping):
         return GateCase(str(item[0]), dict(item[1]), item[2] if len(item) == 3 else None)
-    raise TrtBuildError(f"export.quantize.gate_inputs returned a case of unexpected form ({type(item).__name__})")
+    raise TrtBuildError(f"quantize.gate_inputs returned a case of unexpected form ({type(item).__name__})")
 
 
 def _quantize_gate_inputs(name: str) -> list[GateCase] | None:
-    """The quantization gate's own cases, when ``export.quantize.gate_inputs`` exists and knows ``name``."""
+    """The quantization gate's own cases, when ``unroll.export.quantize.gate_inputs`` exists and knows ``name``."""
     try:
-        from export import quantize
+        from unroll.export import quantize
     except ImportError:
         return None
     fn = getattr(quantize, "gate_inputs", None)
@@ -405,8 +405,8 @@ def gate_cases(name: str, task: str, input_names: list[str], profile: ProfileSha
     """
     cases = _quantize_gate_inputs(name)
     if cases is not None and _has_targets(task, cases):
-        return cases, "export.quantize.gate_inputs"
-    note = "built here" + (" (same held-out data as export.quantize.gate_inputs, with targets)"
+        return cases, "unroll.export.quantize.gate_inputs"
+    note = "built here" + (" (same held-out data as unroll.export.quantize.gate_inputs, with targets)"
                            if cases is not None else " (held-out data)")
     return default_gate_cases(name, input_names, profile, onnx_dir), note
 
@@ -450,7 +450,7 @@ def default_gate_cases(name: str, input_names: list[str], profile: ProfileShapes
             x, y = _mnist_test()
             label = "MNIST test split"
         else:
-            from export.inputs import image_batch
+            from unroll.export.inputs import image_batch
 
             x, y, label = image_batch(spec, 16).numpy(), None, "bundled photos"
         lam = _default_lam(name, onnx_dir)
@@ -472,7 +472,7 @@ def default_gate_cases(name: str, input_names: list[str], profile: ProfileShapes
                                       {"noisy": noisy[None, None], "sigma": np.array([s / 255.0], np.float32)},
                                       clean=img[None, None], sigma255=s))
     else:
-        from export.inputs import cases as export_cases
+        from unroll.export.inputs import cases as export_cases
 
         for c in export_cases(spec, lam_input="lam" in input_names):
             cases.append(GateCase(c.label, {k: v.numpy() for k, v in c.inputs.items() if k in input_names}))
@@ -494,7 +494,7 @@ def gates_for(precision: str, overrides: Mapping[str, float] | None = None) -> d
     them (so both steps always agree), else :data:`GATES`; then explicit ``overrides``."""
     g = dict(GATES[precision])
     try:
-        from export.quantize import DEFAULT_GATES  # {"agreement", "accuracy_loss" (fraction), "psnr_loss_db"}
+        from unroll.export.quantize import DEFAULT_GATES  # {"agreement", "accuracy_loss" (fraction), "psnr_loss_db"}
 
         q = DEFAULT_GATES.get(precision, {})
         for theirs, ours, scale in (("agreement", "min_top1_agreement", 1.0),

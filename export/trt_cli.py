@@ -1,7 +1,7 @@
 """``unroll build``: the Typer command function for the TensorRT engine builder.
 
 A plain function (no Typer app here) so ``unroll/cli.py`` can register it with
-``app.command("build")(build)``; ``python -m export.trt_cli NAME ...`` runs it on its own. Nothing heavy
+``app.command("build")(build)``; ``python -m unroll.export.trt_cli NAME ...`` runs it on its own. Nothing heavy
 is imported until the command runs, so registering it costs the main CLI nothing. Errors print one
 sentence to stderr: exit 2 when this machine cannot build engines at all (no TensorRT or no CUDA GPU) or
 an option is malformed, exit 1 for everything else (missing ONNX, parser or builder errors, a failed
@@ -96,7 +96,8 @@ def build(
             raise typer.BadParameter(f"need 16 ≤ min ≤ opt ≤ max image {label}, got {lo}/{mid}/{hi}",
                                      param_hint="--min-size/--opt-size/--max-size")
 
-    from export import trt_build as tb
+    from unroll.export import trt_build as tb
+
     from unroll.registry import get_spec
 
     try:
@@ -154,7 +155,7 @@ def _print_summary(report: dict) -> None:
 
 
 def main() -> None:
-    """``python -m export.trt_cli``: the command on its own."""
+    """``python -m unroll.export.trt_cli``: the command on its own."""
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
     app.command()(build)
     app()

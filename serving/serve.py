@@ -63,7 +63,8 @@ def stale_reason(model: str, onnx_dir: Path) -> str | None:
 
 def ensure_onnx(onnx_dir: Path, models: tuple[str, ...] = TRITON_MODELS, force: bool = False) -> list[str]:
     """Export every model whose ONNX is missing or stale; returns the names exported."""
-    from export.onnx_export import export_auto_lam, export_model
+    from unroll.export.onnx_export import export_auto_lam, export_model
+
     from unroll.registry import get_spec
 
     done = []
@@ -87,7 +88,7 @@ def ensure_onnx(onnx_dir: Path, models: tuple[str, ...] = TRITON_MODELS, force: 
 def ensure_repository(repo: Path, onnx_dir: Path, target: str, models: tuple[str, ...] = TRITON_MODELS,
                       force: bool = False) -> list[str]:
     """(Re)write the Triton repository for models that are missing, older than their ONNX, or for another target."""
-    from serving.repository import write_repository
+    from unroll.serving.repository import write_repository
 
     todo = []
     for m in models:
@@ -168,12 +169,11 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
     """Build what is missing, start Triton (unless ``triton_url``) and the gateway; block until Ctrl-C/SIGTERM.
 
     Gateway limits (body size, pixels, concurrency, timeouts) come from ``UNROLL_*`` variables
-    (see :class:`serving.gateway.settings.Settings`); ``api_key`` defaults to ``UNROLL_API_KEY``.
+    (see :class:`unroll.serving.gateway.settings.Settings`); ``api_key`` defaults to ``UNROLL_API_KEY``.
     """
     import uvicorn
-
-    from serving.gateway import Settings, create_app
-    from serving.triton import start
+    from unroll.serving.gateway import Settings, create_app
+    from unroll.serving.triton import start
 
     if target not in ("cpu", "gpu"):
         raise ServeError(f"--target must be cpu or gpu, not {target!r}")
@@ -246,9 +246,9 @@ def serve_command(
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
 ) -> None:
     """Build what is missing, start Triton and the REST gateway, print a curl per endpoint; Ctrl-C stops both."""
-    from export.onnx_export import ExportError
-    from serving.repository import RepositoryError
-    from serving.triton import TritonStartError
+    from unroll.export.onnx_export import ExportError
+    from unroll.serving.repository import RepositoryError
+    from unroll.serving.triton import TritonStartError
 
     try:
         serve(host=host, port=port, target=target, triton_http_port=triton_http_port,
@@ -260,6 +260,6 @@ def serve_command(
         raise typer.Exit(1) from None
 
 
-if __name__ == "__main__":  # python -m serving.serve [options]
+if __name__ == "__main__":  # python -m unroll.serving.serve [options]
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     typer.run(serve_command)

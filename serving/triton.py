@@ -2,7 +2,7 @@
 
 The wheel ships the server, its shared libraries (``nvidia_pytriton.libs``), the Python backend and
 one Python-backend stub per interpreter version. We run that binary directly (not pytriton's
-in-process model proxy) so the model repository written by :mod:`serving.repository` is served
+in-process model proxy) so the model repository written by :mod:`unroll.serving.repository` is served
 exactly as the NGC container would serve it. The stub embeds libpython; it is pointed at the
 interpreter that runs this code (``LD_LIBRARY_PATH`` to its ``libpython``, ``PATH`` to its ``bin``
 so the embedded Python adopts the venv) so ``model.py`` imports the same onnxruntime and NumPy as

@@ -1,6 +1,6 @@
 """Triton Python-backend model that runs an exported ONNX graph with ONNX Runtime (CPU).
 
-:mod:`serving.repository` copies this file, unchanged, to ``<model>/1/model.py`` for every model of
+:mod:`unroll.serving.repository` copies this file, unchanged, to ``<model>/1/model.py`` for every model of
 a ``--target cpu`` repository; everything model-specific comes from ``config.pbtxt``:
 
 * ``parameters { key: "onnx_file" }`` — the graph beside this file (``model.onnx``);

@@ -16,8 +16,7 @@ import typer
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
-
-from serving.repository import (
+from unroll.serving.repository import (
     AUTOLAM_SUFFIX,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_QUEUE_DELAY_US,
@@ -54,7 +53,7 @@ def _ensure_exports(names: list[str], onnx_dir: Path, autolam: bool) -> list[str
                   transient=True) as bar:
 
         def build(path: Path, what: str, base: str) -> None:
-            from export.onnx_export import ExportError, export_auto_lam, export_model
+            from unroll.export.onnx_export import ExportError, export_auto_lam, export_model
 
             task = bar.add_task(f"exporting {path.name} (not built yet)", total=None)
             try:
@@ -178,8 +177,8 @@ def triton(
     Waits until every model is loaded and warm (/v2/health/ready), prints the endpoints, and stops
     the server cleanly on SIGINT/SIGTERM.
     """
-    from serving.repository import validate_repository
-    from serving.triton import TritonStartError, start
+    from unroll.serving.repository import validate_repository
+    from unroll.serving.triton import TritonStartError, start
 
     try:  # a clear message for a half-built repository (fresh clone: configs only) before Triton says it
         validate_repository(repo, onnx_dir=Path("build/onnx"))

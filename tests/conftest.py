@@ -14,7 +14,7 @@ def _threads() -> None:
 @pytest.fixture(scope="session")
 def demo_onnx_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The served demo graphs (sdnet-mnist, its auto-λ graph, csc-denoiser), exported once per session."""
-    from export.onnx_export import export_auto_lam, export_model
+    from unroll.export.onnx_export import export_auto_lam, export_model
 
     out = tmp_path_factory.mktemp("demo_onnx")
     export_model("sdnet-mnist", out, naive=False)

@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import typer
 from typer.testing import CliRunner
-
-from benchmarks import cli
-from benchmarks.common import latency_summary
-from benchmarks.serve_bench import closed_loop, stats_delta
+from unroll.benchmarks import cli
+from unroll.benchmarks.common import latency_summary
+from unroll.benchmarks.serve_bench import closed_loop, stats_delta
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -48,7 +47,7 @@ def _load(out: Path, stem: str) -> tuple[dict, str]:
 
 @pytest.fixture(scope="module")
 def onnx_dir(demo_onnx_dir: Path) -> Path:
-    from export.quantize import quantize
+    from unroll.export.quantize import quantize
 
     quantize("sdnet-mnist", "fp16", demo_onnx_dir)
     return demo_onnx_dir

@@ -9,10 +9,10 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper
+from unroll.export.inputs import Case
+from unroll.export.onnx_export import ExportError, export_model, export_module
+from unroll.export.trt_lint import lint
 
-from export.inputs import Case
-from export.onnx_export import ExportError, export_model, export_module
-from export.trt_lint import lint
 from unroll.registry import REGISTRY
 
 LIGHT = ["sdnet-mnist", "csc-denoiser", "sdnet18-cifar", "csc-fista", "vars-d", "vars-sd", "nmf-ham", "dic-attn"]

@@ -23,10 +23,9 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
-
-from serving.gateway.process import gateway_process
-from serving.gateway.settings import Settings
-from serving.triton import free_ports
+from unroll.serving.gateway.process import gateway_process
+from unroll.serving.gateway.settings import Settings
+from unroll.serving.triton import free_ports
 
 pytestmark = pytest.mark.triton
 
@@ -61,7 +60,7 @@ class Triton:
         self.start()
 
     def start(self) -> None:
-        from serving.triton import start
+        from unroll.serving.triton import start
 
         # Triton waits up to --exit-timeout-secs (default 30) for clients' idle keep-alive connections on SIGTERM
         self.handle = start(self.repo, *self.ports, log_file=self.log_dir / "triton.log", timeout_s=120,
@@ -83,7 +82,7 @@ class Triton:
 
 @dataclass
 class Gateway:
-    """A running gateway process (:func:`serving.gateway.process.gateway_process`) and a client for it."""
+    """A running gateway process (:func:`unroll.serving.gateway.process.gateway_process`) and a client for it."""
 
     base: str
     client: httpx.Client
@@ -103,7 +102,7 @@ def onnx_dir(demo_onnx_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def triton(onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Triton]:
-    from serving.repository import write_repository
+    from unroll.serving.repository import write_repository
 
     repo = tmp_path_factory.mktemp("repo")
     write_repository("cpu", MODELS, repo, onnx_dir=onnx_dir)

@@ -7,9 +7,8 @@ import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper
-
-from export.onnx_export import export_model
-from export.quantize import GateFailed, calibration_inputs, gate_inputs, quantize
+from unroll.export.onnx_export import export_model
+from unroll.export.quantize import GateFailed, calibration_inputs, gate_inputs, quantize
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,10 @@ import pytest
 import typer
 from onnx import TensorProto, helper
 from typer.testing import CliRunner
+from unroll.export import trt_build as tb
+from unroll.export.trt_cli import build
 
-from export import trt_build as tb
-from export.trt_cli import build
+from unroll import export
 
 ROOT = Path(__file__).resolve().parents[1]
 AVAILABLE, WHY = tb.tensorrt_available()
@@ -28,7 +29,7 @@ SIZES = ((16, 16), (256, 256), (1024, 1024))
 @pytest.fixture(scope="module")
 def onnx_dir(tmp_path_factory) -> Path:
     """Fresh exports of both demo models (the fp32 graphs `unroll build` reads)."""
-    from export.onnx_export import export_model
+    from unroll.export.onnx_export import export_model
 
     out = tmp_path_factory.mktemp("onnx")
     for name in ("sdnet-mnist", "csc-denoiser"):
@@ -54,7 +55,7 @@ def test_tensorrt_available_says_why_in_one_sentence() -> None:
 
 @pytest.mark.skipif(AVAILABLE, reason="this machine can build engines")
 def test_cli_without_gpu_or_tensorrt_exits_2_with_one_sentence() -> None:
-    r = subprocess.run([sys.executable, "-m", "export.trt_cli", "sdnet-mnist"], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "unroll.export.trt_cli", "sdnet-mnist"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120, env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
@@ -193,7 +194,7 @@ def test_gate_cases_from_the_quantize_contract_forms() -> None:
 
 
 def test_gates_follow_the_quantization_step() -> None:
-    quantize = pytest.importorskip("export.quantize")
+    quantize = pytest.importorskip("unroll.export.quantize")
     q = getattr(quantize, "DEFAULT_GATES", {})
     for precision in ("fp16", "int8"):
         g = tb.gates_for(precision)
@@ -206,14 +207,13 @@ def test_gates_follow_the_quantization_step() -> None:
 
 
 def test_gate_data_source(onnx_dir: Path, monkeypatch) -> None:
-    import export
 
     profile = tb.profile_shapes(onnx.load(onnx_dir / "sdnet-mnist.onnx"))
     with_targets = types.SimpleNamespace(gate_inputs=lambda name: [
         {"label": "q", "feeds": {"image": np.zeros((2, 1, 28, 28), np.float32)}, "labels": np.array([0, 1])}])
     monkeypatch.setattr(export, "quantize", with_targets, raising=False)
     cases, source = tb.gate_cases("sdnet-mnist", "classification", list(profile), profile, onnx_dir)
-    assert source == "export.quantize.gate_inputs" and [c.label for c in cases] == ["q"]
+    assert source == "unroll.export.quantize.gate_inputs" and [c.label for c in cases] == ["q"]
     bare = types.SimpleNamespace(gate_inputs=lambda name: [{"image": np.zeros((2, 1, 28, 28), np.float32)}])
     monkeypatch.setattr(export, "quantize", bare)
     cases, source = tb.gate_cases("sdnet-mnist", "classification", list(profile), profile, onnx_dir)

@@ -191,7 +191,7 @@ def export_cmd(
     Writes OUT/NAME.onnx and OUT/NAME.report.json (op histogram beside the naive export's, parity
     errors on real inputs, solver settings, TensorRT lint). Nothing is written when a check fails.
     """
-    from export.onnx_export import ExportError, export_auto_lam, export_model
+    from unroll.export.onnx_export import ExportError, export_auto_lam, export_model
     from unroll.registry import list_models
 
     if all_models == (name is not None):
@@ -239,9 +239,9 @@ def quantize(
     placements from all-INT8 towards more FP32 and keeps the first that passes with the --safety margin.
     A model that fails is not written; the command exits non-zero naming the metric and the shortfall.
     """
-    from export.onnx_export import export_model
-    from export.quantize import GateFailed
-    from export.quantize import quantize as run_quantize
+    from unroll.export.onnx_export import export_model
+    from unroll.export.quantize import GateFailed
+    from unroll.export.quantize import quantize as run_quantize
 
     if precision not in ("fp16", "int8"):
         raise fail(f"--precision must be fp16 or int8, not {precision!r}")
@@ -282,7 +282,7 @@ def bench_export(
     out: Annotated[Path, typer.Option(help="Results folder")] = Path("benchmarks/results"),
 ) -> None:
     """PyTorch eager vs torch.compile vs ONNX Runtime (naive and fused export), same inputs and threads."""
-    from benchmarks import export_speed
+    from unroll.benchmarks import export_speed
 
     with console.status("benchmarking") as status:
         payload = export_speed.run(threads, with_compile=not no_compile, budget_s=budget,
@@ -292,10 +292,10 @@ def bench_export(
 
 def _register_subsystem_commands() -> None:
     """Commands whose code lives with its subsystem (serving, TensorRT)."""
-    from benchmarks.cli import bench_all, bench_models, bench_quality, bench_serve
-    from export.trt_cli import build
-    from serving.serve import serve_command
-    from serving.triton_cli import repo, triton
+    from unroll.benchmarks.cli import bench_all, bench_models, bench_quality, bench_serve
+    from unroll.export.trt_cli import build
+    from unroll.serving.serve import serve_command
+    from unroll.serving.triton_cli import repo, triton
 
     app.command("build")(build)
     app.command("repo")(repo)

@@ -1,4 +1,4 @@
-"""``python -m serving.gateway [--host H] [--port P]``: the gateway alone, settings from ``UNROLL_*`` variables.
+"""``python -m unroll.serving.gateway [--host H] [--port P]``: the gateway alone, settings from ``UNROLL_*`` variables.
 
 For a Triton that is already running (``unroll serve --triton-url`` does the same with set-up), and
 for tests, which start gateways as real uvicorn processes with their own settings.
@@ -10,13 +10,12 @@ import argparse
 import logging
 
 import uvicorn
-
-from serving.gateway.app import create_app
-from serving.gateway.settings import Settings
+from unroll.serving.gateway.app import create_app
+from unroll.serving.gateway.settings import Settings
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m serving.gateway", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m unroll.serving.gateway", description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--log-level", default="info")

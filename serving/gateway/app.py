@@ -25,13 +25,12 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
-
-from serving.gateway import errors, images
-from serving.gateway.body import check_declared_length, read_image_bytes
-from serving.gateway.errors import ApiError, ErrorBody, error_response
-from serving.gateway.metrics import Metrics, MetricsMiddleware
-from serving.gateway.settings import Settings
-from serving.gateway.triton_client import (
+from unroll.serving.gateway import errors, images
+from unroll.serving.gateway.body import check_declared_length, read_image_bytes
+from unroll.serving.gateway.errors import ApiError, ErrorBody, error_response
+from unroll.serving.gateway.metrics import Metrics, MetricsMiddleware
+from unroll.serving.gateway.settings import Settings
+from unroll.serving.gateway.triton_client import (
     ModelInfo,
     TritonBackend,
     TritonRejected,

@@ -15,9 +15,8 @@ from collections.abc import AsyncGenerator
 from fastapi import Request
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
-
-from serving.gateway.errors import ApiError
-from serving.gateway.images import CONTENT_TYPES
+from unroll.serving.gateway.errors import ApiError
+from unroll.serving.gateway.images import CONTENT_TYPES
 
 IMAGE_FIELD = "image"
 _ACCEPTED = "multipart/form-data (field 'image') or a raw body with Content-Type " + ", ".join(

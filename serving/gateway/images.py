@@ -24,8 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
-
-from serving.gateway.errors import ApiError
+from unroll.serving.gateway.errors import ApiError
 
 #: Content type → Pillow format; these and nothing else are decoded.
 CONTENT_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP",

@@ -1,4 +1,4 @@
-"""The gateway as its own process: ``python -m serving.gateway`` under a real uvicorn, on a spare port.
+"""The gateway as its own process: ``python -m unroll.serving.gateway`` under a real uvicorn, on a spare port.
 
 The tests and ``unroll bench serve`` run it this way (settings travel as ``UNROLL_*`` variables), so
 what they measure and check is the server a user starts, not an in-process app.
@@ -15,8 +15,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from serving.gateway.settings import ENV_PREFIX, Settings
-from serving.triton import free_ports
+from unroll.serving.gateway.settings import ENV_PREFIX, Settings
+from unroll.serving.triton import free_ports
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,7 +34,7 @@ def gateway_process(settings: Settings, log: Path, ready_path: str = "/readyz",
     env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
     env.update(settings.env())
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "serving.gateway", "--port", str(port), "--log-level",
+        proc = subprocess.Popen([sys.executable, "-m", "unroll.serving.gateway", "--port", str(port), "--log-level",
                                  "warning"], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=_REPO_ROOT)
     base = f"http://127.0.0.1:{port}"
     try:
