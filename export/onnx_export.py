@@ -17,7 +17,7 @@ import os
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +30,8 @@ from unroll.export import inputs as example_inputs
 from unroll.export.trt_lint import lint
 
 import unroll
-from unroll.registry import ModelSpec, get_spec
+from unroll.card import ModelCard, write_to_onnx
+from unroll.registry import get_spec
 from unroll.solvers.shrink import textbook_mode
 
 MAX_ABS_ERR = 1e-4
@@ -47,6 +48,8 @@ class ExportResult:
     onnx_path: Path
     report_path: Path
     report: dict
+    #: Graphs exported with this one because its card names them (e.g. its λ rule).
+    companions: list[ExportResult] = field(default_factory=list)
 
 
 class _Classifier(nn.Module):
@@ -58,17 +61,40 @@ class _Classifier(nn.Module):
         return self.model(image, lam)
 
 
-def io_names(spec: ModelSpec, lam_input: bool) -> tuple[list[str], list[str], dict[str, dict[int, str]]]:
-    """Graph input/output names and dynamic axes for a registered model (CONVENTIONS.md)."""
-    if spec.task == "classification":
-        ins = ["image", "lam"] if lam_input else ["image"]
-        axes = {"image": {0: "batch"}, "logits": {0: "batch"}, "lam": {0: "batch"}}
-        return ins, ["logits"], {k: v for k, v in axes.items() if k in ins or k == "logits"}
-    if spec.task == "denoising":
-        hw = {0: "batch", 2: "height", 3: "width"}
-        return ["noisy", "sigma"], ["denoised"], {"noisy": hw, "sigma": {0: "batch"}, "denoised": hw}
-    dyn = {0: "batch", 1: "tokens"} if len(spec.input_shape) == 2 else {0: "batch"}
-    return ["x"], ["y"], {"x": dyn, "y": dyn}
+def io_names(card: ModelCard, lam_input: bool) -> tuple[list[str], list[str], dict[str, dict[int, str]]]:
+    """Graph input/output names and dynamic axes, from the model card (CONVENTIONS.md)."""
+    main = card.input
+    axis_names = (["channels", "height", "width"] if main.colour is not None and len(main.shape) == 3
+                  else [f"dim{i}" for i in range(len(main.shape))])
+    if len(main.shape) == 2:
+        axis_names = ["tokens", "dim"]
+    dyn = {0: "batch", **{i + 1: axis_names[i] for i, d in enumerate(main.shape) if d < 0}}
+    ins = [main.name]
+    axes: dict[str, dict[int, str]] = {main.name: dyn}
+    if card.lam is not None and lam_input:
+        ins.append(card.lam.input)
+        axes[card.lam.input] = {0: "batch"}
+    if card.sigma is not None:
+        ins.append(card.sigma.input)
+        axes[card.sigma.input] = {0: "batch"}
+    # The output follows the input's dynamic axes when it has the input's rank (images, tokens).
+    axes[card.output] = dyn if card.task in ("denoising", "block") else {0: "batch"}
+    return ins, [card.output], axes
+
+
+def resolve_card(card: ModelCard, model: nn.Module, lam_input: bool) -> ModelCard:
+    """The card as exported: λ's default filled in from the model's first solver layer, λ dropped if baked in."""
+    if card.lam is None:
+        return card
+    if not lam_input:
+        return card.model_copy(update={"lam": None})
+    if card.lam.default is not None:
+        return card
+    lams = [s["lambda"] for s in solver_settings(model) if "lambda" in s]
+    if not lams:
+        raise ExportError(f"{card.name}: its card declares a λ input but no solver layer has a λ to default to; "
+                          "set lam.default on the card")
+    return card.model_copy(update={"lam": card.lam.model_copy(update={"default": float(lams[0])})})
 
 
 def set_iterations(model: nn.Module, k: int) -> None:
@@ -77,7 +103,7 @@ def set_iterations(model: nn.Module, k: int) -> None:
 
     for m in model.modules():
         if isinstance(m, CSCDenoiser) and m.n_steps != k:
-            raise ExportError(f"csc-denoiser has learned weights for each of its {m.n_steps} steps; "
+            raise ExportError(f"the CSC denoiser has learned weights for each of its {m.n_steps} steps; "
                               f"--iters {k} would need retraining")
         if hasattr(m, "eval_steps"):
             m.eval_steps = k
@@ -166,8 +192,12 @@ def verify(model_bytes: bytes, module: nn.Module, cases: list[example_inputs.Cas
 
 def export_module(module: nn.Module, cases: list[example_inputs.Case], ins: list[str], outs: list[str],
                   axes: dict, out_path: Path, opset: int = 17, extra_report: dict | None = None,
-                  naive: bool = True) -> ExportResult:
-    """Trace, slim, check, lint, verify, then (and only then) write ``out_path`` and its report."""
+                  naive: bool = True, card: ModelCard | None = None) -> ExportResult:
+    """Trace, slim, check, lint, verify, then (and only then) write ``out_path`` and its report.
+
+    ``card`` is written into the graph's ``metadata_props`` (``unroll.card``) and the report, so every
+    later stage reads what the model is from the file itself.
+    """
     if opset < 17:
         raise ExportError(f"opset {opset} is too old: use 17 or newer")
     module = module.eval()
@@ -182,6 +212,8 @@ def export_module(module: nn.Module, cases: list[example_inputs.Case], ins: list
         issues = lint(fused)
         if issues:
             raise ExportError("TensorRT would not parse this graph:\n  " + "\n  ".join(map(str, issues)))
+        if card is not None:
+            write_to_onnx(fused, card)
         blob = fused.SerializeToString()
         parity = verify(blob, module, cases, ins)
         bad = [r for r in parity if not r["ok"]]
@@ -198,6 +230,7 @@ def export_module(module: nn.Module, cases: list[example_inputs.Case], ins: list
     hist = op_histogram(fused)
     report = {
         **(extra_report or {}),
+        **({"card": card.model_dump(mode="json")} if card is not None else {}),
         "opset": opset,
         "inputs": [_io(v, axes) for v in fused.graph.input],
         "outputs": [_io(v, axes) for v in fused.graph.output],
@@ -236,43 +269,58 @@ class _AutoLam(nn.Module):
         return self.model.auto_lam(image)
 
 
-def export_auto_lam(name: str = "sdnet-mnist", out_dir: Path = Path("build/onnx"), opset: int = 17) -> ExportResult:
-    """``NAME.autolam.onnx``: image → per-sample λ from the fitted rule λ* = a·r + b (``lam=auto``).
+def export_auto_lam(name: str, out_dir: Path = Path("build/onnx"), opset: int = 17,
+                    model: nn.Module | None = None) -> ExportResult:
+    """``out_dir/<card.lam.auto>.onnx``: image → per-sample λ from the model's fitted rule (``lam=auto``).
 
     A separate small graph (one CSC pass and its reconstruction), so the classifier graph stays a
-    pure function of ``(image, lam)`` and serving can choose λ first.
+    pure function of ``(image, lam)`` and serving can choose λ first. Its card (task ``lambda-rule``)
+    names the classifier it serves, and the classifier's card names it (``lam.auto``).
     """
     spec = get_spec(name)
-    model = unroll.load(name, pretrained=spec.has_weights)
+    if spec.card.lam is None or spec.card.lam.auto is None:
+        raise ExportError(f"{name}: its card declares no λ rule (lam.auto)")
+    model = model if model is not None else unroll.load(name, pretrained=spec.has_weights)
     if not hasattr(model, "auto_lam"):
-        raise ExportError(f"{name} has no fitted λ rule (lam=auto)")
-    cases = [example_inputs.Case(c.label, {"image": c.inputs["image"]})
+        raise ExportError(f"{name}: the card names a λ rule but the model has no auto_lam(image) method")
+    main = spec.card.input.name
+    card = spec.card.companion("lambda-rule", spec.card.lam.auto, f"λ rule (lam=auto) for {name}", "lam")
+    cases = [example_inputs.Case(c.label, {main: c.inputs[main]})
              for c in example_inputs.cases(spec, lam_input=False)]
-    extra = {"model": name, "task": "auto-lambda", "weights": "committed" if spec.has_weights else "seeded random init",
+    extra = {"model": card.name, "task": card.task,
+             "weights": "committed" if spec.has_weights else "seeded random init",
              "rule": "lam = clamp(a * rms(x - D c(x)) + b, lam_min, lam_max)",
              "coefficients": [float(v) for v in model.lam_auto]}
-    return export_module(_AutoLam(model), cases, ["image"], ["lam"], {"image": {0: "batch"}, "lam": {0: "batch"}},
-                         Path(out_dir) / f"{name}.autolam.onnx", opset, extra, naive=False)
+    return export_module(_AutoLam(model), cases, [main], ["lam"], {main: {0: "batch"}, "lam": {0: "batch"}},
+                         Path(out_dir) / f"{card.name}.onnx", opset, extra, naive=False, card=card)
 
 
 def export_model(name: str, out_dir: Path = Path("build/onnx"), iters: int | None = None, opset: int = 17,
-                 lam_input: bool | None = None, naive: bool = True) -> ExportResult:
-    """Export a registered model to ``out_dir/NAME.onnx`` + ``NAME.report.json`` (verified)."""
+                 lam_input: bool | None = None, naive: bool = True, companions: bool = True) -> ExportResult:
+    """Export a registered model to ``out_dir/NAME.onnx`` + ``NAME.report.json`` (verified, card inside).
+
+    With ``companions``, the graphs its card names are exported too (its λ rule for ``lam=auto``); their
+    results are in ``ExportResult.companions``.
+    """
     spec = get_spec(name)
     model = unroll.load(name, pretrained=spec.has_weights)
     if iters is not None:
         set_iterations(model, iters)
-    is_sdnet = spec.task == "classification"
-    lam_input = is_sdnet if lam_input is None else lam_input
-    if lam_input and not is_sdnet:
-        raise ExportError(f"{name} has no first-layer λ to expose (lam input is for SDNet classifiers)")
-    module = _Classifier(model) if is_sdnet else model
-    ins, outs, axes = io_names(spec, lam_input)
+    has_lam = spec.card.lam is not None
+    lam_input = has_lam if lam_input is None else lam_input
+    if lam_input and not has_lam:
+        raise ExportError(f"{name} has no first-layer λ to expose (its card declares no lam input)")
+    card = resolve_card(spec.card, model, lam_input)
+    module = _Classifier(model) if has_lam else model
+    ins, outs, axes = io_names(card, lam_input)
     fixed = None
-    if spec.task == "classification":
-        fixed = (f"fixed {spec.input_shape[1]}×{spec.input_shape[2]} input: the classifier was built and trained "
+    if card.input.fixed_hw is not None:
+        fixed = (f"fixed {card.input.fixed_hw[0]}×{card.input.fixed_hw[1]} input: the model was built and trained "
                  "for this resolution")
-    extra = {"model": name, "task": spec.task, "weights": "committed" if spec.has_weights else "seeded random init",
+    extra = {"model": name, "task": card.task, "weights": "committed" if spec.has_weights else "seeded random init",
              "lam_input": lam_input, "fixed_resolution": fixed, "solvers": solver_settings(model)}
-    return export_module(module, example_inputs.cases(spec, lam_input), ins, outs, axes,
-                         Path(out_dir) / f"{name}.onnx", opset, extra, naive)
+    result = export_module(module, example_inputs.cases(spec, lam_input), ins, outs, axes,
+                           Path(out_dir) / f"{name}.onnx", opset, extra, naive, card=card)
+    if companions and lam_input and card.lam.auto is not None:
+        result.companions.append(export_auto_lam(name, out_dir, opset, model=model))
+    return result

@@ -54,6 +54,8 @@ import onnx
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from unroll.card import CARD_KEY, CardError, ModelCard, from_onnx
+
 Target = Literal["cpu", "gpu"]
 PRECISIONS = ("fp32", "fp16", "int8")
 DEFAULT_MAX_BATCH_SIZE = 32
@@ -63,11 +65,8 @@ DEFAULT_QUEUE_DELAY_US = 500
 VERSION = "1"
 LABELS_FILE = "labels.txt"
 BACKEND_MODEL = Path(__file__).with_name("triton_backend_model.py")
-AUTOLAM_SUFFIX = "-autolam"
 #: Largest size of a dynamic non-batch dimension (image height/width, tokens) in the GPU TensorRT profile.
 GPU_PROFILE_MAX_DIM = 1024
-#: Smallest size of a dynamic non-batch dimension per task (denoisers take any H, W ≥ 16; tokens ≥ 1).
-GPU_PROFILE_MIN_DIM = {"denoising": 16}
 #: Where the NGC container keeps ONNX Runtime's TensorRT engines (must be writable inside it).
 GPU_ENGINE_CACHE = "/tmp/unroll-trt-cache"
 
@@ -77,7 +76,6 @@ _ONNX_TO_TRITON = {
     onnx.TensorProto.INT16: "TYPE_INT16", onnx.TensorProto.INT32: "TYPE_INT32", onnx.TensorProto.INT64: "TYPE_INT64",
     onnx.TensorProto.BOOL: "TYPE_BOOL", onnx.TensorProto.STRING: "TYPE_STRING",
 }
-CIFAR10_LABELS = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
 
 class RepositoryError(ValueError):
@@ -100,6 +98,7 @@ class Source:
     name: str  #: model name in the repository
     onnx: Path  #: the graph (also the reference for validation when a plan is served)
     report: dict  #: the export report (task, parity shapes, solver settings)
+    card: ModelCard  #: the model card carried in the ONNX
     plan: Path | None = None
 
 
@@ -120,36 +119,34 @@ def onnx_io(path: Path) -> tuple[list[Tensor], list[Tensor]]:
 
 
 def _source(name: str, target: Target, precision: str, onnx_dir: Path, plan_dir: Path) -> Source:
-    base = name.removesuffix(AUTOLAM_SUFFIX)
-    stem = f"{base}.autolam" if name.endswith(AUTOLAM_SUFFIX) else base
-    fp32 = onnx_dir / f"{stem}.onnx"
-    plan = plan_dir / f"{stem}.{precision}.plan" if target == "gpu" else None
+    fp32 = onnx_dir / f"{name}.onnx"
+    plan = plan_dir / f"{name}.{precision}.plan" if target == "gpu" else None
     if target == "gpu" and plan is not None and plan.exists():
         graph = fp32  # the plan was built from it: same tensors
     elif precision == "fp32" or (target == "gpu" and precision == "fp16"):
         graph, plan = fp32, None  # GPU fp16 without a plan: TensorRT casts the fp32 graph (precision_mode FP16)
     else:
-        graph, plan = onnx_dir / f"{stem}.{precision}.onnx", None
+        graph, plan = onnx_dir / f"{name}.{precision}.onnx", None
         if not graph.exists():
-            raise RepositoryError(f"{name}: no {precision} model at {graph}; run `unroll quantize {base}` first")
+            raise RepositoryError(f"{name}: no {precision} model at {graph}; run `unroll quantize {name}` first")
     if not graph.exists():
-        raise RepositoryError(f"{name}: no ONNX export at {graph}; run `unroll export {base}` first")
-    report_path = onnx_dir / f"{stem}.report.json"
+        raise RepositoryError(f"{name}: no ONNX export at {graph}; run `unroll export {name}` first")
+    report_path = onnx_dir / f"{name}.report.json"
     if not report_path.exists():
-        raise RepositoryError(f"{name}: {report_path} is missing; re-run `unroll export {base}`")
-    return Source(name, graph, json.loads(report_path.read_text()), plan)
+        raise RepositoryError(f"{name}: {report_path} is missing; re-run `unroll export {name}`")
+    try:
+        card = from_onnx(fp32)
+    except CardError as e:
+        raise RepositoryError(str(e)) from None
+    return Source(name, graph, json.loads(report_path.read_text()), card, plan)
 
 
-def class_labels(model: str, num_classes: int) -> list[str]:
-    """Label strings for Triton's classification extension (``score:index:label``).
-
-    ImageNet synset names are not bundled with the project, so ImageNet models label by index.
-    """
-    base = model.removesuffix(AUTOLAM_SUFFIX)
-    if base.endswith("-mnist") and num_classes == 10:
-        return [str(i) for i in range(10)]
-    if base.endswith("-cifar") and num_classes == 10:
-        return list(CIFAR10_LABELS)
+def class_labels(card: ModelCard, num_classes: int) -> list[str]:
+    """Label strings for Triton's classification extension (``score:index:label``): the card's, else indices."""
+    if card.labels is not None:
+        if len(card.labels) != num_classes:
+            raise RepositoryError(f"{card.name}: the card has {len(card.labels)} labels for {num_classes} logits")
+        return list(card.labels)
     return [str(i) for i in range(num_classes)]
 
 
@@ -213,7 +210,7 @@ def _gpu_profile(src: Source, cfg: mc.ModelConfig) -> dict[str, str]:
                 triple = (d, d, d)
             else:
                 seen = [c["shapes"][inp.name][i + off] for c in cases if inp.name in c["shapes"]]
-                low = min(GPU_PROFILE_MIN_DIM.get(src.report.get("task", ""), 1), *seen)
+                low = min(src.card.input.min_size, *seen)
                 triple = (low, example[inp.name][i + off], max(GPU_PROFILE_MAX_DIM, *seen))
             for lst, v in zip((lo, op, hi), triple, strict=True):
                 lst.append(v)
@@ -233,7 +230,7 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
                  instances: int = 1) -> tuple[mc.ModelConfig, list[str] | None]:
     """The ModelConfig for one model, and its labels (classifiers) or None."""
     if max_batch_size is None:
-        max_batch_size = default_max_batch_size(target, src.report.get("task"))
+        max_batch_size = default_max_batch_size(target, src.card.task)
     inputs, outputs = onnx_io(src.onnx)
     batching = all(t.dims and t.dims[0] == -1 for t in inputs + outputs)
     cfg = mc.ModelConfig(name=src.name, max_batch_size=max_batch_size if batching else 0)
@@ -245,23 +242,23 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
     for t in inputs:
         io = cfg.input.add()
         io.CopyFrom(_io_config(mc.ModelInput, t, batching))
-        if t.name == "lam" and target == "cpu":
+        if src.card.lam is not None and t.name == src.card.lam.input and target == "cpu":
             # optional with the model's own λ: the Python model fills it in. The GPU backends cannot
             # default a missing input, so there it stays required and the gateway always sends it.
             io.optional = True
-            defaults["lam"] = _default_lam(src)
+            defaults[t.name] = src.card.lam.default
     labels = None
     for t in outputs:
         io = cfg.output.add()
         io.CopyFrom(_io_config(mc.ModelOutput, t, batching))
-        if t.name == "logits":
-            labels = class_labels(src.name, t.dims[-1])
+        if src.card.task == "classification" and t.name == src.card.output:
+            labels = class_labels(src.card, t.dims[-1])
             io.label_filename = LABELS_FILE
     if batching:
         cfg.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
     kind = mc.ModelInstanceGroup.KIND_CPU if target == "cpu" else mc.ModelInstanceGroup.KIND_GPU
     cfg.instance_group.add(kind=kind, count=instances)
-    params = {"unroll_source_onnx": src.onnx.name}
+    params = {"unroll_source_onnx": src.onnx.name, CARD_KEY: src.card.to_json()}
     if target == "cpu":
         params |= {"onnx_file": "model.onnx", "intra_op_num_threads": str(threads), "intra_op_spinning": "0",
                    "input_defaults": json.dumps(defaults)}
@@ -282,14 +279,6 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
     return cfg, labels
 
 
-def _default_lam(src: Source) -> float:
-    """The first CSC layer's λ as trained, from the export report (``solvers[0].lambda``)."""
-    for s in src.report.get("solvers", []):
-        if "lambda" in s:
-            return float(s["lambda"])
-    raise RepositoryError(f"{src.name}: the export report names no solver λ to use as lam's default")
-
-
 def _header(src: Source, target: Target, precision: str, cfg: mc.ModelConfig) -> str:
     lines = [f"Generated by `unroll repo --target {target} --precision {precision}` from {src.onnx.name}"
              + (f" and {src.plan.name}" if src.plan else "") + "; regenerate instead of editing.",
@@ -297,7 +286,7 @@ def _header(src: Source, target: Target, precision: str, cfg: mc.ModelConfig) ->
              "(clients send it as [B, 1]).",
              "max_queue_delay_microseconds and max_batch_size: measured, see serving/repository.py.",
              "model_warmup runs before the model reports ready."]
-    if any(i.name == "lam" for i in cfg.input):
+    if src.card.lam is not None:
         lines.append("lam is optional (default = the trained λ) on the CPU target only: the GPU backends cannot "
                      "default a missing input, so the gateway always sends lam." if target == "cpu" else
                      "lam is required here (TensorRT/ONNX Runtime backends cannot default a missing input); "
@@ -317,8 +306,8 @@ def write_repository(target: Target, models: list[str], out: Path, precision: st
                      instances: int = 1) -> list[Path]:
     """Write ``out/<model>/config.pbtxt`` + ``out/<model>/1/…`` (+ ``labels.txt``) for each model; validate.
 
-    ``models`` are registry names; ``NAME-autolam`` serves ``NAME.autolam.onnx`` (the lam="auto"
-    rule). ``max_batch_size=None`` takes :func:`default_max_batch_size` per model; an int applies
+    ``models`` are ONNX file stems in ``onnx_dir`` (a model's name; its λ-rule companion is a model of its
+    own, named on its card). ``max_batch_size=None`` takes :func:`default_max_batch_size` per model; an int applies
     to every model. Each model directory is rebuilt from scratch (so switching targets leaves no stale
     ``model.py`` or plan), other directories in ``out`` are left alone. Returns the files written.
     """

@@ -1,43 +1,64 @@
-"""The model registry: names → builders, committed weights and example inputs (CONVENTIONS.md).
+"""The model registry: names → builders, cards, committed weights and example inputs (CONVENTIONS.md).
 
-``unroll.load(name)`` is the one way in, like ``timm.create_model``: it builds the architecture with
-its own options, loads committed weights (or an official checkpoint), refreshes solver constants and
-returns the module in eval mode.
+Models register themselves where they are defined, with :func:`register_model` (as timm's
+``@register_model`` does), together with their model card (:mod:`unroll.card`). ``unroll.load(name)``
+is the one way in, like ``timm.create_model``: it builds the architecture with its own options, loads
+committed weights (or a checkpoint), and returns the module in eval mode.
+
+A user's model registers the same way from their own file; nothing else in the pipeline needs an edit.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
+from unroll.card import ModelCard, Task
+
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
-Task = Literal["classification", "denoising", "block"]
+#: Modules that register the shipped models (imported on first use of the registry).
+BUILTIN_MODULES = ("unroll.models.mnist", "unroll.models.denoiser", "unroll.models.sdnet", "unroll.solvers.csc",
+                   "unroll.solvers.vars_attn", "unroll.solvers.nmf", "unroll.solvers.dic_attn")
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    task: Task
     builder: Callable[..., nn.Module]
-    description: str
-    #: Shape of one example input sample (without batch) — the fixed resolution where one is needed.
+    card: ModelCard
+    #: Shape of one example input sample (without batch): the resolution export traces at.
     input_shape: tuple[int, ...]
     #: Options forwarded to the builder unless the caller overrides them.
     defaults: dict[str, Any] = field(default_factory=dict)
+    #: ``fn(model, path)`` loading an external checkpoint (e.g. official SDNet files), or ``None``.
+    checkpoint_loader: Callable[[nn.Module, Any], Any] | None = None
+    #: Dotted module holding the training/evaluation recipe (``train(...)``/``evaluate(...)``), if any.
+    recipe: str | None = None
+    #: Folder with ``NAME.pt`` / ``NAME.json`` committed weights.
+    weights_dir: Path = WEIGHTS_DIR
+
+    @property
+    def task(self) -> Task:
+        return self.card.task
+
+    @property
+    def description(self) -> str:
+        return self.card.description
 
     @property
     def weights_path(self) -> Path:
-        return WEIGHTS_DIR / f"{self.name}.pt"
+        return self.weights_dir / f"{self.name}.pt"
 
     @property
     def info_path(self) -> Path:
-        return WEIGHTS_DIR / f"{self.name}.json"
+        return self.weights_dir / f"{self.name}.json"
 
     @property
     def has_weights(self) -> bool:
@@ -48,82 +69,53 @@ class ModelSpec:
         return json.loads(self.info_path.read_text()) if self.info_path.exists() else {}
 
 
-def _sdnet(builder_name: str) -> Callable[..., nn.Module]:
-    def build(**kw: Any) -> nn.Module:
-        from unroll.models import sdnet
-
-        return getattr(sdnet, builder_name)(**kw)
-
-    return build
+REGISTRY: dict[str, ModelSpec] = {}
+_builtin_loaded = False
 
 
-def _mnist(**kw: Any) -> nn.Module:
-    from unroll.models.mnist import MNISTSDNet
+def register_model(name: str, *, card: dict[str, Any], input_shape: tuple[int, ...],
+                   defaults: dict[str, Any] | None = None, checkpoint_loader: Callable | None = None,
+                   recipe: str | None = None, weights_dir: Path | None = None,
+                   replace: bool = False) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
+    """Decorator registering a builder under ``name`` with its model card (the card's fields, no name).
 
-    return MNISTSDNet(**kw)
+    ``replace=True`` allows re-registering a name (a user iterating on their model in one session);
+    otherwise a second registration of the same name is an error rather than a silent override.
+    """
+    model_card = ModelCard(name=name, **card)
 
+    def deco(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        if name in REGISTRY and not replace and REGISTRY[name].builder is not builder:
+            raise ValueError(f"model {name!r} is already registered (by {REGISTRY[name].builder.__module__}); "
+                             "pass replace=True to override it")
+        REGISTRY[name] = ModelSpec(name, builder, model_card, tuple(input_shape), dict(defaults or {}),
+                                   checkpoint_loader, recipe, Path(weights_dir) if weights_dir else WEIGHTS_DIR)
+        return builder
 
-def _denoiser(**kw: Any) -> nn.Module:
-    from unroll.models.denoiser import CSCDenoiser
-
-    return CSCDenoiser(**kw)
-
-
-def _block(kind: str) -> Callable[..., nn.Module]:
-    def build(**kw: Any) -> nn.Module:
-        from unroll import solvers  # noqa: F401  (package docstring only)
-        from unroll.solvers.csc import DictBlock
-        from unroll.solvers.dic_attn import DicAttention
-        from unroll.solvers.nmf import NMFHam
-        from unroll.solvers.vars_attn import VARSAttention
-
-        classes = {"csc-fista": DictBlock, "vars-d": VARSAttention, "vars-sd": VARSAttention,
-                   "nmf-ham": NMFHam, "dic-attn": DicAttention}
-        return classes[kind](**kw)
-
-    return build
+    return deco
 
 
-_SPECS = [
-    ModelSpec("sdnet-mnist", "classification", _mnist,
-              "SDNet-style MNIST classifier: CSC front end (FISTA K=2, λ=0.1) + residual CNN (trained demo)",
-              (1, 28, 28)),
-    ModelSpec("csc-denoiser", "denoising", _denoiser,
-              "Noise-level-aware convolutional LISTA denoiser, stride-2 dictionary (trained demo, grayscale)",
-              (1, 64, 64)),
-    ModelSpec("sdnet18-cifar", "classification", _sdnet("sdnet18_cifar"),
-              "SDNet-18 for CIFAR-10: CSC stem + ResNet-18 (official checkpoint layout)", (3, 32, 32)),
-    ModelSpec("sdnet18all-cifar", "classification", _sdnet("sdnet18all_cifar"),
-              "SDNet-18-All for CIFAR-10: every 3×3 conv is a CSC layer (option shortcut=True/False)",
-              (3, 32, 32), {"shortcut": True}),
-    ModelSpec("sdnet18-imagenet", "classification", _sdnet("sdnet18_imagenet"),
-              "SDNet-18 for ImageNet: 7×7 stride-2 CSC stem + ResNet-18", (3, 224, 224)),
-    ModelSpec("sdnet34-imagenet", "classification", _sdnet("sdnet34_imagenet"),
-              "SDNet-34 for ImageNet: 7×7 stride-2 CSC stem + ResNet-34", (3, 224, 224)),
-    ModelSpec("csc-fista", "block", _block("csc-fista"),
-              "SDNet's CSC layer alone: non-negative conv sparse coding, FISTA (3→64 atoms, K=2)",
-              (3, 32, 32), {"in_channels": 3, "num_atoms": 64}),
-    ModelSpec("vars-d", "block", _block("vars-d"),
-              "VARS-D attention: ISTA sparse reconstruction over random-feature atoms of the queries",
-              (64, 64), {"dim": 64, "mode": "d"}),
-    ModelSpec("vars-sd", "block", _block("vars-sd"),
-              "VARS-SD attention: VARS-D plus learned static atoms", (64, 64), {"dim": 64, "mode": "sd"}),
-    ModelSpec("nmf-ham", "block", _block("nmf-ham"),
-              "Hamburger's NMF ham: multiplicative updates, rank 64, seeded constant bases", (64, 16, 16),
-              {"dim": 64}),
-    ModelSpec("dic-attn", "block", _block("dic-attn"),
-              "Dic-Attn: elastic-net (ISTA) sparse reconstruction over a learned unit-norm dictionary",
-              (64, 64), {"dim": 64}),
-]
-REGISTRY: dict[str, ModelSpec] = {s.name: s for s in _SPECS}
+def _ensure_builtin() -> None:
+    global _builtin_loaded
+    if not _builtin_loaded:
+        _builtin_loaded = True
+        for mod in BUILTIN_MODULES:
+            importlib.import_module(mod)
+        # Import order is an accident of module dependencies; list trained demos first, then by task.
+        order = {"classification": 0, "denoising": 1, "block": 2}
+        ranked = sorted(REGISTRY.values(), key=lambda s: (not s.has_weights, order.get(s.task, 3)))
+        REGISTRY.clear()
+        REGISTRY.update((s.name, s) for s in ranked)
 
 
 def list_models() -> list[str]:
-    """Registered model names, in registry order."""
+    """Registered model names, in registration order."""
+    _ensure_builtin()
     return list(REGISTRY)
 
 
 def get_spec(name: str) -> ModelSpec:
+    _ensure_builtin()
     if name not in REGISTRY:
         raise KeyError(f"unknown model {name!r}; registered models: {', '.join(REGISTRY)}")
     return REGISTRY[name]
@@ -132,8 +124,9 @@ def get_spec(name: str) -> ModelSpec:
 def load(name: str, pretrained: bool = True, checkpoint: str | Path | None = None, **options: Any) -> nn.Module:
     """Build a registered model in eval mode, with its committed weights when ``pretrained``.
 
-    ``checkpoint=PATH`` loads an official SDNet checkpoint (``model_best.pth.tar`` or
-    ``checkpoint.pth.tar``) instead of committed weights; other ``options`` go to the architecture.
+    ``checkpoint=PATH`` loads an external checkpoint with the model's own loader (official SDNet
+    ``model_best.pth.tar`` / ``checkpoint.pth.tar``) instead of committed weights; other ``options`` go
+    to the architecture.
     """
     spec = get_spec(name)
     kw = {**spec.defaults, **spec.info().get("model", {}), **options}
@@ -142,16 +135,15 @@ def load(name: str, pretrained: bool = True, checkpoint: str | Path | None = Non
         torch.manual_seed(seed)
         model = spec.builder(**kw)
     if checkpoint is not None:
-        from unroll.models.sdnet import load_official_checkpoint
-
-        if not name.startswith("sdnet") or name == "sdnet-mnist":
-            raise ValueError(f"checkpoint= loads official SDNet checkpoints; {name!r} is not an SDNet architecture")
-        load_official_checkpoint(model, checkpoint)
+        if spec.checkpoint_loader is None:
+            raise ValueError(f"{name!r} has no checkpoint loader; checkpoint= is for architectures that declare one "
+                             f"({', '.join(n for n, s in REGISTRY.items() if s.checkpoint_loader) or 'none'})")
+        spec.checkpoint_loader(model, checkpoint)
     elif pretrained:
         if not spec.has_weights:
             raise FileNotFoundError(
                 f"{name!r} has no committed weights (expected {spec.weights_path}); use pretrained=False for "
-                "a seeded random initialisation" + (", or checkpoint=PATH for an official checkpoint"
-                                                    if name.startswith("sdnet") else ""))
+                "a seeded random initialisation" + (", or checkpoint=PATH for an external checkpoint"
+                                                    if spec.checkpoint_loader else ""))
         model.load_state_dict(torch.load(spec.weights_path, map_location="cpu", weights_only=True))
     return model.eval()

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from unroll.card import InputCard, SigmaCard
+from unroll.registry import register_model
 from unroll.solvers.csc import normalize_atoms
 from unroll.solvers.shrink import soft_threshold
 
@@ -91,3 +93,17 @@ class CSCDenoiser(nn.Module):
             z = soft_threshold(z - self._conv(self._conv(z, self.synthesis[k]) - y, self.analysis[k]), taus[k])
         out = F.pixel_shuffle(self._conv(z, self.decoder), STRIDE)
         return out[..., b:b + h, b:b + w] + mean
+
+
+@register_model(
+    "csc-denoiser", input_shape=(1, 64, 64), recipe="unroll.train.denoiser",
+    card=dict(
+        task="denoising",
+        description="Noise-level-aware convolutional LISTA denoiser, stride-2 dictionary (trained demo, grayscale)",
+        input=InputCard(name="noisy", shape=(1, -1, -1), min_size=16, colour="gray"),
+        output="denoised", sigma=SigmaCard(),
+        data=dict(train="denoise-train", test="denoise-test"),
+        trt_profile=dict(batch=(1, 4, 8), dims={"1": (16, 256, 1024), "2": (16, 256, 1024)}),
+    ))
+def csc_denoiser(**kw) -> CSCDenoiser:
+    return CSCDenoiser(**kw)

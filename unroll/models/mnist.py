@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from unroll.card import InputCard, LamCard
+from unroll.registry import register_model
 from unroll.solvers.csc import DictBlock, output_padding
 
 
@@ -72,3 +74,17 @@ class MNISTSDNet(nn.Module):
         """Per-sample λ from the fitted rule λ* = a·r + b (``lam="auto"``)."""
         a, b, lo, hi = self.lam_auto
         return (a * self.reconstruction_error(x) + b).clamp(lo, hi)
+
+
+@register_model(
+    "sdnet-mnist", input_shape=(1, 28, 28), recipe="unroll.train.mnist",
+    card=dict(
+        task="classification",
+        description="SDNet-style MNIST classifier: CSC front end (FISTA K=2, λ=0.1) + residual CNN (trained demo)",
+        input=InputCard(name="image", shape=(1, 28, 28), colour="gray", resize="pad-square"),
+        output="logits", labels=tuple(str(i) for i in range(10)),
+        lam=LamCard(default=None, max=10.0, auto="sdnet-mnist-autolam"),
+        data=dict(train="mnist-train", test="mnist-test"),
+    ))
+def sdnet_mnist(**kw) -> MNISTSDNet:
+    return MNISTSDNet(**kw)

@@ -24,6 +24,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from unroll.card import InputCard, LamCard
+from unroll.registry import register_model
 from unroll.solvers.csc import DictBlock, normalize_atoms
 
 Stem = Literal["cifar", "imagenet"]
@@ -261,3 +263,33 @@ def load_official_checkpoint(
             for dn in csc_layers(model):
                 dn.weight.copy_(normalize_atoms(dn.weight))
     return model
+
+
+# ---------------------------------------------------------------------------------------------- registry
+CIFAR10_LABELS = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+#: CIFAR models: 32×32 RGB in [0, 1] (no normalisation is assumed; a checkpoint trained with one sets
+#: mean/std on its card). ImageNet models: the torchvision ImageNet normalisation, stretched to 224².
+_CIFAR_INPUT = InputCard(name="image", shape=(3, 32, 32), colour="rgb", resize="stretch")
+_IMAGENET_INPUT = InputCard(name="image", shape=(3, 224, 224), colour="rgb", resize="stretch",
+                            mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+
+
+def _sdnet_card(description: str, imagenet: bool) -> dict[str, Any]:
+    return dict(task="classification", description=description, output="logits",
+                input=_IMAGENET_INPUT if imagenet else _CIFAR_INPUT,
+                labels=None if imagenet else CIFAR10_LABELS,  # ImageNet synset names are not bundled
+                lam=LamCard(default=None, max=10.0), data=dict(test="photos"),
+                trt_profile=dict(batch=(1, 8, 32)))
+
+
+register_model("sdnet18-cifar", input_shape=(3, 32, 32), checkpoint_loader=load_official_checkpoint,
+               card=_sdnet_card("SDNet-18 for CIFAR-10: CSC stem + ResNet-18 (official checkpoint layout)",
+                                False))(sdnet18_cifar)
+register_model("sdnet18all-cifar", input_shape=(3, 32, 32), checkpoint_loader=load_official_checkpoint,
+               defaults={"shortcut": True},
+               card=_sdnet_card("SDNet-18-All for CIFAR-10: every 3×3 conv is a CSC layer (option "
+                                "shortcut=True/False)", False))(sdnet18all_cifar)
+register_model("sdnet18-imagenet", input_shape=(3, 224, 224), checkpoint_loader=load_official_checkpoint,
+               card=_sdnet_card("SDNet-18 for ImageNet: 7×7 stride-2 CSC stem + ResNet-18", True))(sdnet18_imagenet)
+register_model("sdnet34-imagenet", input_shape=(3, 224, 224), checkpoint_loader=load_official_checkpoint,
+               card=_sdnet_card("SDNet-34 for ImageNet: 7×7 stride-2 CSC stem + ResNet-34", True))(sdnet34_imagenet)

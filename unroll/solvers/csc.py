@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from unroll.card import InputCard
+from unroll.registry import register_model
 from unroll.solvers.shrink import is_textbook, soft_threshold_nonneg
 
 
@@ -147,3 +149,12 @@ class DictBlock(nn.Module):
             dtdc = F.conv2d(F.conv_transpose2d(c, w, stride=s, padding=p, output_padding=op), w, stride=s, padding=p)
             c_prev, c = c, soft_threshold_nonneg(a + t * (dtx - dtdc), theta)
         return c
+
+
+@register_model(
+    "csc-fista", input_shape=(3, 32, 32), defaults={"in_channels": 3, "num_atoms": 64},
+    card=dict(task="block", output="y", data=dict(test="photos"),
+              description="SDNet's CSC layer alone: non-negative conv sparse coding, FISTA (3→64 atoms, K=2)",
+              input=InputCard(name="x", shape=(3, 32, 32), colour="rgb", resize="stretch")))
+def csc_fista(**kw) -> DictBlock:
+    return DictBlock(**kw)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from unroll.card import InputCard
+from unroll.registry import register_model
 from unroll.solvers.shrink import is_textbook, soft_threshold
 
 
@@ -137,3 +139,23 @@ class VARSAttention(nn.Module):
 
 
 __all__ = ["VARSAttention", "gershgorin_lipschitz", "ista_codes", "random_feature_atoms"]
+
+
+_TOKENS = InputCard(name="x", shape=(-1, 64))
+_TOKEN_PROFILE = dict(batch=(1, 8, 32), dims={"0": (1, 64, 1024)})
+
+
+@register_model(
+    "vars-d", input_shape=(64, 64), defaults={"dim": 64, "mode": "d"},
+    card=dict(task="block", output="y", input=_TOKENS, trt_profile=_TOKEN_PROFILE,
+              description="VARS-D attention: ISTA sparse reconstruction over random-feature atoms of the queries"))
+def vars_d(**kw) -> VARSAttention:
+    return VARSAttention(**kw)
+
+
+@register_model(
+    "vars-sd", input_shape=(64, 64), defaults={"dim": 64, "mode": "sd"},
+    card=dict(task="block", output="y", input=_TOKENS, trt_profile=_TOKEN_PROFILE,
+              description="VARS-SD attention: VARS-D plus learned static atoms"))
+def vars_sd(**kw) -> VARSAttention:
+    return VARSAttention(**kw)

@@ -1,0 +1,221 @@
+"""The model card: everything a pipeline stage needs to know about a model, declared once.
+
+A card is declared where a model is registered (its architecture file, ``@register_model``), written into
+every exported ONNX as one JSON value in ``metadata_props`` under :data:`CARD_KEY`, copied by
+``unroll repo`` into the Triton config's ``parameters`` (same key), and read from there by quantize,
+build, repo, serve and the gateway. No stage after export looks a model up by its name: a user's model
+with a card goes through the whole pipeline like the shipped ones.
+
+Why pydantic: the card crosses process and file boundaries (ONNX metadata, Triton configs, the
+gateway), so it is validated wherever it is read and a malformed card is an error naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+#: ``metadata_props`` key in the ONNX, and ``parameters`` key in the Triton config.
+CARD_KEY = "unroll.card"
+CARD_VERSION = 1
+
+Task = Literal["classification", "denoising", "block", "lambda-rule"]
+Precision = Literal["fp32", "fp16", "int8"]
+
+
+class CardError(ValueError):
+    """A card is missing or invalid (the message names the file and the field)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InputCard(_Strict):
+    """The graph's main input, and how a user's image is fitted to it."""
+
+    #: Graph input name (``image`` for classifiers, ``noisy`` for denoisers, ``x`` for blocks).
+    name: str
+    #: Shape of one sample (no batch axis); -1 marks a dynamic axis (image H×W, tokens).
+    shape: tuple[int, ...]
+    #: Smallest size a dynamic axis accepts (denoisers: 16, the stride-2 dictionary's floor).
+    min_size: int = 1
+    #: ``gray`` or ``rgb`` for image inputs (channel order of ``shape[0]``); ``None`` for feature/token tensors.
+    colour: Literal["gray", "rgb"] | None = None
+    #: Pixel values the model was trained on, before normalisation.
+    value_range: tuple[float, float] = (0.0, 1.0)
+    #: Per-channel normalisation applied *by the client* before the graph: ``(x - mean) / std``.
+    mean: tuple[float, ...] = (0.0,)
+    std: tuple[float, ...] = (1.0,)
+    #: How a classifier's image of another size is fitted: ``pad-square`` (centred black padding to a
+    #: square, then Lanczos resize: keeps the aspect, as MNIST digits are), ``stretch`` (resize only) or
+    #: ``none`` (the model takes any H×W, as denoisers do).
+    resize: Literal["pad-square", "stretch", "none"] = "none"
+
+    @property
+    def fixed_hw(self) -> tuple[int, int] | None:
+        """``(H, W)`` for an image input of fixed size, else ``None``."""
+        if self.colour is None or len(self.shape) != 3 or min(self.shape[1:]) < 0:
+            return None
+        return self.shape[1], self.shape[2]
+
+    @model_validator(mode="after")
+    def _check(self) -> InputCard:
+        if self.colour is not None and (len(self.shape) != 3 or self.shape[0] != {"gray": 1, "rgb": 3}[self.colour]):
+            raise ValueError(f"a {self.colour} image input has shape [C, H, W] with C = "
+                             f"{ {'gray': 1, 'rgb': 3}[self.colour]}, not {list(self.shape)}")
+        for what in (self.mean, self.std):
+            if len(what) not in (1, self.shape[0] if self.shape else 1):
+                raise ValueError(f"mean/std take 1 value or one per channel, got {list(what)}")
+        if any(s == 0 for s in self.std):
+            raise ValueError("std must not be 0")
+        return self
+
+
+class LamCard(_Strict):
+    """A per-sample sparsity λ input of the first solver layer (SDNet's robustness knob)."""
+
+    input: str = "lam"
+    #: The trained λ, used when a request gives none. ``None`` in a declaration means "the first solver
+    #: layer's λ": export fills it in from the model, so the number lives in one place (the weights).
+    default: float | None = None
+    min: float = 0.0
+    max: float | None = None
+    #: Name of the served companion model that picks λ from the image (``lam=auto``), if any.
+    auto: str | None = None
+
+
+class SigmaCard(_Strict):
+    """A per-sample noise-level input (denoisers)."""
+
+    input: str = "sigma"
+    #: The graph takes σ / ``scale``: 255 means σ on the [0, 1] pixel scale while users speak 0–255.
+    scale: float = 255.0
+    #: Noise levels (0–255 scale) the quality gate measures at.
+    gate_levels: tuple[float, ...] = (15.0, 25.0, 50.0)
+
+
+class DataCard(_Strict):
+    """Named datasets (``unroll.data.DATASETS``) in each role. Training data also calibrates INT8."""
+
+    train: str | None = None
+    validation: str | None = None
+    test: str | None = None
+    stress: str | None = None
+    #: Which role the accuracy gates are evaluated on.
+    gate: Literal["validation", "test"] = "test"
+
+
+class ProfileCard(_Strict):
+    """TensorRT optimization profile defaults: (min, opt, max) per dynamic axis."""
+
+    batch: tuple[int, int, int] = (1, 8, 32)
+    #: Ranges for dynamic non-batch axes by position in :attr:`InputCard.shape` (e.g. ``{"1": …}``).
+    dims: dict[str, tuple[int, int, int]] = Field(default_factory=dict)
+
+
+#: Default gate tolerances per task and precision (metric → tolerance; units in unroll.export.gates).
+DEFAULT_GATES: dict[str, dict[str, dict[str, float]]] = {
+    "classification": {"fp32": {"top1_agreement": 0.999, "accuracy_loss": 0.001},
+                       "fp16": {"top1_agreement": 0.999, "accuracy_loss": 0.001},
+                       "int8": {"top1_agreement": 0.995, "accuracy_loss": 0.003}},
+    "denoising": {"fp32": {"psnr_loss_db": 0.01}, "fp16": {"psnr_loss_db": 0.02}, "int8": {"psnr_loss_db": 0.15}},
+    "block": {"fp32": {"rel_err": 1e-4}, "fp16": {"rel_err": 1e-2}, "int8": {"rel_err": 5e-2}},
+    "lambda-rule": {"fp32": {"rel_err": 1e-4}, "fp16": {"rel_err": 1e-2}, "int8": {"rel_err": 5e-2}},
+}
+
+
+class ModelCard(_Strict):
+    """What every stage after export needs to know about one model (see the module docstring)."""
+
+    version: int = CARD_VERSION
+    #: The model's name: registry name, ONNX file stem and Triton model name.
+    name: str
+    task: Task
+    description: str = ""
+    input: InputCard
+    #: Graph output name (``logits``, ``denoised``, ``y``, ``lam``).
+    output: str
+    #: Class names, one per logit (classifiers).
+    labels: tuple[str, ...] | None = None
+    lam: LamCard | None = None
+    sigma: SigmaCard | None = None
+    data: DataCard = DataCard()
+    #: Gate tolerances per precision, overriding :data:`DEFAULT_GATES` for this task metric by metric.
+    gates: dict[str, dict[str, float]] = Field(default_factory=dict)
+    trt_profile: ProfileCard = ProfileCard()
+    #: Precisions worth building/serving; ``serve`` is what ``unroll serve`` deploys.
+    precisions: tuple[Precision, ...] = ("fp32", "fp16", "int8")
+    serve_precision: Precision = "fp32"
+    #: For a ``lambda-rule`` graph: the classifier it picks λ for.
+    companion_of: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelCard:
+        if self.task == "classification" and self.labels is not None and len(self.labels) < 2:
+            raise ValueError("a classifier needs at least 2 labels")
+        if self.task == "denoising" and self.sigma is None:
+            raise ValueError("a denoising card needs sigma (its noise-level input)")
+        unknown = set(self.gates) - {"fp32", "fp16", "int8"}
+        if unknown:
+            raise ValueError(f"gates are per precision (fp32, fp16, int8), not {sorted(unknown)}")
+        return self
+
+    # ------------------------------------------------------------------ derived facts
+
+    def gate(self, precision: str) -> dict[str, float]:
+        """Tolerances for ``precision``: the task's defaults, then this card's overrides."""
+        return {**DEFAULT_GATES[self.task].get(precision, {}), **self.gates.get(precision, {})}
+
+    @property
+    def input_names(self) -> list[str]:
+        """Graph inputs in order: the main input, then λ or σ."""
+        extra = [c.input for c in (self.lam, self.sigma) if c is not None]
+        return [self.input.name, *extra]
+
+    def companion(self, task: Task, name: str, description: str, output: str) -> ModelCard:
+        """The card of a graph that serves this model (e.g. its λ rule), same input."""
+        return ModelCard(name=name, task=task, description=description, input=self.input, output=output,
+                         data=self.data, trt_profile=self.trt_profile, companion_of=self.name)
+
+    # ------------------------------------------------------------------ serialisation
+
+    def to_json(self) -> str:
+        return self.model_dump_json(exclude_defaults=False)
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "card") -> ModelCard:
+        try:
+            return cls.model_validate(json.loads(text))
+        except (ValueError, ValidationError) as e:
+            raise CardError(f"{where}: invalid unroll model card: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------- ONNX
+
+
+def write_to_onnx(model, card: ModelCard) -> None:
+    """Put ``card`` into an ``onnx.ModelProto``'s ``metadata_props`` (replacing an older one)."""
+    props = [p for p in model.metadata_props if p.key != CARD_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(props)
+    entry = model.metadata_props.add()
+    entry.key, entry.value = CARD_KEY, card.to_json()
+
+
+def from_onnx(model) -> ModelCard:
+    """The card of an ``onnx.ModelProto``, or a file path to one (only the header is parsed)."""
+    where = "ONNX model"
+    if isinstance(model, str | Path):
+        import onnx
+
+        where = str(model)
+        model = onnx.load(str(model), load_external_data=False)
+    for p in model.metadata_props:
+        if p.key == CARD_KEY:
+            return ModelCard.from_json(p.value, where)
+    raise CardError(f"{where} carries no unroll model card (metadata_props[{CARD_KEY!r}]); "
+                    "export it with `unroll export` so every later stage knows what it is")
