@@ -16,7 +16,7 @@ venv: $(STAMP)  ## create .venv and install unroll with its serving and dev extr
 
 test: $(STAMP)  ## run the whole test suite (CI calls this)
 	$(PY) -m ruff check unroll export serving benchmarks tests
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 serve: $(STAMP)  ## build what is missing, then start Triton and the REST gateway
 	$(VENV)/bin/unroll serve

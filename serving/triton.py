@@ -352,7 +352,8 @@ def start(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port
     with open(log_file, "ab") as log:
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env=server_env(layout), start_new_session=True)
+                                    env=server_env(layout), start_new_session=True,
+                                    preexec_fn=_die_with_parent(os.getpid()))
         except OSError as e:
             raise TritonStartError(f"could not run {layout.binary}: {e}") from e
     handle = TritonHandle(proc, host, http_port, grpc_port, metrics_port, log_file)
@@ -373,6 +374,18 @@ def start(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port
     except BaseException:
         handle.stop(grace_s=5)
         raise
+
+
+def _die_with_parent(parent: int):
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def pre() -> None:
+        if libc.prctl(1, signal.SIGTERM, 0, 0, 0) != 0:
+            os._exit(126)
+        if os.getppid() != parent:
+            os._exit(125)
+    return pre
 
 
 def _start_failure(what: str, log_file: Path, offset: int) -> TritonStartError:

@@ -13,11 +13,11 @@ def _threads() -> None:
 
 @pytest.fixture(scope="session")
 def demo_onnx_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The served demo graphs (sdnet-mnist, its auto-λ graph, csc-denoiser), exported once per session."""
-    from unroll.export.onnx_export import export_auto_lam, export_model
+    """The served demo graphs (sdnet-mnist with its λ-rule companion, csc-denoiser), exported once per session
+    and shared by every test module that needs an export of them."""
+    from unroll.export.onnx_export import export_model
 
     out = tmp_path_factory.mktemp("demo_onnx")
     export_model("sdnet-mnist", out, naive=False)
-    export_auto_lam("sdnet-mnist", out)
     export_model("csc-denoiser", out, naive=False)
     return out

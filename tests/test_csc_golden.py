@@ -8,7 +8,7 @@ import torch
 
 from unroll.solvers.csc import DictBlock
 
-FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "sdnet_csc_golden.npz"
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "sdnet_csc_golden.npz"  # copied from shared/fixtures
 
 
 def _cases() -> list[str]:
@@ -31,14 +31,12 @@ def _run_case(case: str) -> tuple[np.ndarray, np.ndarray]:
     return out.numpy(), g["out"]
 
 
-@pytest.mark.skipif(not FIXTURE.exists(), reason=f"golden fixture not found at {FIXTURE}")
 @pytest.mark.parametrize("case", _cases())
 def test_dictblock_matches_official(case: str) -> None:
     ours, official = _run_case(case)
     np.testing.assert_allclose(ours, official, atol=1e-5, rtol=0)
 
 
-@pytest.mark.skipif(not FIXTURE.exists(), reason=f"golden fixture not found at {FIXTURE}")
 def test_per_sample_lambda_override_matches_scalar() -> None:
     d = np.load(FIXTURE)
     case = "cifar_k3s1_lam0.1_2steps"
@@ -55,7 +53,6 @@ def test_per_sample_lambda_override_matches_scalar() -> None:
     assert (mixed[1] > 0).sum() < (out[1] > 0).sum()  # larger λ → sparser code
 
 
-@pytest.mark.skipif(not FIXTURE.exists(), reason=f"golden fixture not found at {FIXTURE}")
 @pytest.mark.parametrize("case", _cases())
 def test_textbook_form_matches_official_too(case: str) -> None:
     """The unfused textbook form (the naive export's source) is the same maths."""

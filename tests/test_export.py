@@ -13,7 +13,8 @@ from unroll.export.inputs import Case
 from unroll.export.onnx_export import ExportError, export_model, export_module
 from unroll.export.trt_lint import lint
 
-from unroll.registry import REGISTRY
+from unroll.card import CardError, from_onnx
+from unroll.registry import get_spec
 
 LIGHT = ["sdnet-mnist", "csc-denoiser", "sdnet18-cifar", "csc-fista", "vars-d", "vars-sd", "nmf-ham", "dic-attn"]
 HEAVY = ["sdnet18all-cifar", "sdnet18-imagenet", "sdnet34-imagenet"]
@@ -47,7 +48,7 @@ def _check(result) -> None:
         assert c["max_abs_err"] <= 1e-4 and c["rel_err"] <= 1e-5, c
     # fused shrinkage: none of the stock exporters' chains anywhere in the graph
     assert all(v == 0 for v in rep["shrinkage_chain_ops"].values()), rep["shrinkage_chain_ops"]
-    if REGISTRY[rep["model"]].name != "nmf-ham":  # NMF has no shrinkage to fuse
+    if rep["model"] != "nmf-ham":  # NMF has no shrinkage to fuse
         assert rep["node_count"] < rep["naive_export"]["node_count"]
         naive_ops = rep["naive_export"]["op_histogram"]
         assert naive_ops.get("Sign", 0) > 0 and naive_ops.get("Abs", 0) > 0  # the naive form really is naive
@@ -56,6 +57,41 @@ def _check(result) -> None:
 @pytest.mark.parametrize("name", LIGHT)
 def test_export_is_static_fused_and_matches_pytorch(exported, name: str) -> None:
     _check(exported(name))
+
+
+@pytest.mark.parametrize("name", LIGHT)
+def test_exported_graph_carries_its_card(exported, name: str) -> None:
+    """The card travels inside the ONNX, and its tensor names are the graph's."""
+    res = exported(name)
+    model = onnx.load(res.onnx_path)
+    card = from_onnx(model)
+    assert card.name == name and card.task == get_spec(name).task
+    assert [i.name for i in model.graph.input] == card.input_names
+    assert [o.name for o in model.graph.output] == [card.output]
+    assert res.report["card"] == card.model_dump(mode="json")
+    if card.lam is not None:  # the trained λ, resolved from the model's first solver layer at export
+        assert card.lam.default == next(s["lambda"] for s in res.report["solvers"] if "lambda" in s)
+
+
+def test_companion_lambda_rule_is_exported_with_its_classifier(exported) -> None:
+    res = exported("sdnet-mnist")
+    (comp,) = res.companions
+    card, main = from_onnx(comp.onnx_path), from_onnx(res.onnx_path)
+    assert main.lam.auto == card.name == comp.onnx_path.stem and card.task == "lambda-rule"
+    assert card.companion_of == "sdnet-mnist" and card.output == "lam"
+    lam = ort.InferenceSession(str(comp.onnx_path), providers=["CPUExecutionProvider"]).run(
+        None, {"image": np.random.default_rng(0).random((2, 1, 28, 28), dtype=np.float32)})[0]
+    assert lam.shape == (2,) and np.all(lam >= 0)
+
+
+def test_graph_without_card_is_refused_by_name(tmp_path) -> None:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    path = tmp_path / "plain.onnx"
+    onnx.save(helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x],
+                                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])),
+              path)
+    with pytest.raises(CardError, match="no unroll model card"):
+        from_onnx(path)
 
 
 @pytest.mark.slow

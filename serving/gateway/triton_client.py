@@ -72,13 +72,15 @@ class ModelInfo:
 
 
 class TritonBackend:
-    """Async Triton client with deadlines, error translation, model-info cache and round-trip metrics."""
+    """Async Triton client with deadlines, error translation and round-trip metrics."""
 
     def __init__(self, url: str, protocol: str, timeout_s: float,
                  observe: Callable[[str, str, float], None] | None = None) -> None:
         self.url, self.protocol, self.timeout_s = url, protocol, timeout_s
         self._observe = observe or (lambda model, outcome, seconds: None)
-        self._info: dict[str, ModelInfo] = {}
+        #: How many calls found Triton unavailable: the model catalog re-discovers when this moves, since
+        #: the server may come back with another repository.
+        self.unavailable_count = 0
         if protocol == "http":
             import tritonclient.http as mod
             import tritonclient.http.aio as aio
@@ -101,6 +103,13 @@ class TritonBackend:
         await self._client.close()
 
     async def _call(self, what: str, coro: Any, timeout_s: float) -> Any:
+        try:
+            return await self._translated(what, coro, timeout_s)
+        except TritonUnavailable:
+            self.unavailable_count += 1
+            raise
+
+    async def _translated(self, what: str, coro: Any, timeout_s: float) -> Any:
         try:
             async with asyncio.timeout(timeout_s):
                 return await coro
@@ -129,20 +138,22 @@ class TritonBackend:
         except TritonError:
             return False
 
-    async def model_info(self, name: str) -> ModelInfo:
-        """Tensor names/shapes and batching of ``name``; cached once Triton has answered."""
-        info = self._info.get(name)
-        if info is None:
-            meta, cfg = await asyncio.gather(self._metadata(name), self._config(name))
-            info = _model_info(name, meta, cfg)
-            self._info[name] = info
-        return info
+    async def repository_index(self) -> list[dict[str, str]]:
+        """Every model in Triton's repository: ``{"name", "version", "state", "reason"}`` (state ``READY`` when
+        loaded; a model that failed to load is listed with its reason)."""
+        if self.protocol == "grpc":
+            raw = await self._call("the repository index", self._client.get_model_repository_index(as_json=True),
+                                   self.timeout_s)
+            raw = raw.get("models", [])
+        else:
+            raw = await self._call("the repository index", self._client.get_model_repository_index(), self.timeout_s)
+        return [{k: str(m.get(k, "")) for k in ("name", "version", "state", "reason")} for m in raw]
 
-    async def _metadata(self, name: str) -> dict[str, Any]:
+    async def model_metadata(self, name: str) -> dict[str, Any]:
         kw = {"as_json": True} if self.protocol == "grpc" else {}
         return await self._call(f"metadata of {name}", self._client.get_model_metadata(name, **kw), self.timeout_s)
 
-    async def _config(self, name: str) -> dict[str, Any]:
+    async def model_config(self, name: str) -> dict[str, Any]:
         if self.protocol == "grpc":
             cfg = await self._call(f"config of {name}", self._client.get_model_config(name, as_json=True),
                                    self.timeout_s)
@@ -178,7 +189,6 @@ class TritonBackend:
             raise
         except TritonUnavailable:
             outcome = "unavailable"
-            self._info.pop(model, None)  # the server may come back with another repository
             raise
         finally:
             self._observe(model, outcome, time.perf_counter() - t0)
@@ -206,7 +216,8 @@ def _ints(shape: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in shape)  # gRPC JSON gives int64 dims as strings
 
 
-def _model_info(name: str, meta: dict[str, Any], cfg: dict[str, Any]) -> ModelInfo:
+def model_info(name: str, meta: dict[str, Any], cfg: dict[str, Any]) -> ModelInfo:
+    """:class:`ModelInfo` from Triton's metadata and config of ``name`` (as returned by the backend)."""
     optional = {i["name"] for i in cfg.get("input", []) if i.get("optional")}
     labelled = frozenset(o["name"] for o in cfg.get("output", []) if o.get("label_filename"))
     params = cfg.get("parameters", {}) or {}

@@ -1,1 +1,134 @@
-"""Seeded training recipes for the demo models (``unroll train NAME``)."""
+"""Training and evaluation recipes, one module per recipe, behind one interface (``unroll train`` / ``unroll eval``).
+
+A model names its recipe where it is registered (``register_model(..., recipe="unroll.train.<module>")``);
+the CLI imports that module and calls it, so the command line knows no model. Each recipe module defines:
+
+- ``TRAIN_OPTIONS`` / ``EVAL_OPTIONS``: tuples of :class:`Option`, the recipe's own settings (the CLI
+  accepts them as ``--name VALUE`` after the model name and lists them on a bad one);
+- ``train(run: TrainRun, **options) -> (model, record)``: trains from scratch (seeded) and returns the
+  model and its training record (what goes into ``unroll/weights/NAME.json``: recipe, ``model`` builder
+  options, and ``metrics`` unless ``run.metrics`` is false);
+- ``evaluate(name, model, record, progress, **options) -> Evaluation``: recomputes the record's
+  metrics from the weights; ``Evaluation.metrics`` holds exactly the ``metrics`` fields it produced,
+  so ``unroll eval NAME --write`` can put them into the record and every number there comes from code.
+
+No stage after training (export, quantize, serving, benchmarks) imports this package.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+#: ``update(done, total, loss=nan)``: what a training loop reports to a progress bar.
+Update = Callable[..., None]
+#: ``progress(description, total)`` opens a progress bar (a context manager yielding ``update``).
+ProgressFactory = Callable[[str, int], AbstractContextManager[Update]]
+
+
+class RecipeError(ValueError):
+    """A model has no recipe, or a recipe option is unknown or malformed (the message lists the valid ones)."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One recipe setting: ``--name VALUE`` on the command line (``--name/--no-name`` for a bool)."""
+
+    name: str
+    default: bool | int | float | str | None
+    help: str
+    #: The value's type where ``default`` is ``None`` (else ``type(default)``).
+    kind: type | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def type(self) -> type:
+        return self.kind or type(self.default)
+
+    def parse(self, text: str) -> Any:
+        try:
+            return self.type(text)
+        except ValueError:
+            raise RecipeError(f"{self.flag} takes a {self.type.__name__}, not {text!r}") from None
+
+    def describe(self) -> str:
+        if self.type is bool:
+            spelling = f"{self.flag}/--no-{self.flag[2:]}"
+        else:
+            spelling = f"{self.flag} {self.type.__name__.upper()}"
+        return f"{spelling}: {self.help} [default: {self.default}]"
+
+
+@dataclass(frozen=True)
+class TrainRun:
+    """Settings every recipe takes (the CLI's own options), and the progress bar factory."""
+
+    name: str
+    seed: int
+    #: Stop after this many optimizer steps (smoke runs); ``None``: the recipe's full schedule.
+    steps: int | None
+    #: Measure the trained model (``record["metrics"]``); off for smoke runs.
+    metrics: bool
+    progress: ProgressFactory
+
+
+@dataclass
+class Table:
+    title: str
+    columns: list[str]
+    rows: list[list[str]]
+
+
+@dataclass
+class Evaluation:
+    """What ``evaluate`` measured: ``metrics`` (the record fields it recomputed), a summary and tables."""
+
+    metrics: dict[str, Any]
+    lines: list[str] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
+
+
+def recipe_module(name: str) -> ModuleType:
+    """The recipe module a registered model names; a model without one is an error listing those that have one."""
+    from unroll.registry import REGISTRY, get_spec
+
+    spec = get_spec(name)
+    if spec.recipe is None:
+        have = [n for n, s in REGISTRY.items() if s.recipe is not None]
+        raise RecipeError(f"{name!r} has no training recipe; models with one: {', '.join(have) or 'none'}")
+    module = importlib.import_module(spec.recipe)
+    missing = [a for a in ("TRAIN_OPTIONS", "EVAL_OPTIONS", "train", "evaluate") if not hasattr(module, a)]
+    if missing:
+        raise RecipeError(f"recipe module {spec.recipe} (for {name!r}) lacks {', '.join(missing)}")
+    return module
+
+
+def parse_options(options: Sequence[Option], args: Sequence[str], what: str) -> dict[str, Any]:
+    """``--name VALUE`` / ``--name=VALUE`` / ``--flag`` / ``--no-flag`` tokens → ``{name: value}`` (defaults filled)."""
+    by_flag = {o.flag: o for o in options}
+    values = {o.name: o.default for o in options}
+    known = "; ".join(o.describe() for o in options) or "none"
+    it = iter(args)
+    for token in it:
+        key, eq, inline = token.partition("=")
+        if key.startswith("--no-") and "--" + key[5:] in by_flag and by_flag["--" + key[5:]].type is bool and not eq:
+            values[by_flag["--" + key[5:]].name] = False
+            continue
+        opt = by_flag.get(key)
+        if opt is None:
+            raise RecipeError(f"{what}: unknown option {token!r}; its options: {known}")
+        if opt.type is bool and not eq:
+            values[opt.name] = True
+            continue
+        text = inline if eq else next(it, None)
+        if text is None:
+            raise RecipeError(f"{what}: {opt.flag} needs a value")
+        values[opt.name] = opt.parse(text) if opt.type is not bool else text.lower() in ("1", "true", "yes")
+    return values

@@ -1,16 +1,15 @@
-"""Training and evaluation of ``csc-denoiser`` on scikit-image's bundled images.
+"""Recipe for the convolutional LISTA denoiser: training and evaluation on scikit-image's bundled images.
 
 Patches come from the training images only (``unroll.data.DENOISE_TRAIN_IMAGES``); the held-out
-images are used for evaluation alone. Runs on CPU or CUDA (``device``); everything is seeded.
+images are used for evaluation alone. Runs on CPU or CUDA (``device``); everything is seeded. The
+recipe interface (``TRAIN_OPTIONS``, ``train``, ``EVAL_OPTIONS``, ``evaluate``) is :mod:`unroll.train`'s.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 
 from unroll import data
 from unroll.models.denoiser import CSCDenoiser
+from unroll.train import Evaluation, Option, ProgressFactory, Table, TrainRun
 
 EVAL_SIGMAS = (15.0, 25.0, 50.0)
 
@@ -67,13 +67,13 @@ class PatchSampler:
 def train_denoiser(
     steps: int = 20000, batch: int = 64, patch: int = 64, lr: float = 1e-3, sigma_max: float = 55.0,
     seed: int = 0, device: str = "cpu", minutes: float | None = None, balanced: bool = True,
-    init: str | None = None, progress: Callable[[int, int, float], None] | None = None, **model_kw,
+    init: dict | None = None, progress: Callable[[int, int, float], None] | None = None, **model_kw,
 ) -> tuple[CSCDenoiser, dict]:
     """Train on noisy patches, σ ~ U[0, sigma_max] (0–255), Adam + cosine decay.
 
     ``balanced`` weights each sample's MSE by ``1/(σ² + σ₀²)`` (σ₀ = 5/255) so that every noise level
     counts alike in PSNR terms (plain MSE lets the high-σ samples dominate). ``init`` fine-tunes from
-    a saved state dict.
+    a state dict (the previous stage's weights).
 
     ``minutes`` caps the wall time (the schedule is then stretched over the steps reached).
     """
@@ -82,7 +82,7 @@ def train_denoiser(
     gen = torch.Generator().manual_seed(seed)
     model = CSCDenoiser(seed=seed, **model_kw)
     if init is not None:
-        model.load_state_dict(torch.load(init, map_location="cpu", weights_only=True))
+        model.load_state_dict(init)
     model = model.to(dev)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     sampler = PatchSampler(patch, dev, gen)
@@ -113,7 +113,7 @@ def train_denoiser(
     recipe = {
         "steps": step, "batch": batch, "patch": patch, "lr": lr, "schedule": "cosine to 1e-5",
         "sigma_train_range_255": [0.0, sigma_max],
-        "loss": "mse / (sigma^2 + (5/255)^2) per sample" if balanced else "mse", "init": init,
+        "loss": "mse / (sigma^2 + (5/255)^2) per sample" if balanced else "mse",
         "optimizer": "adam", "seed": seed,
         "augmentation": "8 dihedral transforms; 0.5x/0.75x bicubic rescaled copies",
         "train_images": list(data.DENOISE_TRAIN_IMAGES) + ["stereo_motorcycle_right"],
@@ -137,8 +137,8 @@ def denoise_array(model: torch.nn.Module, noisy: np.ndarray, sigma255: float) ->
     return model(x, torch.tensor([sigma255 / 255.0])).numpy()[0, 0]
 
 
-def evaluate(model: torch.nn.Module, sigmas: tuple[float, ...] = EVAL_SIGMAS,
-             images: dict[str, np.ndarray] | None = None) -> dict[str, dict[str, float]]:
+def psnr_table(model: torch.nn.Module, sigmas: tuple[float, ...] = EVAL_SIGMAS,
+               images: dict[str, np.ndarray] | None = None) -> dict[str, dict[str, float]]:
     """Per-σ PSNR on the held-out images (same seeded noise as every other method)."""
     images = images if images is not None else data.denoise_test_set()
     out: dict[str, dict[str, float]] = {}
@@ -149,35 +149,74 @@ def evaluate(model: torch.nn.Module, sigmas: tuple[float, ...] = EVAL_SIGMAS,
     return out
 
 
-def main() -> None:
-    """Standalone entry (``python -m unroll.train.denoiser``) for training on another machine."""
-    import argparse
+# ---------------------------------------------------------------------------------------------- recipe interface
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--steps", type=int, default=20000)
-    ap.add_argument("--minutes", type=float, default=None)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--patch", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--atoms", type=int, default=64)
-    ap.add_argument("--kernel", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--init", default=None)
-    ap.add_argument("--plain-mse", action="store_true")
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    model, recipe = train_denoiser(a.steps, a.batch, a.patch, a.lr, seed=a.seed, device=a.device,
-                                   minutes=a.minutes, balanced=not a.plain_mse, init=a.init,
-                                   num_atoms=a.atoms, kernel_size=a.kernel, n_steps=a.iters)
-    metrics = evaluate(model)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), out.with_suffix(".pt"))
-    out.with_suffix(".json").write_text(json.dumps({"recipe": recipe, "psnr": metrics}, indent=2))
-    print(json.dumps({"recipe": recipe, "psnr": {k: v["mean"] for k, v in metrics.items()}}))
+#: The two stages: from scratch with plain MSE, then fine-tuning with the σ-balanced loss.
+STAGES = ((False, 1e-3, "1: from scratch, plain MSE"), (True, 3e-4, "2: fine-tune from stage 1, sigma-balanced loss"))
+MODEL = {"num_atoms": 96, "kernel_size": 3, "n_steps": 4}
+PROTOCOL = ("mean PSNR (data_range 1, output clipped to [0,1]) over the {n} held-out images; unclipped Gaussian "
+            "noise seeded per (image, sigma) by unroll.data.noise_seed; BM3D = bm3d.bm3d(noisy, sigma_psd) on the "
+            "same noisy images; evaluated on {device}")
+
+TRAIN_OPTIONS = (
+    Option("minutes", 8.0, "wall-time budget per stage (the cosine schedule is stretched over the steps reached)"),
+    Option("device", "cpu", "cpu or cuda"),
+    Option("batch", 128, "patches per step"),
+)
+EVAL_OPTIONS = (Option("bm3d", False, "also run BM3D on the same noisy images (minutes on a CPU)"),)
 
 
-if __name__ == "__main__":
-    main()
+def train(run: TrainRun, minutes: float = 8.0, device: str = "cpu", batch: int = 128) -> tuple[CSCDenoiser, dict]:
+    """Two stages (plain MSE, then σ-balanced fine-tuning), each capped at ``minutes``; then measure."""
+    stages, init, model = [], None, None
+    for i, (balanced, lr, label) in enumerate(STAGES):
+        budget = run.steps or 400_000
+        with run.progress(f"training {run.name} stage {i + 1}/{len(STAGES)}", budget) as update:
+            model, recipe = train_denoiser(steps=budget, batch=batch, patch=64, lr=lr, seed=run.seed, device=device,
+                                           minutes=minutes, balanced=balanced, init=init, progress=update, **MODEL)
+        init = model.state_dict()
+        stages.append({**recipe, **({"init": "stage 1 weights"} if i else {}), "stage": label})
+    assert model is not None
+    recipe = {"stages": stages, "train_images": stages[0]["train_images"], "held_out": list(data.DENOISE_TEST_IMAGES),
+              "wall_time_s": round(sum(s["wall_time_s"] for s in stages), 1)}
+    record: dict = {"name": run.name, "model": {**MODEL, "border": model.border}, "recipe": recipe}
+    if run.metrics:
+        record["metrics"] = evaluate(run.name, model, record, run.progress).metrics
+    return model, record
+
+
+def evaluate(name: str, model: torch.nn.Module, record: dict, progress: ProgressFactory,
+             bm3d: bool = False) -> Evaluation:
+    """Mean and per-image PSNR on the held-out images (``metrics.psnr``, ``psnr_per_image``, ``protocol``);
+    with ``bm3d`` also BM3D's on the same noisy images (``bm3d_psnr``, ``bm3d_psnr_per_image``)."""
+    images = data.denoise_test_set()
+    n = len(EVAL_SIGMAS) * len(images)
+    with progress(f"denoising the held-out images ({name})", 1) as update:
+        ours = psnr_table(model, EVAL_SIGMAS, images)
+        update(1, 1)
+    metrics: dict = {"psnr": _means(ours), "psnr_per_image": _per_image(ours),
+                     "protocol": PROTOCOL.format(n=len(images), device="CPU")}
+    ref, source = record.get("metrics", {}).get("bm3d_psnr", {}), "from the committed record (--bm3d recomputes)"
+    if bm3d:
+        from unroll.baselines import bm3d_psnr
+
+        with progress("BM3D", n) as update:
+            count = iter(range(1, n + 1))
+            theirs = bm3d_psnr(EVAL_SIGMAS, images, progress=lambda: update(next(count), n))
+        metrics["bm3d_psnr"], metrics["bm3d_psnr_per_image"] = _means(theirs), _per_image(theirs)
+        ref, source = metrics["bm3d_psnr"], "measured now"
+    rows = []
+    for s, v in metrics["psnr"].items():
+        b = ref.get(s)
+        rows.append([s, f"{v:.2f} dB", f"{b:.2f} dB" if b else "-", f"{v - b:+.2f} dB" if b else "-"])
+    table = Table(f"mean PSNR over {len(images)} held-out images", ["σ (0–255)", f"{name} PSNR", "BM3D PSNR", "Δ"],
+                  rows)
+    return Evaluation(metrics=metrics, tables=[table], lines=[f"BM3D column: {source}"])
+
+
+def _means(table: dict[str, dict[str, float]]) -> dict[str, float]:
+    return {s: v["mean"] for s, v in table.items()}
+
+
+def _per_image(table: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    return {s: {k: round(x, 3) for k, x in v.items() if k != "mean"} for s, v in table.items()}

