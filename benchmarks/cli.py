@@ -52,8 +52,8 @@ def _targets(payload: dict) -> None:
 def bench_serve(
     duration: Annotated[float, typer.Option(help="Measured seconds per concurrency level")] = 5.0,
     warmup: Annotated[float, typer.Option(help="Unrecorded warm-up seconds before each level")] = 0.5,
-    concurrency: Annotated[str, typer.Option(help="In-flight requests per level, sdnet-mnist")] = "1,2,4,8,16,32",
-    denoise_concurrency: Annotated[str, typer.Option(help="In-flight requests per level, csc-denoiser")] = "1,4",
+    concurrency: Annotated[str, typer.Option(help="In-flight requests per level, the classifier")] = "1,2,4,8,16,32",
+    denoise_concurrency: Annotated[str, typer.Option(help="In-flight requests per level, the denoiser")] = "1,4",
     denoise_sizes: Annotated[str, typer.Option(help="Denoiser image sides (square images)")] = "256,512",
     batching_concurrency: Annotated[int, typer.Option(help="Concurrency of the batching on/off comparison")] = 16,
     batching_rounds: Annotated[int | None, typer.Option(help="Interleaved on/off rounds of that comparison, median "
@@ -74,7 +74,8 @@ def bench_serve(
     """The serving path under load: in-process ONNX Runtime vs Triton (HTTP, gRPC) vs the REST gateway.
 
     Starts Triton and the gateway on free ports (or attaches with --url / --triton-url), then runs a
-    closed-loop concurrency sweep on MNIST digits (sdnet-mnist) and noisy photos (csc-denoiser).
+    closed-loop concurrency sweep on the trained demo models (registered with committed weights): the
+    classifier's test samples and the denoiser's noisy held-out photos (inputs from their cards).
     Per level: throughput, client latency p50/p90/p95/p99/max, errors, Triton's own split (queue,
     compute input, infer, output) and average batch size, the gateway's share. Then dynamic
     batching on vs off (a second Triton with max_batch_size 1) at --batching-concurrency.
@@ -87,7 +88,7 @@ def bench_serve(
                 "denoise_sizes": _ints(denoise_sizes, "--denoise-sizes")}
     if quick:
         kw = {"duration_s": min(duration, 1.0), "warmup_s": min(warmup, 0.3), "concurrency": (1, 4),
-              "denoise_concurrency": (1,), "denoise_sizes": (128,), "mnist_samples": 64}
+              "denoise_concurrency": (1,), "denoise_sizes": (128,), "classify_samples": 64}
     if batching_rounds is None:
         batching_rounds = 1 if quick else 3
     try:
@@ -139,29 +140,34 @@ def bench_models(
 def bench_quality(
     task: Annotated[str, typer.Option(help="denoise, classify or all")] = "all",
     bm3d: Annotated[bool, typer.Option("--bm3d/--no-bm3d", help="Include BM3D (~8 s per 512² image)")] = True,
-    quick: Annotated[bool, typer.Option(help="Smoke run: 2 images cropped to 128², σ=25; 200 digits, σ 0 and 0.3")]
+    quick: Annotated[bool, typer.Option(help="Smoke run: 2 images cropped to 128², σ=25; 200 samples, σ 0 and 0.3")]
     = False,
     threads: ThreadsOpt = 2,
     onnx_dir: OnnxOpt = ONNX_DIR,
     out: OutOpt = RESULTS,
     progress: ProgressOpt = True,
 ) -> None:
-    """Denoising PSNR/SSIM (FP32/FP16/INT8 vs BM3D, NL-means, TV, wavelet) and sdnet-mnist accuracy per precision.
+    """Denoising PSNR/SSIM (FP32/FP16/INT8 vs BM3D, NL-means, TV, wavelet) and classifier accuracy per precision.
 
     Denoising: the 8 held-out images at σ = 15/25/50, the same seeded noisy image for every method,
     with each method's wall time per image and the 512×512 speed ratio vs BM3D. Classification:
-    the 1,000 held-out digits, clean and under Gaussian noise σ = 0.1…0.5, λ fixed vs lam=auto.
+    the card's held-out samples, clean and under Gaussian noise σ = 0.1…0.5, λ fixed vs lam=auto. The models
+    are the trained ones (committed weights) of each task.
     Writes quality_denoise.{json,md,png} and quality_classify.{json,md,png}.
     """
     from unroll.benchmarks import quality_bench
+    from unroll.benchmarks.common import NoModel
 
     if task not in ("denoise", "classify", "all"):
         raise _fail(f"--task must be denoise, classify or all, not {task!r}")
-    if task in ("denoise", "all"):
-        quality_bench.run_denoise(threads, quick=quick, with_bm3d=bm3d, onnx_dir=onnx_dir, progress=progress,
-                                  out_dir=out)
-    if task in ("classify", "all"):
-        quality_bench.run_classify(threads, quick=quick, onnx_dir=onnx_dir, progress=progress, out_dir=out)
+    try:
+        if task in ("denoise", "all"):
+            quality_bench.run_denoise(threads, quick=quick, with_bm3d=bm3d, onnx_dir=onnx_dir, progress=progress,
+                                      out_dir=out)
+        if task in ("classify", "all"):
+            quality_bench.run_classify(threads, quick=quick, onnx_dir=onnx_dir, progress=progress, out_dir=out)
+    except NoModel as e:
+        raise _fail(str(e)) from None
     _wrote(out, [f"quality_{t}" for t in (("denoise", "classify") if task == "all" else (task,))])
 
 
@@ -210,9 +216,7 @@ def bench_all(
         if stage == "export":
             from unroll.benchmarks import export_speed
 
-            rows = None
-            if quick:
-                rows = [("sdnet-mnist", "batch 1", 1), ("csc-denoiser", "64×64", (64, 64))]
+            rows = export_speed.default_rows(quick)
             with err.status("benchmarking exports") as status:
                 export_speed.run(threads, rows=rows, with_compile=not quick, budget_s=0.3 if quick else 2.0,
                                  progress=lambda m: status.update(m), out_dir=out)

@@ -1,4 +1,4 @@
-"""Shared measurement helpers: machine info, warm-up + median timing, result writing."""
+"""Shared helpers: machine info, warm-up + median timing, result writing, and which models to benchmark."""
 
 from __future__ import annotations
 
@@ -126,3 +126,58 @@ def load_note(machine: dict) -> str:
         return ""
     return (f"Load average at start {load[0]:g} / {load[1]:g} / {load[2]:g} (1/5/15 min) on "
             f"{machine.get('logical_cores')} cores; measured {machine.get('date_utc')} UTC.")
+
+
+# ----------------------------------------------------------------------------------------------- what to benchmark
+# Chosen from the registry and the model cards, never by name: "the trained demo models" are the registered
+# models with committed weights, split by ``card.task``; the quantizable ones are those whose cards name
+# training data (calibration) and gate data.
+
+
+class NoModel(LookupError):
+    """The registry has no model a benchmark needs (e.g. no trained denoiser); the message says which."""
+
+
+def trained_models(task: str | None = None) -> list[str]:
+    """Registered models with committed weights, in registry order (of one ``task`` when given)."""
+    from unroll.registry import REGISTRY, list_models
+
+    list_models()
+    return [n for n, s in REGISTRY.items() if s.has_weights and (task is None or s.task == task)]
+
+
+def demo_model(task: str) -> str:
+    """The first trained model of ``task``: what the task-specific benchmarks (quality, serve, scaling) measure."""
+    names = trained_models(task)
+    if not names:
+        raise NoModel(f"no registered {task} model has committed weights (unroll/weights/NAME.pt); "
+                      f"trained models: {', '.join(trained_models()) or 'none'}")
+    return names[0]
+
+
+def quantizable(name: str) -> bool:
+    """Whether ``unroll quantize`` can gate ``name``: its card names training data (calibration) and gate data."""
+    from unroll.registry import get_spec
+
+    d = get_spec(name).card.data
+    return d.train is not None and getattr(d, d.gate) is not None
+
+
+def exported_card(name: str, onnx_dir: Path):
+    """The card inside ``onnx_dir/NAME.onnx`` (as served: λ's default resolved to the trained value)."""
+    from unroll.card import from_onnx
+
+    return from_onnx(Path(onnx_dir) / f"{name}.onnx")
+
+
+def gaussian_noise(x, sigma: float, seed: int):
+    """``x + σ·N(0, 1)`` (float32, not clipped), seeded: the classifiers' robustness noise."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return (x + sigma * rng.standard_normal(x.shape)).astype(np.float32)
+
+
+def classify_noise_seed(sigma: float) -> int:
+    """One seed per noise level, the same as the training recipe's robustness evaluation."""
+    return 2000 + int(sigma * 100)

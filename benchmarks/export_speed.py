@@ -1,7 +1,8 @@
 """Export speed: PyTorch eager vs torch.compile vs ONNX Runtime on the naive and the fused export.
 
-Same inputs, same thread count (2 by default) for every engine, in one run; ratios are to PyTorch
-eager from the same run.
+Same inputs (from each model's card data), same thread count (2 by default) for every engine, in one
+run; ratios are to PyTorch eager from the same run. The rows are chosen from the registry
+(:func:`default_rows`).
 """
 
 from __future__ import annotations
@@ -16,34 +17,27 @@ import onnx
 import onnxruntime as ort
 import onnxslim
 import torch
-from unroll.benchmarks.common import machine_info, time_call, write_results
-from unroll.export.inputs import image_batch
-from unroll.export.onnx_export import _Classifier, _torch_export, io_names
+from unroll.benchmarks.common import machine_info, time_call, trained_models, write_results
+from unroll.benchmarks.models_bench import case_inputs, cases_for, torch_call
+from unroll.export.onnx_export import _Classifier, _torch_export, io_names, resolve_card
 
 import unroll
-from unroll.registry import get_spec
+from unroll.registry import REGISTRY, get_spec
 from unroll.solvers.shrink import textbook_mode
 
-#: (model, label, input builder) — the rows the export issue asks for.
-ROWS: list[tuple[str, str, int | tuple[int, int]]] = [
-    ("sdnet18-cifar", "batch 1", 1), ("sdnet18-cifar", "batch 32", 32),
-    ("csc-denoiser", "256×256", (256, 256)), ("csc-denoiser", "512×512", (512, 512)),
-    ("sdnet-mnist", "batch 1", 1), ("sdnet-mnist", "batch 64", 64),
-]
 ENGINES = ("pytorch eager", "torch.compile", "onnxruntime naive", "onnxruntime fused")
 
 
-def _inputs(name: str, size: int | tuple[int, int]) -> dict[str, torch.Tensor]:
-    spec = get_spec(name)
-    if spec.task == "denoising":
-        from unroll import data
-
-        img = torch.from_numpy(data.bundled_image("camera"))[None, None]
-        img = torch.nn.functional.interpolate(img, size=size, mode="bilinear", antialias=True)
-        gen = torch.Generator().manual_seed(0)
-        return {"noisy": img + 25 / 255 * torch.randn(img.shape, generator=gen), "sigma": torch.tensor([25 / 255])}
-    x = image_batch(spec, size)
-    return {"image": x, "lam": torch.full((size,), 0.1)}
+def default_rows(quick: bool = False) -> list[tuple[str, str, int]]:
+    """(model, label, case): the first classifier architecture without weights (a larger network at its own
+    input size) and every trained model, both cases each; ``quick``: the trained models' first case only."""
+    untrained = [n for n, s in REGISTRY.items() if s.task == "classification" and not s.has_weights][:1]
+    untrained = [] if quick else untrained
+    rows = []
+    for name in untrained + trained_models():
+        cases = cases_for(name, quick)
+        rows += [(name, label, case) for label, case in (cases[:1] if quick else cases)]
+    return rows
 
 
 def _session(path: str, threads: int) -> ort.InferenceSession:
@@ -56,15 +50,17 @@ def _session(path: str, threads: int) -> ort.InferenceSession:
 def run(threads: int = 2, rows: list | None = None, with_compile: bool = True, budget_s: float = 3.0,
         progress: Callable[[str], None] | None = None, out_dir: Path | None = None) -> dict:
     torch.set_num_threads(threads)
-    rows = rows or ROWS
+    rows = rows or default_rows()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, label, size in rows:
             spec = get_spec(name)
             model = unroll.load(name, pretrained=spec.has_weights)
-            module = _Classifier(model).eval() if spec.task == "classification" else model
-            feeds = _inputs(name, size)
-            ins, outs, axes = io_names(spec, spec.task == "classification")
+            has_lam = spec.card.lam is not None
+            module = _Classifier(model).eval() if has_lam else model
+            card = resolve_card(spec.card, model, has_lam)  # λ default: the model's trained first-layer λ
+            feeds = case_inputs(name, size, card.lam.default if has_lam else None)
+            ins, outs, axes = io_names(card, has_lam)
             args = tuple(feeds[k] for k in ins)
             paths = {}
             for tag, ctx in (("fused", nullcontext), ("naive", textbook_mode)):
@@ -78,13 +74,13 @@ def run(threads: int = 2, rows: list | None = None, with_compile: bool = True, b
             with torch.inference_mode():
                 if progress:
                     progress(f"{name} {label}: pytorch eager")
-                row["timings"]["pytorch eager"] = time_call(partial(module, *args), budget_s=budget_s)
+                row["timings"]["pytorch eager"] = time_call(torch_call(model, name, feeds), budget_s=budget_s)
                 if with_compile:
                     if progress:
                         progress(f"{name} {label}: torch.compile (compiling)")
-                    compiled = torch.compile(module, dynamic=False)
-                    compiled(*args)
-                    row["timings"]["torch.compile"] = time_call(partial(compiled, *args), budget_s=budget_s)
+                    compiled = torch_call(torch.compile(model, dynamic=False), name, feeds)
+                    compiled()
+                    row["timings"]["torch.compile"] = time_call(compiled, budget_s=budget_s)
             for tag in ("naive", "fused"):
                 if progress:
                     progress(f"{name} {label}: onnxruntime {tag}")

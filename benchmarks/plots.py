@@ -106,12 +106,12 @@ def serve_plots(payload: dict, out_dir: Path) -> list[Path]:
         ax.set_ylabel("requests / s")
         sp = b.get("speedup")
         n = len(b["rounds"])
-        ax.set_title(f"sdnet-mnist, gRPC, {b['concurrency']} in flight: "
+        ax.set_title(f"{b.get('model', 'classifier')}, gRPC, {b['concurrency']} in flight: "
                      + (f"{sp:.2f}×" if sp else "-") + (f" (median of {n} rounds)" if n > 1 else ""), fontsize=9)
     fig.suptitle("Throughput vs concurrency", fontsize=10)
     out.append(_save(fig, out_dir / "serve_throughput.png"))
 
-    key = "mnist" if "mnist" in workloads else workloads[0]
+    key = workloads[0]  # the classifier's workload comes first (serve_bench); its server split is shown
     server_paths = [p for p in ("triton-http", "triton-grpc", "gateway")
                     if any(r["workload"] == key and r["path"] == p for r in runs)]
     fig, axes = _grid(max(1, len(server_paths)), width=4.6)
@@ -152,7 +152,9 @@ def models_plots(payload: dict, out_dir: Path) -> list[Path]:
     """``models_scaling.png``: denoiser latency vs pixels (log-log, fitted exponent); classifier throughput vs batch."""
     fig, (a1, a2) = _grid(2, width=5.2)
     sc = payload.get("scaling", {})
+    denoiser = "denoiser"
     for engine, d in sc.get("denoiser", {}).items():
+        denoiser = d.get("model", denoiser)
         px = np.array([p["pixels"] for p in d["points"]], dtype=float)
         ms = np.array([p["median_ms"] for p in d["points"]])
         line = a1.loglog(px, ms, "o", label=f"{engine}: exponent {d['fit']['exponent']:.2f}")[0]
@@ -164,7 +166,7 @@ def models_plots(payload: dict, out_dir: Path) -> list[Path]:
                         textcoords="offset points")
     a1.set_xlabel("pixels (H×W)")
     a1.set_ylabel("median latency (ms)")
-    a1.set_title("csc-denoiser latency vs image size (fit: ms ∝ pixels^k)", fontsize=9)
+    a1.set_title(f"{denoiser} latency vs image size (fit: ms ∝ pixels^k)", fontsize=9)
     a1.grid(True, which="both", alpha=0.3)
     a1.legend(fontsize=7)
     for engine, pts in sc.get("classifier", {}).get("engines", {}).items():
@@ -212,7 +214,7 @@ def quality_denoise_plot(payload: dict, out_dir: Path) -> Path:
 
 
 def quality_classify_plot(payload: dict, out_dir: Path) -> Path:
-    """``quality_classify.png``: sdnet-mnist accuracy vs noise σ per precision, λ fixed (solid) vs auto (dashed)."""
+    """``quality_classify.png``: accuracy vs noise σ per precision, λ fixed (solid) vs auto (dashed)."""
     fig, (ax,) = _grid(1, width=6.5, height=4.2)
     colors = {"fp32": "tab:blue", "fp16": "tab:orange", "int8": "tab:green", "pytorch (record)": "black"}
     for prec, d in payload["results"].items():
@@ -223,7 +225,7 @@ def quality_classify_plot(payload: dict, out_dir: Path) -> Path:
             ax.plot(s, [100 * r["acc_auto"] for r in d], "s--", color=c, label=f"{prec}, λ auto")
     ax.set_xlabel("Gaussian noise σ (pixel scale 0–1)")
     ax.set_ylabel("accuracy (%)")
-    ax.set_title(f"sdnet-mnist on {payload['n_digits']} held-out digits", fontsize=9)
+    ax.set_title(f"{payload.get('model', 'classifier')} on {payload['n_digits']} held-out samples", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     return _save(fig, out_dir / "quality_classify.png")

@@ -1,13 +1,16 @@
-"""Quality beside speed: denoising PSNR/SSIM vs classical denoisers, and sdnet-mnist accuracy per precision.
+"""Quality beside speed: denoising PSNR/SSIM vs classical denoisers, and a classifier's accuracy per precision.
 
-Denoising: the held-out images (``unroll.data.DENOISE_TEST_IMAGES``) at σ = 15/25/50 with the seeded
-noise every method shares (``add_noise(img, σ, noise_seed(name, σ))``): csc-denoiser through ONNX
-Runtime in FP32/FP16/INT8 beside BM3D and scikit-image's non-local means, TV (Chambolle) and
-wavelet (BayesShrink) denoisers, with each method's wall time per image.
+The models are the trained ones of each task (registered with committed weights, see
+``unroll.benchmarks.common.demo_model``); their data, input names and λ/σ inputs come from their cards.
 
-Classification: sdnet-mnist's accuracy per precision (ONNX Runtime FP32/FP16/INT8) on the 1,000
-held-out digits, clean and under Gaussian noise σ = 0.1 … 0.5 (the noise of ``unroll.train.mnist``'s
-evaluation), with the trained λ fixed vs ``lam=auto`` (λ per image from ``sdnet-mnist.autolam.onnx``).
+Denoising: the card's test images at σ = 15/25/50 with the seeded noise every method shares
+(``add_noise(img, σ, noise_seed(name, σ))``): the denoiser through ONNX Runtime in FP32/FP16/INT8
+beside BM3D and scikit-image's non-local means, TV (Chambolle) and wavelet (BayesShrink) denoisers,
+with each method's wall time per image.
+
+Classification: accuracy per precision (ONNX Runtime FP32/FP16/INT8) on the card's test data, clean
+and under Gaussian noise σ = 0.1 … 0.5 (the noise of the training recipe's robustness evaluation),
+with the trained λ fixed vs ``lam=auto`` (λ per image from the card's λ-rule graph, ``card.lam.auto``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from unroll.benchmarks.common import load_note, machine_info, ort_session, progress_bars, write_results
+from unroll.benchmarks.common import (
+    classify_noise_seed,
+    demo_model,
+    gaussian_noise,
+    load_note,
+    machine_info,
+    ort_session,
+    progress_bars,
+    write_results,
+)
+
+from unroll.metrics import psnr
 
 SIGMAS = (15.0, 25.0, 50.0)
 PRECISIONS = ("fp32", "fp16", "int8")
@@ -25,7 +39,7 @@ PRECISIONS = ("fp32", "fp16", "int8")
 #: (astronaut, coffee, page) at σ = 15/25/50.
 TV_WEIGHT_PER_SIGMA = 0.75
 NOISE_SIGMAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
-QUICK = {"images": ("camera", "coins"), "crop": 128, "sigmas": (25.0,), "digits": 200, "noise": (0.0, 0.3)}
+QUICK = {"images": 2, "crop": 128, "sigmas": (25.0,), "digits": 200, "noise": (0.0, 0.3)}
 BATCH = 500
 
 
@@ -50,11 +64,15 @@ def _classical() -> dict[str, Callable[[np.ndarray, float], np.ndarray]]:
     }
 
 
-def _onnx_denoiser(session) -> Callable[[np.ndarray, float], np.ndarray]:
+def _onnx_denoiser(session, card) -> Callable[[np.ndarray, float], np.ndarray]:
+    """A gray image in, a gray image out, through the graph's own input names and σ scale (from its card)."""
+    channels = card.input.shape[0]
+
     def run(noisy: np.ndarray, s255: float) -> np.ndarray:
-        out = session.run(None, {"noisy": noisy[None, None].astype(np.float32),
-                                 "sigma": np.array([s255 / 255], np.float32)})[0]
-        return out[0, 0]
+        x = np.repeat(noisy[None, None].astype(np.float32), channels, axis=1)
+        out = session.run(None, {card.input.name: x,
+                                 card.sigma.input: np.array([s255 / card.sigma.scale], np.float32)})[0]
+        return out[0].mean(0)
 
     return run
 
@@ -67,18 +85,23 @@ def _graphs(name: str, onnx_dir: Path) -> tuple[dict[str, Path], dict[str, str]]
     return {**graphs, **q}, why
 
 
-def _images(quick: bool, images: tuple[str, ...] | None) -> dict[str, np.ndarray]:
+def _images(card, quick: bool, images: tuple[str, ...] | None) -> dict[str, np.ndarray]:
+    """The card's test images (``images``: only these; quick: the first two, centre-cropped)."""
     from unroll import data
 
-    if quick:
-        c = QUICK["crop"]
-        out = {}
-        for n in images or QUICK["images"]:
-            img = data.bundled_image(n)
-            y, x = (img.shape[0] - c) // 2, (img.shape[1] - c) // 2
-            out[n] = np.ascontiguousarray(img[y:y + c, x:x + c])
-        return out
-    return {n: data.bundled_image(n) for n in (images or data.DENOISE_TEST_IMAGES)}
+    test = data.dataset(card.data.test).load()
+    unknown = set(images or ()) - set(test)
+    if unknown:
+        raise KeyError(f"{card.data.test} has no image(s) {sorted(unknown)}; it has {', '.join(test)}")
+    chosen = {n: test[n] for n in images} if images else test
+    if not quick:
+        return chosen
+    c = QUICK["crop"]
+    out = {}
+    for n, img in list(chosen.items())[:QUICK["images"]]:
+        y, x = (img.shape[0] - c) // 2, (img.shape[1] - c) // 2
+        out[n] = np.ascontiguousarray(img[y:y + c, x:x + c])
+    return out
 
 
 def run_denoise(threads: int = 2, sigmas: tuple[float, ...] = SIGMAS, quick: bool = False,
@@ -88,18 +111,20 @@ def run_denoise(threads: int = 2, sigmas: tuple[float, ...] = SIGMAS, quick: boo
     from skimage.metrics import structural_similarity
 
     from unroll import data
-    from unroll.train.denoiser import psnr
+    from unroll.registry import get_spec
 
     onnx_dir = Path(onnx_dir)
+    model = demo_model("denoising")
+    card = get_spec(model).card
     if quick:
         sigmas = tuple(s for s in sigmas if s in QUICK["sigmas"]) or QUICK["sigmas"]
-    imgs = _images(quick, images)
-    graphs, missing = _graphs("csc-denoiser", onnx_dir)
+    imgs = _images(card, quick, images)
+    graphs, missing = _graphs(model, onnx_dir)
     methods: dict[str, Callable[[np.ndarray, float], np.ndarray]] = {}
     for p in PRECISIONS:
         if p in graphs:
             sess = ort_session(graphs[p], threads)
-            methods[f"csc-denoiser {p.upper()}"] = _onnx_denoiser(sess)
+            methods[f"{model} {p.upper()}"] = _onnx_denoiser(sess, card)
     for k, f in _classical().items():
         if k != "BM3D" or with_bm3d:
             methods[k] = f
@@ -131,8 +156,8 @@ def run_denoise(threads: int = 2, sigmas: tuple[float, ...] = SIGMAS, quick: boo
         r512 = [r["time_s"] for r in rs if r["shape"] == [512, 512]]
         times[m] = {"mean": float(np.mean([r["time_s"] for r in rs])),
                     "mean_512x512": float(np.mean(r512)) if r512 else None}
-    ours, bm = times.get("csc-denoiser FP32", {}).get("mean_512x512"), times.get("BM3D", {}).get("mean_512x512")
-    payload = {"benchmark": "quality: denoising", "machine": machine_info(threads),
+    ours, bm = times.get(f"{model} FP32", {}).get("mean_512x512"), times.get("BM3D", {}).get("mean_512x512")
+    payload = {"benchmark": "quality: denoising", "model": model, "machine": machine_info(threads),
                "config": {"threads": threads, "quick": quick, "onnx_dir": str(onnx_dir),
                           "noise": "unroll.data.add_noise(img, σ, noise_seed(name, σ)), not clipped",
                           "parameters": {"BM3D": "bm3d.bm3d(noisy, sigma_psd=σ) (true σ)",
@@ -141,8 +166,7 @@ def run_denoise(threads: int = 2, sigmas: tuple[float, ...] = SIGMAS, quick: boo
                                          "TV (Chambolle)": f"weight = {TV_WEIGHT_PER_SIGMA}·σ (true σ; tuned on "
                                                            "training images)",
                                          "wavelet (BayesShrink)": "sigma = true σ, soft thresholding, rescale_sigma",
-                                         "csc-denoiser": "ONNX Runtime, true σ, "
-                                                         f"{threads} threads"},
+                                         model: f"ONNX Runtime, true σ, {threads} threads"},
                           "missing_precisions": missing},
                "methods": names, "sigmas": list(sigmas), "n_images": len(imgs),
                "images": {n: list(v.shape) for n, v in imgs.items()}, "summary": summary, "time_s": times,
@@ -158,6 +182,7 @@ def run_denoise(threads: int = 2, sigmas: tuple[float, ...] = SIGMAS, quick: boo
 
 def markdown_denoise(payload: dict) -> str:
     m, sig = payload["machine"], payload["sigmas"]
+    model = _denoiser_name(payload)
     lines = [f"# Denoising quality and speed ({m['cpu']}, {payload['n_images']} held-out images"
              + (", quick run" if payload["config"]["quick"] else "") + ")", "",
              "Mean PSNR (dB) / SSIM over the same seeded noisy images for every method; wall time per image "
@@ -177,13 +202,13 @@ def markdown_denoise(payload: dict) -> str:
     sp = payload["speed_512"]
     lines += [""]
     if sp["bm3d_over_csc"]:
-        lines.append(f"On 512×512 images csc-denoiser (ONNX Runtime FP32) takes {sp['csc_fp32_s']:.3g} s and BM3D "
+        lines.append(f"On 512×512 images {model} (ONNX Runtime FP32) takes {sp['csc_fp32_s']:.3g} s and BM3D "
                      f"{sp['bm3d_s']:.3g} s: **{sp['bm3d_over_csc']:.1f}× faster**.")
     else:
         lines.append("512×512 speed ratio vs BM3D: not measured in this run (no 512×512 image, or BM3D skipped).")
     missing = payload["config"].get("missing_precisions") or {}
     if missing:
-        lines.append("Not measured: " + "; ".join(f"csc-denoiser {p.upper()}: {w}" for p, w in missing.items()) + ".")
+        lines.append("Not measured: " + "; ".join(f"{model} {p.upper()}: {w}" for p, w in missing.items()) + ".")
     lines += ["", "Parameters:", ""]
     lines += [f"- {k}: {v}" for k, v in payload["config"]["parameters"].items()]
     lines += ["", "Images: " + ", ".join(f"{n} {s[1]}×{s[0]}" for n, s in payload["images"].items()) + ".",
@@ -191,66 +216,91 @@ def markdown_denoise(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def _denoiser_name(payload: dict) -> str:
+    """The benchmarked denoiser (results written before ``model`` was recorded: the FP32 method's name)."""
+    if "model" in payload:
+        return payload["model"]
+    return next((k[:-len(" FP32")] for k in payload["methods"] if k.endswith(" FP32")), "the denoiser")
+
+
 # ----------------------------------------------------------------------------------------------- classification
 
 
-def _predict(session, x: np.ndarray, lam: np.ndarray) -> np.ndarray:
-    out = [session.run(None, {"image": x[i:i + BATCH], "lam": lam[i:i + BATCH]})[0].argmax(1)
-           for i in range(0, len(x), BATCH)]
+def _predict(session, card, x: np.ndarray, lam: np.ndarray | None) -> np.ndarray:
+    out = []
+    for i in range(0, len(x), BATCH):
+        feeds = {card.input.name: x[i:i + BATCH]}
+        if lam is not None:
+            feeds[card.lam.input] = lam[i:i + BATCH]
+        out.append(session.run(None, feeds)[0].argmax(1))
     return np.concatenate(out)
 
 
-def _auto_lam(session, x: np.ndarray) -> np.ndarray:
-    return np.concatenate([session.run(None, {"image": x[i:i + BATCH]})[0] for i in range(0, len(x), BATCH)])
+def _auto_lam(session, card, x: np.ndarray) -> np.ndarray:
+    return np.concatenate([session.run(None, {card.input.name: x[i:i + BATCH]})[0] for i in range(0, len(x), BATCH)])
+
+
+def _lam_rule(name: str, card, onnx_dir: Path, fp32: Path, threads: int):
+    """A session of the card's λ-rule graph (``card.lam.auto``), exported when missing or older than the model."""
+    from unroll.export.onnx_export import export_auto_lam
+
+    path = onnx_dir / f"{card.lam.auto}.onnx"
+    if not path.exists() or path.stat().st_mtime < fp32.stat().st_mtime:
+        export_auto_lam(name, onnx_dir)
+    return ort_session(path, threads)
 
 
 def run_classify(threads: int = 2, quick: bool = False, noise: tuple[float, ...] = NOISE_SIGMAS,
                  onnx_dir: Path = Path("build/onnx"), progress: bool = True, out_dir: Path | None = None) -> dict:
-    """sdnet-mnist accuracy per precision, clean and noisy, λ fixed vs λ auto."""
-    from unroll.benchmarks.models_bench import _lam
-    from unroll.export.onnx_export import export_auto_lam
+    """The trained classifier's accuracy per precision, clean and noisy, λ fixed vs λ auto (where its card has one)."""
+    from unroll.benchmarks.models_bench import lam_default
 
     from unroll import data
     from unroll.registry import get_spec
-    from unroll.train.mnist import _noisy
 
     onnx_dir = Path(onnx_dir)
-    graphs, missing = _graphs("sdnet-mnist", onnx_dir)
-    autolam = onnx_dir / "sdnet-mnist.autolam.onnx"
-    if not autolam.exists() or autolam.stat().st_mtime < graphs["fp32"].stat().st_mtime:
-        export_auto_lam("sdnet-mnist", onnx_dir)
-    auto = ort_session(autolam, threads)
+    name = demo_model("classification")
+    spec = get_spec(name)
+    card = spec.card
+    graphs, missing = _graphs(name, onnx_dir)
+    has_auto = card.lam is not None and card.lam.auto is not None
+    auto = _lam_rule(name, card, onnx_dir, graphs["fp32"], threads) if has_auto else None
     sessions = {p: ort_session(graphs[p], threads) for p in PRECISIONS if p in graphs}
-    _, _, x, y = data.mnist_split()
+    x, y = data.dataset(card.data.test).load()
+    if y is None:
+        raise ValueError(f"{name}: its card's test data {card.data.test!r} has no labels to measure accuracy on")
     if quick:
         x, y, noise = x[:QUICK["digits"]], y[:QUICK["digits"]], QUICK["noise"]
-    lam0 = _lam(onnx_dir, "sdnet-mnist")
+    lam0 = lam_default(name, onnx_dir)
     results: dict[str, list[dict]] = {p: [] for p in sessions}
     with progress_bars(progress) as bars:
         task = bars.add_task("classification accuracy", total=len(noise) * len(sessions), info="")
         for s in noise:
-            xn = _noisy(x, s, seed=2000 + int(s * 100)).numpy()  # the same noise as unroll.train.mnist.evaluate
-            lam_auto = _auto_lam(auto, xn).astype(np.float32)
-            fixed = np.full(len(xn), lam0, np.float32)
+            xn = gaussian_noise(x, s, classify_noise_seed(s))  # the same noise as the recipe's evaluation
+            lam_auto = _auto_lam(auto, card, xn).astype(np.float32) if auto is not None else None
+            fixed = np.full(len(xn), lam0, np.float32) if lam0 is not None else None
             for p, sess in sessions.items():
                 bars.update(task, info=f"σ={s:g} {p}")
                 t0 = time.perf_counter()
-                acc_fixed = float((_predict(sess, xn, fixed) == y).mean())
+                acc_fixed = float((_predict(sess, card, xn, fixed) == y).mean())
                 dt = time.perf_counter() - t0
-                acc_auto = float((_predict(sess, xn, lam_auto) == y).mean())
+                acc_auto = float((_predict(sess, card, xn, lam_auto) == y).mean()) if auto is not None else None
                 results[p].append({"sigma": s, "acc_fixed": acc_fixed, "acc_auto": acc_auto,
-                                   "mean_auto_lam": float(lam_auto.mean()), "ms_per_digit": 1e3 * dt / len(xn)})
+                                   "mean_auto_lam": float(lam_auto.mean()) if lam_auto is not None else None,
+                                   "ms_per_digit": 1e3 * dt / len(xn)})
                 bars.advance(task)
-    record = get_spec("sdnet-mnist").info().get("metrics", {})
+    record = spec.info().get("metrics", {})
     if not quick and record.get("robustness"):
         want = {round(s, 3) for s in noise}
         results["pytorch (record)"] = [{"sigma": r["sigma"], "acc_fixed": r["acc_train_lam"],
-                                        "acc_auto": r["acc_auto_lam"], "mean_auto_lam": r["mean_auto_lam"]}
+                                        "acc_auto": r.get("acc_auto_lam"), "mean_auto_lam": r.get("mean_auto_lam")}
                                        for r in record["robustness"] if round(r["sigma"], 3) in want]
-    payload = {"benchmark": "quality: classification", "machine": machine_info(threads),
+    payload = {"benchmark": "quality: classification", "model": name, "machine": machine_info(threads),
                "config": {"threads": threads, "quick": quick, "onnx_dir": str(onnx_dir), "lam_fixed": lam0,
-                          "noise": "x + σ·N(0, 1), seed 2000 + 100σ (as unroll.train.mnist.evaluate), not clipped",
-                          "lam_auto": "per image from sdnet-mnist.autolam.onnx (FP32) for every precision",
+                          "noise": "x + σ·N(0, 1), seed 2000 + 100σ (as the training recipe's evaluation), "
+                                   "not clipped",
+                          "lam_auto": (f"per image from {card.lam.auto}.onnx (FP32) for every precision" if has_auto
+                                       else None),
                           "missing_precisions": missing},
                "n_digits": len(x), "noise_sigmas": list(noise), "results": results}
     if out_dir is not None:
@@ -265,11 +315,13 @@ def markdown_classify(payload: dict) -> str:
     m, cfg = payload["machine"], payload["config"]
     res = payload["results"]
     sig = payload["noise_sigmas"]
-    lines = [f"# sdnet-mnist accuracy per precision ({m['cpu']}, {payload['n_digits']} held-out digits"
+    model = payload.get("model", "classifier")
+    lam = (f"λ fixed at the trained {cfg['lam_fixed']:g}" if cfg.get("lam_fixed") is not None else "the model's λ")
+    lines = [f"# {model} accuracy per precision ({m['cpu']}, {payload['n_digits']} held-out samples"
              + (", quick run" if cfg["quick"] else "") + ")", "",
-             f"Accuracy (%) with λ fixed at the trained {cfg['lam_fixed']:g} / with `lam=auto`; noise: {cfg['noise']}. "
-             "ONNX Runtime CPU unless marked; `pytorch (record)` is the committed training record "
-             f"(`unroll/weights/sdnet-mnist.json`). {load_note(m)}", "",
+             f"Accuracy (%) with {lam}" + (" / with `lam=auto`" if cfg.get("lam_auto") else "")
+             + f"; noise: {cfg['noise']}. ONNX Runtime CPU unless marked; `pytorch (record)` is the committed "
+             f"training record (`unroll/weights/{model}.json`). {load_note(m)}", "",
              "| precision | " + " | ".join("clean" if s == 0 else f"σ={s:g}" for s in sig) + " |",
              "|---|" + "---|" * len(sig)]
     for p, rows in res.items():
@@ -277,7 +329,8 @@ def markdown_classify(payload: dict) -> str:
         cells = []
         for s in sig:
             r = by.get(round(s, 3))
-            cells.append("-" if r is None else f"{100 * r['acc_fixed']:.1f} / {100 * r['acc_auto']:.1f}")
+            auto = "" if r is None or r.get("acc_auto") is None else f" / {100 * r['acc_auto']:.1f}"
+            cells.append("-" if r is None else f"{100 * r['acc_fixed']:.1f}{auto}")
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
     missing = cfg.get("missing_precisions") or {}
     if missing:

@@ -1,8 +1,10 @@
 """The serving path under load: in-process ONNX Runtime vs Triton (HTTP, gRPC) vs the REST gateway.
 
 A closed-loop load generator (one thread per in-flight request, each with its own client) drives a
-concurrency sweep for a fixed duration per level, on real inputs: MNIST test digits for
-``sdnet-mnist``, held-out photos resized to 256² and 512² with σ = 25 noise for ``csc-denoiser``.
+concurrency sweep for a fixed duration per level, on real inputs of the trained demo models (the
+registered models with committed weights, one per task: see ``unroll.benchmarks.common.demo_model``):
+the classifier's test samples (its card's data), and the denoiser's held-out images resized to 256²
+and 512² with σ = 25 noise. Input names, λ/σ inputs and the λ-rule graph come from the cards.
 Per level it records the client's throughput and latency percentiles and the errors; for the Triton
 and gateway paths also the server's own split from Triton's statistics API (queue, compute input,
 infer, output — deltas of ``/v2/models/NAME/stats`` around the level) and the average batch size
@@ -31,6 +33,9 @@ from pathlib import Path
 
 import numpy as np
 from unroll.benchmarks.common import (
+    NoModel,
+    demo_model,
+    exported_card,
     latency_summary,
     load_note,
     machine_info,
@@ -47,9 +52,8 @@ DEFAULT_DENOISE_CONCURRENCY = (1, 4)
 DEFAULT_DENOISE_SIZES = (256, 512)
 #: The denoiser sweeps skip Triton HTTP (gRPC stands for "Triton direct"): 512² requests take ~0.6 s each.
 DENOISE_PATHS = ("onnxruntime", "triton-grpc", "gateway")
-TRITON_MODELS = ("sdnet-mnist", "sdnet-mnist-autolam", "csc-denoiser")
 DENOISE_SIGMA = 25.0
-MNIST_SAMPLES = 256
+CLASSIFY_SAMPLES = 256
 DENOISE_IMAGES = 4
 TARGET_OVERHEAD_MS = 2.0
 TARGET_BATCHING_SPEEDUP = 1.5
@@ -67,7 +71,7 @@ class BenchError(RuntimeError):
 class Workload:
     """One model + input kind: the graph inputs (batch 1) and the same inputs as image files for the gateway."""
 
-    key: str  #: short id used in file names and tables, e.g. ``mnist`` or ``denoise-512``
+    key: str  #: short id used in file names and tables, e.g. ``classify`` or ``denoise-512``
     model: str
     label: str
     arrays: list[dict[str, np.ndarray]]
@@ -86,31 +90,68 @@ def _png(a: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def mnist_workload(n: int = MNIST_SAMPLES, lam: float = 0.1) -> Workload:
-    """The first ``n`` held-out MNIST digits, one per request, with the trained λ."""
-    from unroll.data import mnist_split
+@dataclass(frozen=True)
+class Served:
+    """The models this benchmark serves, from the registry: the trained classifier, its λ rule, the denoiser."""
 
-    _, _, x, _ = mnist_split()
+    classifier: str
+    lam_rule: str | None
+    denoiser: str
+
+    @property
+    def triton_models(self) -> tuple[str, ...]:
+        return tuple(m for m in (self.classifier, self.lam_rule, self.denoiser) if m is not None)
+
+
+def served_models() -> Served:
+    from unroll.registry import get_spec
+
+    try:
+        classifier, denoiser = demo_model("classification"), demo_model("denoising")
+    except NoModel as e:
+        raise BenchError(str(e)) from None
+    lam = get_spec(classifier).card.lam
+    return Served(classifier, lam.auto if lam is not None else None, denoiser)
+
+
+def classify_workload(name: str, n: int = CLASSIFY_SAMPLES, lam: float | None = None) -> Workload:
+    """The first ``n`` samples of the classifier's test data (its card's), one per request, with the trained λ."""
+    from unroll.data import dataset
+    from unroll.registry import get_spec
+
+    card = get_spec(name).card
+    x, _ = dataset(card.data.test).load()
     x = x[:n]
-    arrays = [{"image": x[i:i + 1], "lam": np.array([lam], np.float32)} for i in range(len(x))]
-    return Workload("mnist", "sdnet-mnist", "MNIST digit 28×28", arrays, [_png(d[0]) for d in x],
-                    "/v1/classify?model=sdnet-mnist&top_k=5", "logits")
+    arrays = []
+    for i in range(len(x)):
+        feeds = {card.input.name: x[i:i + 1]}
+        if card.lam is not None and lam is not None:
+            feeds[card.lam.input] = np.array([lam], np.float32)
+        arrays.append(feeds)
+    hw = "×".join(str(d) for d in x.shape[2:])
+    images = [_png(d[0] if d.shape[0] == 1 else d.transpose(1, 2, 0)) for d in x]
+    return Workload("classify", name, f"{card.data.test} sample {hw}", arrays, images,
+                    f"/v1/classify?model={name}&top_k=5", card.output)
 
 
-def denoise_workload(size: int, n: int = DENOISE_IMAGES, sigma255: float = DENOISE_SIGMA) -> Workload:
-    """Held-out photos resized to ``size``², seeded σ noise (the same noisy image for every path)."""
+def denoise_workload(name: str, size: int, n: int = DENOISE_IMAGES, sigma255: float = DENOISE_SIGMA) -> Workload:
+    """The denoiser's held-out images (its card's test data) resized to ``size``², seeded σ noise (the same noisy
+    image for every path)."""
     from skimage.transform import resize
 
-    from unroll.data import DENOISE_TEST_IMAGES, add_noise, bundled_image, noise_seed
+    from unroll.data import add_noise, dataset, noise_seed
+    from unroll.registry import get_spec
 
+    card = get_spec(name).card
     arrays, images = [], []
-    for name in DENOISE_TEST_IMAGES[:n]:
-        img = resize(bundled_image(name), (size, size), anti_aliasing=True).astype(np.float32)
-        noisy = add_noise(img, sigma255, noise_seed(name, sigma255))
-        arrays.append({"noisy": noisy[None, None], "sigma": np.array([sigma255 / 255.0], np.float32)})
+    for image_name, clean in list(dataset(card.data.test).load().items())[:n]:
+        img = resize(clean, (size, size), anti_aliasing=True).astype(np.float32)
+        noisy = add_noise(img, sigma255, noise_seed(image_name, sigma255))
+        x = np.repeat(noisy[None, None], card.input.shape[0], axis=1)
+        arrays.append({card.input.name: x, card.sigma.input: np.array([sigma255 / card.sigma.scale], np.float32)})
         images.append(_png(noisy))
-    return Workload(f"denoise-{size}", "csc-denoiser", f"{size}×{size} photo, σ={sigma255:g}", arrays, images,
-                    f"/v1/denoise?model=csc-denoiser&sigma={sigma255:g}", "denoised")
+    return Workload(f"denoise-{size}", name, f"{size}×{size} photo, σ={sigma255:g}", arrays, images,
+                    f"/v1/denoise?model={name}&sigma={sigma255:g}", card.output)
 
 
 # ----------------------------------------------------------------------------------------------- clients
@@ -357,8 +398,8 @@ def _check_grpc(url: str) -> None:
     raise BenchError(f"no ready Triton gRPC endpoint at {url}; pass --triton-grpc-url HOST:PORT")
 
 
-def write_repositories(onnx_dir: Path, root: Path) -> tuple[Path, Path]:
-    """The batching repository (project defaults) and a no-batching one for sdnet-mnist.
+def write_repositories(onnx_dir: Path, root: Path, served: Served) -> tuple[Path, Path]:
+    """The batching repository (project defaults) and a no-batching one for the classifier.
 
     No batching = ``max_batch_size: 1`` and the ``dynamic_batching`` block removed (Triton's default
     scheduler: one request per execution).
@@ -368,18 +409,18 @@ def write_repositories(onnx_dir: Path, root: Path) -> tuple[Path, Path]:
     from unroll.serving.repository import validate_model, write_repository
     from unroll.serving.serve import ensure_onnx
 
-    ensure_onnx(onnx_dir, TRITON_MODELS)
+    ensure_onnx(onnx_dir, served.triton_models)
     on, off = root / "batching", root / "no-batching"
-    write_repository("cpu", list(TRITON_MODELS), on, onnx_dir=onnx_dir)
-    write_repository("cpu", ["sdnet-mnist"], off, onnx_dir=onnx_dir, max_batch_size=1)
-    path = off / "sdnet-mnist" / "config.pbtxt"
+    write_repository("cpu", list(served.triton_models), on, onnx_dir=onnx_dir)
+    write_repository("cpu", [served.classifier], off, onnx_dir=onnx_dir, max_batch_size=1)
+    path = off / served.classifier / "config.pbtxt"
     text = path.read_text()
     header = "".join(ln + "\n" for ln in text.splitlines() if ln.startswith("#"))
     cfg = text_format.Parse(text, mc.ModelConfig())
     cfg.ClearField("dynamic_batching")
     path.write_text(header + "# unroll bench serve: dynamic batching removed (max_batch_size 1, default scheduler).\n"
                     + text_format.MessageToString(cfg))
-    validate_model(off / "sdnet-mnist", reference_onnx=onnx_dir / "sdnet-mnist.onnx")
+    validate_model(off / served.classifier, reference_onnx=onnx_dir / f"{served.classifier}.onnx")
     return on, off
 
 
@@ -454,16 +495,18 @@ def _add_gateway_share(runs: list[dict], gateway_protocol: str = "grpc") -> None
 def targets(payload: dict) -> list[dict]:
     """The issue's targets, measured vs target (``met`` is None when this run could not measure one)."""
     runs = payload["runs"]
+    first = next(iter(payload["config"]["workloads"]))  # the classifier's single-sample requests
+    what = payload["config"]["workloads"][first]
 
     def cell(path: str, c: int = 1) -> dict | None:
-        return next((r for r in runs if r["workload"] == "mnist" and r["path"] == path and r["concurrency"] == c),
+        return next((r for r in runs if r["workload"] == first and r["path"] == path and r["concurrency"] == c),
                     None)
 
     out = []
     gw, ort_ = cell("gateway"), cell("onnxruntime")
     over = gw["latency_ms"]["p50"] - ort_["latency_ms"]["p50"] if gw and ort_ else None
     out.append({"target": f"gateway + Triton adds ≤ {TARGET_OVERHEAD_MS:g} ms p50 over in-process ONNX Runtime "
-                          "(one MNIST digit, concurrency 1)",
+                          f"(one {what['input']} for {what['model']}, concurrency 1)",
                 "measured": None if over is None else f"{over:+.2f} ms (gateway p50 {gw['latency_ms']['p50']:.2f} ms, "
                                                       f"ONNX Runtime p50 {ort_['latency_ms']['p50']:.2f} ms)",
                 "value": over, "met": None if over is None else over <= TARGET_OVERHEAD_MS})
@@ -482,15 +525,15 @@ def targets(payload: dict) -> list[dict]:
     return out
 
 
-def _workloads(onnx_dir: Path, concurrency: tuple[int, ...], denoise_sizes: tuple[int, ...],
-               denoise_concurrency: tuple[int, ...], paths: tuple[str, ...], mnist_samples: int) -> list[Workload]:
-    report = json.loads((onnx_dir / "sdnet-mnist.report.json").read_text())
-    lam = next((float(s["lambda"]) for s in report.get("solvers", []) if "lambda" in s), 0.1)
-    mnist = mnist_workload(mnist_samples, lam)
-    mnist.concurrency, mnist.paths = tuple(concurrency), tuple(paths)
-    out = [mnist]
+def _workloads(onnx_dir: Path, served: Served, concurrency: tuple[int, ...], denoise_sizes: tuple[int, ...],
+               denoise_concurrency: tuple[int, ...], paths: tuple[str, ...], classify_samples: int) -> list[Workload]:
+    """The classifier's workload first (targets and the batching comparison use it), then one per denoiser size."""
+    card = exported_card(served.classifier, onnx_dir)
+    classify = classify_workload(served.classifier, classify_samples, card.lam.default if card.lam else None)
+    classify.concurrency, classify.paths = tuple(concurrency), tuple(paths)
+    out = [classify]
     for size in denoise_sizes:
-        w = denoise_workload(size)
+        w = denoise_workload(served.denoiser, size)
         w.concurrency, w.paths = tuple(denoise_concurrency), tuple(p for p in paths if p in DENOISE_PATHS)
         out.append(w)
     return out
@@ -502,7 +545,7 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
         batching_rounds: int = 3, paths: tuple[str, ...] = PATHS, url: str | None = None,
         triton_url: str | None = None,
         triton_grpc_url: str | None = None, onnx_dir: Path = Path("build/onnx"), threads: int = 2,
-        mnist_samples: int = MNIST_SAMPLES, progress: bool = True, out_dir: Path | None = None,
+        classify_samples: int = CLASSIFY_SAMPLES, progress: bool = True, out_dir: Path | None = None,
         log: Callable[[str], None] = print) -> dict:
     """Start (or attach to) Triton and the gateway, sweep every workload × path × concurrency; write results.
 
@@ -523,9 +566,11 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
     runs: list[dict] = []
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="unroll-bench-serve-")))
+        served = served_models()
         log(f"writing Triton repositories from {onnx_dir}")
-        repo_on, repo_off = write_repositories(onnx_dir, tmp)
-        workloads = _workloads(onnx_dir, concurrency, denoise_sizes, denoise_concurrency, paths, mnist_samples)
+        repo_on, repo_off = write_repositories(onnx_dir, tmp, served)
+        workloads = _workloads(onnx_dir, served, concurrency, denoise_sizes, denoise_concurrency, paths,
+                               classify_samples)
         cells = [(w, p, c) for w in workloads for p in w.paths for c in w.concurrency]
         payload["config"] = {
             "duration_s": duration_s, "warmup_s": warmup_s, "threads": threads,
@@ -558,13 +603,12 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
                 servers.gateway = url.rstrip("/")
                 servers.gateway_protocol = "unknown (attached)"
                 _wait_ready(servers.gateway + "/readyz", 10)
-        sessions = {"sdnet-mnist": ort_session(onnx_dir / "sdnet-mnist.onnx", threads),
-                    "csc-denoiser": ort_session(onnx_dir / "csc-denoiser.onnx", threads)}
+        sessions = {m: ort_session(onnx_dir / f"{m}.onnx", threads) for m in (served.classifier, served.denoiser)}
         payload["servers"] = {"triton_http": servers.triton_http, "triton_grpc": servers.triton_grpc,
                               "gateway": servers.gateway, "started_triton": servers.started_triton,
                               "started_gateway": servers.started_gateway,
                               "gateway_triton_protocol": servers.gateway_protocol,
-                              "config": {m: triton_config(servers.triton_http, m) for m in TRITON_MODELS}}
+                              "config": {m: triton_config(servers.triton_http, m) for m in served.triton_models}}
         with progress_bars(progress) as bars:
             total = bars.add_task("serve sweep", total=len(cells) + 2, info="")
             level = bars.add_task("level", total=duration_s, info="")
@@ -576,20 +620,20 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
                                         + (f", {r['errors']} errors" if r["errors"] else ""))
                 runs.append(r)
                 bars.advance(total)
-            # dynamic batching on (the main server) vs off (its own server), sdnet-mnist over gRPC,
+            # dynamic batching on (the main server) vs off (its own server), the classifier over gRPC,
             # interleaved rounds so that drifting load hits both alike
-            mnist = workloads[0]
+            classify = workloads[0]
             bars.update(level, description="starting Triton without batching", completed=0, info="")
             rounds = []
             with triton_server(repo_off, tmp / "triton-off.log") as (off_http, off_grpc):
                 off_servers = Servers(off_http, off_grpc, None)
-                off_cfg = triton_config(off_http, "sdnet-mnist")
+                off_cfg = triton_config(off_http, served.classifier)
                 for k in range(batching_rounds):
                     pair = {}
                     for tag, srv in (("on", servers), ("off", off_servers)):
                         bars.update(level, description=f"batching {tag}, c={batching_concurrency} "
                                                        f"(round {k + 1}/{batching_rounds})", completed=0)
-                        pair[tag] = measure("triton-grpc", mnist, batching_concurrency, duration_s, warmup_s, srv,
+                        pair[tag] = measure("triton-grpc", classify, batching_concurrency, duration_s, warmup_s, srv,
                                             sessions, tick=lambda t: bars.update(level, completed=min(t, duration_s)))
                     off_rps = pair["off"]["throughput_rps"]
                     pair["speedup"] = pair["on"]["throughput_rps"] / off_rps if off_rps else None
@@ -598,10 +642,11 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
     _add_gateway_share(runs, servers.gateway_protocol)
     payload["runs"] = runs
     median = _median_round(rounds)
-    payload["batching"] = {"concurrency": batching_concurrency, "path": "triton-grpc", "model": "sdnet-mnist",
+    payload["batching"] = {"concurrency": batching_concurrency, "path": "triton-grpc", "model": served.classifier,
                            "on": median["on"], "off": median["off"], "speedup": median["speedup"],
                            "rounds": rounds, "speedups": [r["speedup"] for r in rounds],
-                           "config_on": payload["servers"]["config"].get("sdnet-mnist", {}), "config_off": off_cfg}
+                           "config_on": payload["servers"]["config"].get(served.classifier, {}),
+                           "config_off": off_cfg}
     payload["targets"] = targets(payload)
     if out_dir is not None:
         write(payload, Path(out_dir))
@@ -652,7 +697,9 @@ def _direct_path(gateway_protocol: str) -> str:
 def markdown(payload: dict) -> str:
     m, cfg, srv = payload["machine"], payload["config"], payload.get("servers", {})
     own = _direct_path(srv.get("gateway_triton_protocol", "grpc"))
-    gw_cfg = srv.get("config", {}).get("sdnet-mnist", {})
+    b = payload.get("batching")
+    classifier = (b or {}).get("model") or next(iter(cfg["workloads"].values()))["model"]
+    gw_cfg = srv.get("config", {}).get(classifier, {})
     lines = [f"# Serving under load ({m['cpu']}, {m['logical_cores']} cores, onnxruntime "
              f"{m['versions'].get('onnxruntime')}, tritonclient {m['versions'].get('tritonclient')})", "",
              f"Closed loop: one client thread per in-flight request, {cfg['duration_s']:g} s per level after "
@@ -660,7 +707,7 @@ def markdown(payload: dict) -> str:
              "client in ms. Triton split: mean ms per request from its statistics API over the level "
              "(queue, compute input, infer, output); batch = average batch size Triton formed. Gateway share = "
              f"gateway latency − {PATH_LABELS[own]} latency at the same concurrency (p50). "
-             f"Triton sdnet-mnist: {_batching(gw_cfg)}; in-process ONNX Runtime uses the same session options "
+             f"Triton {classifier}: {_batching(gw_cfg)}; in-process ONNX Runtime uses the same session options "
              f"as Triton's model ({cfg['threads']} threads, no spinning). {load_note(m)}", ""]
     lines += ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
     for t in payload["targets"]:
@@ -687,9 +734,8 @@ def markdown(payload: dict) -> str:
                  if r.get("gateway_share_ms", {}).get("vs") not in (None, own)}
         for vs in sorted(other):
             lines += ["", f"† vs {PATH_LABELS[vs]} ({PATH_LABELS[own]} not measured for this input)."]
-    b = payload.get("batching")
     if b:
-        lines += ["", f"## Dynamic batching on vs off (sdnet-mnist, Triton gRPC, concurrency {b['concurrency']})", "",
+        lines += ["", f"## Dynamic batching on vs off ({classifier}, Triton gRPC, concurrency {b['concurrency']})", "",
                   "| Triton config | req/s | p50 | p99 | avg batch | errors |", "|---|---|---|---|---|---|"]
         for tag, r, c in (("on", b["on"], b["config_on"]), ("off", b["off"], b["config_off"])):
             lines.append(f"| {tag}: {_batching(c)} | {_f(r['throughput_rps'], 1)} | {_f(r['latency_ms']['p50'])} | "

@@ -9,17 +9,21 @@ verified FP32 export:
   FP32: divisions, exponentials, reductions, softmax, square roots, top-k (NMF's ``/(… + 1e-6)``, the
   random-feature ``exp`` in VARS, the denoiser's σ-dependent thresholds and image mean).
 * **INT8** with ONNX Runtime's static quantizer in QDQ format — symmetric, zero point 0, per-channel
-  weights, what TensorRT accepts — calibrated on *training* data (MNIST training digits; noisy patches
-  of the denoiser's training images). ONNX Runtime's tool was chosen over ModelOpt because it installs
-  everywhere (no CUDA), and its QDQ output is exactly the explicit-precision form TensorRT consumes.
+  weights, what TensorRT accepts — calibrated on *training* data only (the card's ``data.train``:
+  training samples for classifiers, noisy patches of the training images for denoisers). ONNX
+  Runtime's tool was chosen over ModelOpt because it installs everywhere (no CUDA), and its QDQ output
+  is exactly the explicit-precision form TensorRT consumes.
   Which convolutions stay in FP32 is chosen by measurement: candidates are tried from "quantize all"
   towards more FP32, and the first that passes the gate with a safety margin (by default a fifth of
   each tolerance left unused) is kept — a placement that scrapes through on the gate images will not
   hold on a user's. If none has that margin, the most quantized one that passes at all is kept and the
   report says so. All tries go in the report.
 
-The gate runs the candidate and the FP32 graph in ONNX Runtime on held-out data; a failing model is
-not written as a deployable artifact.
+Nothing here knows a model by name: the card in ``NAME.onnx`` says what the model is, which data
+calibrates and gates it, and its tolerances. The gate (:mod:`unroll.export.gates`, the same one
+``unroll build`` uses) runs the candidate and the FP32 graph in ONNX Runtime on held-out data; a failing
+model is not written as a deployable artifact. The card is copied into the written graph, so the later
+stages read it from there.
 """
 
 from __future__ import annotations
@@ -28,126 +32,81 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
+from unroll.export import gates as gate
 
-from unroll import data
+from unroll.card import ModelCard, from_onnx, write_to_onnx
 
 FP16_KEEP_FP32 = ["Div", "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "ReduceMean", "ReduceSum", "ReduceMax",
                   "ReduceL2", "Softmax", "TopK", "Min", "Max", "Range", "CumSum"]
-DEFAULT_GATES = {"fp16": {"agreement": 0.999, "accuracy_loss": 0.001, "psnr_loss_db": 0.02},
-                 "int8": {"agreement": 0.995, "accuracy_loss": 0.003, "psnr_loss_db": 0.15}}
-GATE_SIGMAS = (15.0, 25.0, 50.0)
-SUPPORTED = ("sdnet-mnist", "csc-denoiser")
 #: Both are tried for each FP32 placement and the one with more slack in the gate is kept.
 CALIBRATION_METHODS = ("percentile", "minmax")
 #: Fraction of each gate tolerance an INT8 placement must leave unused to be accepted outright.
 DEFAULT_SAFETY = 0.2
+#: Denoiser calibration: square training patches of this side, at σ uniform in [0, CALIB_SIGMA_MAX] (0–255
+#: scale, a little past the largest gate level so the ranges cover what the gate and users send).
+CALIB_PATCH = 96
+CALIB_SIGMA_MAX = 55.0
+CALIB_BATCH = 32
 
 
 class GateFailed(RuntimeError):
     """The quantized model missed its accuracy gate (the report says by how much)."""
 
 
-@dataclass
-class GateResult:
-    metrics: dict
-    failures: list[str] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return not self.failures
+# ----------------------------------------------------------------------------- calibration data
 
 
-def _session(model: onnx.ModelProto | str | Path, threads: int = 2) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+def _denoising_calibration(card: ModelCard, n: int, rng: np.random.Generator) -> list[dict[str, np.ndarray]]:
+    ds = gate.role_dataset(card, "train")
+    if ds.kind != "images":
+        raise ValueError(f"{card.name}: card.data.train = {ds.id!r} holds {ds.kind}, denoiser calibration "
+                         "needs images")
+    side = max(CALIB_PATCH, card.input.min_size)
+    imgs = [img for img in ds.load().values() if min(img.shape) > side]
+    if not imgs:
+        raise ValueError(f"{card.name}: no image in card.data.train = {ds.id!r} is larger than {side}×{side}")
+    channels = card.input.shape[0]
+    feeds = []
+    for _ in range(n):
+        img = imgs[rng.integers(len(imgs))]
+        y, x = rng.integers(0, img.shape[0] - side), rng.integers(0, img.shape[1] - side)
+        s = float(rng.uniform(0, CALIB_SIGMA_MAX))
+        patch = img[y:y + side, x:x + side] + rng.standard_normal((side, side)).astype(np.float32) * s / 255
+        feeds.append({card.input.name: np.repeat(patch[None, None], channels, axis=1).astype(np.float32),
+                      card.sigma.input: np.array([s / card.sigma.scale], np.float32)})
+    return feeds
 
 
-# ----------------------------------------------------------------------------- data
+def calibration_inputs(card: ModelCard, n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """Real calibration data from the card's *training* data only (never the gate's held-out split).
 
-def gate_inputs(name: str) -> list[dict[str, np.ndarray]]:
-    """Held-out evaluation feeds: the 1,000 MNIST test digits, or the noisy held-out images."""
-    if name == "sdnet-mnist":
-        _, _, xte, _ = data.mnist_split()
-        return [{"image": xte[i:i + 250], "lam": np.full(len(xte[i:i + 250]), 0.1, np.float32)}
-                for i in range(0, len(xte), 250)]
-    if name == "csc-denoiser":
-        feeds = []
-        for s in GATE_SIGMAS:
-            for n, img in data.denoise_test_set().items():
-                noisy = data.add_noise(img, s, data.noise_seed(n, s))
-                feeds.append({"noisy": noisy[None, None], "sigma": np.array([s / 255], np.float32)})
-        return feeds
-    raise ValueError(f"no accuracy gate data for {name!r}; quantization supports {', '.join(SUPPORTED)}")
-
-
-def calibration_inputs(name: str, n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    """Real calibration data from the *training* split only (never the gate's held-out data)."""
+    Classifiers and λ rules: ``n`` random samples of ``card.data.train`` (λ at its default); denoisers:
+    ``n`` random noisy patches of the training images at σ uniform in [0, 55]; blocks: their training data,
+    or, for a feature/token block without data, the export's example inputs (see :mod:`unroll.export.gates`).
+    """
     rng = np.random.default_rng(seed)
-    if name == "sdnet-mnist":
-        xtr, _, _, _ = data.mnist_split()
-        idx = rng.choice(len(xtr), size=min(n, len(xtr)), replace=False)
-        lam = np.full(len(idx), 0.1, np.float32)  # the default λ the gateway serves
-        return [{"image": xtr[idx[i:i + 32]], "lam": lam[i:i + 32]} for i in range(0, len(idx), 32)]
-    if name == "csc-denoiser":
-        imgs = list(data.denoise_train_set().values())
-        feeds = []
-        for _ in range(n):
-            img = imgs[rng.integers(len(imgs))]
-            y, x = rng.integers(0, img.shape[0] - 96), rng.integers(0, img.shape[1] - 96)
-            s = float(rng.uniform(0, 55))
-            patch = img[y:y + 96, x:x + 96] + rng.standard_normal((96, 96)).astype(np.float32) * s / 255
-            feeds.append({"noisy": patch[None, None].astype(np.float32), "sigma": np.array([s / 255], np.float32)})
-        return feeds
-    raise ValueError(f"no calibration data for {name!r}; quantization supports {', '.join(SUPPORTED)}")
+    if card.task == "denoising":
+        return _denoising_calibration(card, n, rng)
+    x, _, _ = gate.real_inputs(card, "train")
+    idx = np.sort(rng.choice(len(x), size=min(n, len(x)), replace=False))
+    feeds = []
+    for i in range(0, len(idx), CALIB_BATCH):
+        part = x[idx[i:i + CALIB_BATCH]]
+        lam = ({} if card.lam is None else
+               {card.lam.input: np.full(len(part), card.lam.default, np.float32)})
+        feeds.append({card.input.name: part, **lam})
+    return feeds
 
 
-# ----------------------------------------------------------------------------- gate
-
-def evaluate_gate(name: str, reference: ort.InferenceSession, candidate: ort.InferenceSession, precision: str,
-                  gates: dict | None = None) -> GateResult:
-    gate = {**DEFAULT_GATES[precision], **(gates or {})}
-    feeds = gate_inputs(name)
-    if name == "sdnet-mnist":
-        _, _, _, yte = data.mnist_split()
-        ref = np.concatenate([reference.run(None, f)[0] for f in feeds]).argmax(1)
-        got = np.concatenate([candidate.run(None, f)[0] for f in feeds]).argmax(1)
-        agreement = float((ref == got).mean())
-        acc_ref, acc_got = float((ref == yte).mean()), float((got == yte).mean())
-        m = {"top1_agreement": agreement, "accuracy_fp32": acc_ref, "accuracy": acc_got,
-             "accuracy_loss": acc_ref - acc_got, "n": len(yte), "gate": gate}
-        fails = []
-        if agreement < gate["agreement"]:
-            fails.append(f"top-1 agreement {agreement:.2%} < {gate['agreement']:.2%} "
-                         f"(short by {gate['agreement'] - agreement:.2%})")
-        if acc_ref - acc_got > gate["accuracy_loss"]:
-            fails.append(f"accuracy loss {100 * (acc_ref - acc_got):.2f} points > {100 * gate['accuracy_loss']:.2f}")
-        return GateResult(m, fails)
-    from skimage.metrics import peak_signal_noise_ratio
-
-    clean = list(data.denoise_test_set().values())
-    per_sigma: dict[str, dict[str, float]] = {}
-    for si, s in enumerate(GATE_SIGMAS):
-        p_ref, p_got, worst = [], [], 0.0
-        for j, img in enumerate(clean):
-            f = feeds[si * len(clean) + j]
-            a, b = reference.run(None, f)[0][0, 0], candidate.run(None, f)[0][0, 0]
-            p_ref.append(peak_signal_noise_ratio(img, np.clip(a, 0, 1), data_range=1.0))
-            p_got.append(peak_signal_noise_ratio(img, np.clip(b, 0, 1), data_range=1.0))
-            worst = max(worst, float(np.abs(a - b).max()))
-        per_sigma[f"{s:g}"] = {"psnr_fp32": float(np.mean(p_ref)), "psnr": float(np.mean(p_got)),
-                               "psnr_loss_db": float(np.mean(p_ref) - np.mean(p_got)), "max_abs_diff": worst}
-    fails = [f"σ={s}: PSNR loss {v['psnr_loss_db']:.3f} dB > {gate['psnr_loss_db']} dB "
-             f"(over by {v['psnr_loss_db'] - gate['psnr_loss_db']:.3f} dB)"
-             for s, v in per_sigma.items() if v["psnr_loss_db"] > gate["psnr_loss_db"]]
-    return GateResult({"per_sigma": per_sigma, "gate": gate}, fails)
+def _calibration_source(card: ModelCard) -> str:
+    if card.data.train is not None:
+        return f"card.data.train = {card.data.train} (training data only)"
+    return "the export's example inputs (the block has no training data of its own)"
 
 
 # ----------------------------------------------------------------------------- converters
@@ -204,24 +163,27 @@ def to_int8(model_path: Path, feeds: list[dict[str, np.ndarray]], exclude: list[
 
 # ----------------------------------------------------------------------------- entry point
 
-def _margin(res: GateResult) -> float:
-    """How far inside its gate a candidate is, as the tightest metric's unused fraction of its tolerance.
 
-    1 means no loss at all, 0 exactly on the gate, negative a failure. Relative, so one safety fraction
-    fits PSNR (dB) and agreement/accuracy (fractions) alike.
-    """
-    m, g = res.metrics, res.metrics["gate"]
-    if "top1_agreement" in m:
-        return min((m["top1_agreement"] - g["agreement"]) / max(1.0 - g["agreement"], 1e-9),
-                   (g["accuracy_loss"] - m["accuracy_loss"]) / max(g["accuracy_loss"], 1e-9))
-    return min((g["psnr_loss_db"] - v["psnr_loss_db"]) / max(g["psnr_loss_db"], 1e-9)
-               for v in m["per_sigma"].values())
+def _source(name: str, onnx_dir: Path) -> tuple[Path, ModelCard]:
+    src = Path(onnx_dir) / f"{name}.onnx"
+    if not src.exists():
+        raise FileNotFoundError(f"{src} not found: run `unroll export {name}` first")
+    return src, from_onnx(src)
+
+
+def _try(desc: str, res: gate.GateResult, **extra) -> dict:
+    """One candidate's row in the report."""
+    return {"config": desc, **extra, "metrics": res.metrics, "failures": res.failures,
+            "margin": round(res.margin, 4)}
 
 
 def quantize(name: str, precision: str, onnx_dir: Path = Path("build/onnx"), calib: int = 256,
              gates: dict | None = None, progress=None, safety: float = DEFAULT_SAFETY) -> dict:
     """Write ``NAME.<precision>.onnx`` + report if the gate passes; raise :class:`GateFailed` otherwise.
 
+    Everything model-specific comes from the card in ``onnx_dir/NAME.onnx``: the gate data and
+    tolerances (``card.gate(precision)``, then ``gates`` — ``{metric: tolerance}`` with the metric names
+    of :data:`unroll.export.gates.METRICS`), and the calibration data (``card.data.train``).
     ``safety``: for INT8, the fraction of every tolerance a placement must leave unused to be taken
     without trying more FP32 (0 takes the first that passes at all).
     """
@@ -229,27 +191,30 @@ def quantize(name: str, precision: str, onnx_dir: Path = Path("build/onnx"), cal
         raise ValueError(f"safety must be in [0, 1), not {safety}")
     if precision not in ("fp16", "int8"):
         raise ValueError(f"precision must be fp16 or int8, not {precision!r}")
-    if name not in SUPPORTED:
-        raise ValueError(f"accuracy gates exist for {', '.join(SUPPORTED)}; {name!r} has no gate data")
-    src = Path(onnx_dir) / f"{name}.onnx"
-    if not src.exists():
-        raise FileNotFoundError(f"{src} not found: run `unroll export {name}` first")
+    src, card = _source(name, onnx_dir)
+    tol = gate.tolerances(card, precision, gates)
     t0 = time.perf_counter()
+    cases = gate.gate_cases(card)
     fp32 = onnx.load(src)
-    reference = _session(fp32)
+    refs = gate.reference_outputs(cases, gate.onnxruntime_run(fp32, card.output))
+
+    def judge(candidate: onnx.ModelProto) -> gate.GateResult:
+        return gate.evaluate(card, cases, refs, gate.onnxruntime_run(candidate, card.output), tol)
+
     out = Path(onnx_dir) / f"{name}.{precision}.onnx"
     report_path = out.with_suffix(".report.json")
     tries: list[dict] = []
     notes: list[str] = []
-    chosen: tuple[onnx.ModelProto, GateResult, str, list[str]] | None = None
+    if precision not in card.precisions:
+        notes.append(f"the card lists {', '.join(card.precisions)} as worth building, not {precision}")
+    chosen: tuple[onnx.ModelProto, gate.GateResult, str, list[str]] | None = None
     if precision == "fp16":
         cand = to_fp16(fp32)
-        res = evaluate_gate(name, reference, _session(cand), precision, gates)
-        tries.append({"config": "fp16 with fragile ops in fp32", "keep_fp32_ops": FP16_KEEP_FP32,
-                      "metrics": res.metrics, "failures": res.failures})
+        res = judge(cand)
+        tries.append(_try("fp16 with fragile ops in fp32", res, keep_fp32_ops=FP16_KEEP_FP32))
         chosen = (cand, res, tries[-1]["config"], FP16_KEEP_FP32)
     else:
-        feeds = calibration_inputs(name, calib)
+        feeds = calibration_inputs(card, calib)
         first_pass = None  # most quantized placement that passes, in case none has the safety margin
         with tempfile.TemporaryDirectory() as tmp:
             for i, (desc, exclude) in enumerate(int8_candidates(fp32)):
@@ -257,18 +222,15 @@ def quantize(name: str, precision: str, onnx_dir: Path = Path("build/onnx"), cal
                 for method in CALIBRATION_METHODS:
                     if progress:
                         progress(f"INT8 ({method} calibration): {desc}")
-                    path = Path(tmp) / f"q{i}_{method}.onnx"
-                    cand = to_int8(src, feeds, exclude, path, method=method)
-                    res = evaluate_gate(name, reference, _session(cand), precision, gates)
-                    margin = _margin(res)
-                    tries.append({"config": f"{desc}; {method} calibration", "fp32_nodes": exclude,
-                                  "metrics": res.metrics, "failures": res.failures, "margin": round(margin, 4)})
-                    if best is None or margin > best[0]:
-                        best = (margin, (cand, res, tries[-1]["config"], exclude))
-                chosen = best[1]
+                    cand = to_int8(src, feeds, exclude, Path(tmp) / f"q{i}_{method}.onnx", method=method)
+                    res = judge(cand)
+                    tries.append(_try(f"{desc}; {method} calibration", res, fp32_nodes=exclude))
+                    if best is None or res.margin > best[1].margin:
+                        best = (cand, res, tries[-1]["config"], exclude)
+                chosen = best
                 if chosen[1].passed and first_pass is None:
                     first_pass = chosen
-                if chosen[1].passed and best[0] >= safety:
+                if chosen[1].passed and chosen[1].margin >= safety:
                     break
             else:
                 if first_pass is not None:
@@ -277,17 +239,22 @@ def quantize(name: str, precision: str, onnx_dir: Path = Path("build/onnx"), cal
                                  "quantized one that passes")
     assert chosen is not None
     model, res, desc, kept = chosen
+    if res.unmeasured:
+        notes.append(f"not measured (the gate data has no labels): {', '.join(res.unmeasured)}")
+    write_to_onnx(model, card)  # the converters do not all keep metadata_props: the card travels on explicitly
     hist: dict[str, int] = {}
     for n in model.graph.node:
         hist[n.op_type] = hist.get(n.op_type, 0) + 1
     report = {"model": name, "precision": precision, "source": str(src), "passed": res.passed, "chosen": desc,
-              "kept_in_higher_precision": kept, "metrics": res.metrics, "failures": res.failures, "tries": tries,
+              "kept_in_higher_precision": kept, "gate": tol, "gate_data": _gate_data(card, cases),
+              "metrics": res.metrics, "failures": res.failures, "margin": round(res.margin, 4), "tries": tries,
               "notes": notes,
               "calibration": (None if precision == "fp16" else
-                              {"samples": calib, "source": "training split only", "safety_margin": safety,
+                              {"samples": calib, "source": _calibration_source(card), "safety_margin": safety,
                                "format": "QDQ, symmetric int8, zero point 0, per-channel weights"}),
               "op_histogram": dict(sorted(hist.items())), "seconds": round(time.perf_counter() - t0, 1),
-              "versions": {"onnxruntime": ort.__version__, "onnx": onnx.__version__}}
+              "versions": {"onnxruntime": ort.__version__, "onnx": onnx.__version__},
+              "card": card.model_dump(mode="json")}
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     if not res.passed:
         out.unlink(missing_ok=True)
@@ -297,3 +264,9 @@ def quantize(name: str, precision: str, onnx_dir: Path = Path("build/onnx"), cal
     onnx.save(model, tmp_out)
     os.replace(tmp_out, out)
     return report
+
+
+def _gate_data(card: ModelCard, cases: list[gate.GateCase]) -> str:
+    role = card.data.gate
+    src = getattr(card.data, role) or "the export's example inputs"
+    return f"card.data.{role} = {src}: {len(cases)} batches, {sum(len(c) for c in cases)} samples"

@@ -13,65 +13,49 @@ fp16       ``build/onnx/NAME.fp16.onnx``       ``unroll quantize NAME --precisio
 int8       ``build/onnx/NAME.int8.onnx``       ``unroll quantize NAME --precision int8``
 =========  ==================================  ==================================
 
-One optimization profile covers every input: the batch axis from ``batch`` (per-sample ``[B]`` inputs
-such as ``lam``/``sigma`` follow it), the denoiser's H×W from ``image_sizes``, fixed dims as in the ONNX.
-After the build the engine is run on the accuracy-gate data and compared with ONNX Runtime running the
-FP32 graph; the plan is renamed into place only when the gate passes, and the JSON beside it always says
-what was measured.
+Everything model-specific comes from the model card in the ONNX being built (:mod:`unroll.card`),
+never from the model's name. One optimization profile covers every input: the batch axis from
+``card.trt_profile.batch`` (per-sample ``[B]`` inputs such as λ/σ follow it), the main input's dynamic
+axes from ``card.trt_profile.dims``, fixed dims as in the ONNX; ``batch`` / ``image_sizes`` arguments
+(the CLI's options) override the card. After the build the engine is run on the card's gate data and
+compared with ONNX Runtime running the FP32 graph, by the one gate implementation
+(:mod:`unroll.export.gates`, the same data, metrics and tolerances ``unroll quantize`` uses: the
+``fp32`` engine against ``card.gate("fp32")``, fp16/int8 against theirs). The plan is renamed into place
+only when the gate passes, and the JSON beside it always says what was measured.
 
 TensorRT 10.x (NGC Triton containers) and 11.x (pip) share this code. The one place the Python API
 differs for what is used here is network creation (see :func:`_network_flags`): in 10.x a network is
 strongly typed only when created with ``NetworkDefinitionCreationFlag.STRONGLY_TYPED``; in 11.x strong
 typing is always on and that flag is deprecated and ignored (``EXPLICIT_BATCH`` is gone: explicit batch
 has been the only mode since 10.0).
-
-Gate data (:func:`gate_cases`): the quantization step's ``unroll.export.quantize.gate_inputs(name)`` when its
-cases carry the targets the metrics need (a :class:`GateCase`, a mapping with ``feeds`` and ``clean`` /
-``labels`` / ``sigma255``, or ``(label, feeds, clean)``). When they are bare feed dicts, the same held-out
-data is rebuilt here with its targets: the 1,000 MNIST test digits (λ from the export report) for
-``sdnet-mnist``, the held-out images with ``data.noise_seed`` noise at σ 15/25/50 for ``csc-denoiser``
-(cropped to the profile's largest H×W if need be); the export's real example inputs for the others.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
+from unroll.export import gates as gate
+
+from unroll.card import ModelCard, from_onnx
 
 __all__ = [
-    "DEFAULT_BATCH", "DEFAULT_IMAGE_SIZES", "GATES", "PRECISIONS", "EngineRunner", "GateCase", "GateError",
-    "MissingOnnxError", "TrtBuildError", "TrtUnavailableError", "build_engine", "default_gate_cases", "gate_cases",
-    "gate_failures", "gates_for", "graph_inputs", "has_dynamic_image", "onnx_path_for", "parity_check",
-    "profile_shapes", "read_report", "run_engine", "split_cases", "tensorrt_available", "top1_agreement",
+    "PRECISIONS", "EngineRunner", "GateError", "MissingOnnxError", "TrtBuildError", "TrtUnavailableError",
+    "build_engine", "engine_gate_cases", "graph_inputs", "has_dynamic_image", "onnx_path_for", "parity_check",
+    "profile_shapes", "read_card", "read_report", "run_engine", "tensorrt_available",
 ]
 
 PRECISIONS = ("fp32", "fp16", "int8")
-DEFAULT_BATCH = (1, 8, 32)
-#: Denoiser H×W (min, opt, max) when none is given: CONVENTIONS.md allows any H, W ≥ 16.
-DEFAULT_IMAGE_SIZES = ((16, 16), (256, 256), (1024, 1024))
-MIN_IMAGE_SIDE = 16
 MAX_OPT_LEVEL = 5  # TensorRT's builder optimization levels are 0…5 (3 is its default)
-EVAL_SIGMAS = (15.0, 25.0, 50.0)
-
-#: Parity gates against ONNX Runtime FP32, per precision: the quantization step's thresholds (taken from
-#: ``unroll.export.quantize.DEFAULT_GATES`` when present, see :func:`gates_for`), and tighter ones for fp32.
-GATES: dict[str, dict[str, float]] = {
-    "fp32": {"min_top1_agreement": 0.999, "max_accuracy_loss_points": 0.1, "max_psnr_loss_db": 0.01},
-    "fp16": {"min_top1_agreement": 0.999, "max_accuracy_loss_points": 0.1, "max_psnr_loss_db": 0.02},
-    "int8": {"min_top1_agreement": 0.995, "max_accuracy_loss_points": 0.3, "max_psnr_loss_db": 0.15},
-}
 
 TRT_MISSING = "TensorRT is not installed (pip install 'unroll[gpu]' on a machine with an NVIDIA GPU)."
 NO_GPU = "No CUDA GPU is visible (TensorRT engines are built on the GPU they will run on)."
@@ -79,6 +63,7 @@ NEITHER = ("TensorRT engines need an NVIDIA GPU and the tensorrt package, and th
            "(run `unroll build` where `pip install 'unroll[gpu]'` and a CUDA GPU are available).")
 
 Shape = tuple[int, ...]
+Range = tuple[int, int, int]
 ProfileShapes = dict[str, tuple[Shape, Shape, Shape]]
 Progress = Callable[[str], None]
 
@@ -101,17 +86,6 @@ class GateError(TrtBuildError):
     def __init__(self, message: str, report: dict) -> None:
         super().__init__(message)
         self.report = report
-
-
-@dataclass
-class GateCase:
-    """One batch of gate data: engine inputs, and what the task metric needs beside the reference output."""
-
-    label: str
-    feeds: dict[str, np.ndarray]
-    clean: np.ndarray | None = None  # denoiser: the clean image(s), same shape as the output
-    labels: np.ndarray | None = None  # classifier: true classes, for the accuracy delta
-    sigma255: float | None = None  # denoiser: noise level on the 0–255 scale
 
 
 # --------------------------------------------------------------------------------------------- environment
@@ -213,41 +187,54 @@ def graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     return [v for v in model.graph.input if v.name not in inits]
 
 
-def profile_shapes(model: onnx.ModelProto, batch: tuple[int, int, int] = DEFAULT_BATCH,
-                   image_sizes: tuple[tuple[int, int], tuple[int, int], tuple[int, int]] | None = None,
-                   dim_ranges: Mapping[str, tuple[int, int, int]] | None = None) -> ProfileShapes:
+def _card_axes(card: ModelCard) -> dict[int, Range]:
+    """The card's profile ranges as graph axes of its main input (card axes are per sample: +1 for the batch)."""
+    out = {}
+    for key, r in card.trt_profile.dims.items():
+        _check_range(f"card.trt_profile.dims[{key!r}]", *r)
+        out[int(key) + 1] = tuple(r)
+    return out
+
+
+def profile_shapes(model: onnx.ModelProto, card: ModelCard, batch: Range | None = None,
+                   image_sizes: tuple[tuple[int, int], tuple[int, int], tuple[int, int]] | None = None
+                   ) -> ProfileShapes:
     """min/opt/max shape of every graph input for one TensorRT optimization profile.
 
-    Axis 0 is the batch and follows ``batch`` (so ``[B]`` inputs like ``lam``/``sigma`` do too); the
-    dynamic H, W (axes 2, 3) of a 4-D image input follow ``image_sizes``; any other dynamic axis follows
-    ``dim_ranges[its dim_param]`` (e.g. ``tokens``); fixed dims keep their ONNX value. A dynamic axis
-    with no range is an error naming the input, rather than a silent guess.
+    Axis 0 is the batch and follows ``batch`` (default ``card.trt_profile.batch``; ``[B]`` inputs like
+    λ/σ follow it too); the main input's dynamic axes follow ``card.trt_profile.dims``, except that
+    ``image_sizes`` (``(H, W)`` for min, opt, max; each side ≥ ``card.input.min_size``) overrides H, W of
+    a ``[B, C, H, W]`` input; fixed dims keep their ONNX value. A dynamic axis with no range is an error
+    naming the input and the card field to set, rather than a silent guess.
     """
+    batch = tuple(batch or card.trt_profile.batch)
     _check_range("batch", *batch)
+    floor = card.input.min_size
     if image_sizes is not None:
         (h0, w0), (h1, w1), (h2, w2) = image_sizes
-        _check_range("image height", h0, h1, h2, MIN_IMAGE_SIDE)
-        _check_range("image width", w0, w1, w2, MIN_IMAGE_SIDE)
-    for k, r in (dim_ranges or {}).items():
-        _check_range(f"dimension {k!r}", *r)
+        _check_range("image height", h0, h1, h2, floor)
+        _check_range("image width", w0, w1, w2, floor)
+    axes = _card_axes(card)
     out: ProfileShapes = {}
     for v in graph_inputs(model):
         dims = list(v.type.tensor_type.shape.dim)
         if not dims:
             raise ValueError(f"input {v.name!r} is a scalar or has no shape; TensorRT profiles need ranked inputs")
+        main = v.name == card.input.name
         lo, mid, hi = [], [], []
         for axis, d in enumerate(dims):
             if d.HasField("dim_value") and d.dim_value > 0:
                 r = (d.dim_value,) * 3
             elif axis == 0:
-                r = tuple(batch)
-            elif len(dims) == 4 and axis in (2, 3) and image_sizes is not None:
+                r = batch
+            elif main and len(dims) == 4 and axis in (2, 3) and image_sizes is not None:
                 r = tuple(s[axis - 2] for s in image_sizes)
-            elif d.dim_param and dim_ranges and d.dim_param in dim_ranges:
-                r = tuple(dim_ranges[d.dim_param])
+            elif main and axis in axes:
+                r = axes[axis]
             else:
                 label = d.dim_param or f"axis {axis}"
-                hint = " (give image sizes)" if len(dims) == 4 and axis in (2, 3) else ""
+                hint = f" (set card.trt_profile.dims['{axis - 1}'])" if main else ""
+                hint += " or give image sizes" if main and len(dims) == 4 and axis in (2, 3) else ""
                 raise ValueError(f"input {v.name!r} has a dynamic dimension {label!r} with no range{hint}")
             lo.append(r[0])
             mid.append(r[1])
@@ -353,197 +340,33 @@ def run_engine(plan_path: Path | str, feeds: dict[str, np.ndarray]) -> dict[str,
 # --------------------------------------------------------------------------------------------- gate data
 
 
-def _coerce_case(i: int, item: Any) -> GateCase:
-    if isinstance(item, GateCase):
-        return item
-    if isinstance(item, Mapping) and item and all(isinstance(v, np.ndarray) for v in item.values()):
-        return GateCase(f"case {i}", dict(item))  # bare feeds: inputs only, no targets
-    if isinstance(item, Mapping) and "feeds" in item:
-        return GateCase(str(item.get("label", f"case {i}")), dict(item["feeds"]), item.get("clean"),
-                        item.get("labels"), item.get("sigma255"))
-    if hasattr(item, "feeds"):
-        return GateCase(str(getattr(item, "label", f"case {i}")), dict(item.feeds), getattr(item, "clean", None),
-                        getattr(item, "labels", None), getattr(item, "sigma255", None))
-    if isinstance(item, tuple) and len(item) in (2, 3) and isinstance(item[1], Mapping):
-        return GateCase(str(item[0]), dict(item[1]), item[2] if len(item) == 3 else None)
-    raise TrtBuildError(f"quantize.gate_inputs returned a case of unexpected form ({type(item).__name__})")
-
-
-def _quantize_gate_inputs(name: str) -> list[GateCase] | None:
-    """The quantization gate's own cases, when ``unroll.export.quantize.gate_inputs`` exists and knows ``name``."""
+def read_card(path: Path) -> ModelCard:
+    """The card of the ONNX being built (a graph without one is an error saying how to get one)."""
     try:
-        from unroll.export import quantize
-    except ImportError:
-        return None
-    fn = getattr(quantize, "gate_inputs", None)
-    if fn is None:
-        return None
-    try:
-        items = list(fn(name))
-    except (ValueError, KeyError):  # a model the quantization step does not cover
-        return None
-    return [_coerce_case(i, c) for i, c in enumerate(items)]
+        return from_onnx(path)
+    except ValueError as e:
+        raise TrtBuildError(str(e)) from None
 
 
-def _has_targets(task: str, cases: list[GateCase]) -> bool:
-    """Whether the cases carry what the task metric needs (clean images for PSNR, classes for accuracy)."""
-    if task == "denoising":
-        return all(c.clean is not None for c in cases)
-    if task == "classification":
-        return all(c.labels is not None for c in cases)
-    return True
+def engine_gate_cases(card: ModelCard, profile: ProfileShapes) -> tuple[list[gate.GateCase], str]:
+    """The card's gate data (:func:`unroll.export.gates.gate_cases`) cut to fit the profile, and a description.
 
-
-def gate_cases(name: str, task: str, input_names: list[str], profile: ProfileShapes,
-               onnx_dir: Path = Path("build/onnx")) -> tuple[list[GateCase], str]:
-    """The gate data and where it came from.
-
-    The quantization step's ``gate_inputs`` is used when its cases carry targets. When they are bare
-    feeds (inputs only), the same held-out data is rebuilt here with its targets: the MNIST test split in
-    order, the held-out images with ``data.noise_seed`` noise at σ 15/25/50 — identical inputs, plus the
-    clean images and classes that the PSNR and accuracy deltas need.
+    Batches are at most the profile's largest; denoiser images are centre-cropped to its largest H×W.
+    Cases whose main input is still outside the profile (smaller than its minimum) are left out, and
+    the description says how many.
     """
-    cases = _quantize_gate_inputs(name)
-    if cases is not None and _has_targets(task, cases):
-        return cases, "unroll.export.quantize.gate_inputs"
-    note = "built here" + (" (same held-out data as unroll.export.quantize.gate_inputs, with targets)"
-                           if cases is not None else " (held-out data)")
-    return default_gate_cases(name, input_names, profile, onnx_dir), note
-
-
-def _default_lam(name: str, onnx_dir: Path) -> float:
-    """The model's own first-layer λ, from the export report (what serving uses when none is asked)."""
-    report = Path(onnx_dir) / f"{name}.report.json"
-    try:
-        solvers = json.loads(report.read_text()).get("solvers") or []
-        return float(next(s["lambda"] for s in solvers if "lambda" in s))
-    except (OSError, ValueError, StopIteration, KeyError):
-        return 0.1
-
-
-@functools.cache
-def _mnist_test() -> tuple[np.ndarray, np.ndarray]:
-    """The 1,000 held-out MNIST digits and classes (loading the CSV takes seconds: once per process)."""
-    from unroll import data
-
-    _, _, x, y = data.mnist_split()
-    return x, y
-
-
-def _center_crop(img: np.ndarray, hmax: int, wmax: int) -> np.ndarray:
-    h, w = img.shape
-    top, left = max(0, (h - hmax) // 2), max(0, (w - wmax) // 2)
-    return img[top:top + min(h, hmax), left:left + min(w, wmax)]
-
-
-def default_gate_cases(name: str, input_names: list[str], profile: ProfileShapes,
-                       onnx_dir: Path = Path("build/onnx")) -> list[GateCase]:
-    """Real held-out gate data built here when the quantization step provides none."""
-    from unroll import data
-    from unroll.registry import get_spec
-
-    spec = get_spec(name)
-    bmax = max(hi[0] for _, _, hi in profile.values())
-    cases: list[GateCase] = []
-    if spec.task == "classification":
-        if name == "sdnet-mnist":
-            x, y = _mnist_test()
-            label = "MNIST test split"
-        else:
-            from unroll.export.inputs import image_batch
-
-            x, y, label = image_batch(spec, 16).numpy(), None, "bundled photos"
-        lam = _default_lam(name, onnx_dir)
-        for s in range(0, len(x), bmax):
-            feeds = {"image": x[s:s + bmax].astype(np.float32)}
-            if "lam" in input_names:
-                feeds["lam"] = np.full(len(feeds["image"]), lam, np.float32)
-            cases.append(GateCase(f"{label} [{s}:{s + len(feeds['image'])}]", feeds,
-                                  labels=None if y is None else y[s:s + bmax]))
-    elif spec.task == "denoising":
-        (_, _, hmin, wmin), _, (_, _, hmax, wmax) = profile["noisy"]
-        for img_name, img in data.denoise_test_set().items():
-            img = _center_crop(img, hmax, wmax)
-            if img.shape[0] < hmin or img.shape[1] < wmin:
-                continue
-            for s in EVAL_SIGMAS:
-                noisy = data.add_noise(img, s, data.noise_seed(img_name, s))
-                cases.append(GateCase(f"{img_name} {img.shape[0]}×{img.shape[1]} σ={s:g}",
-                                      {"noisy": noisy[None, None], "sigma": np.array([s / 255.0], np.float32)},
-                                      clean=img[None, None], sigma255=s))
-    else:
-        from unroll.export.inputs import cases as export_cases
-
-        for c in export_cases(spec, lam_input="lam" in input_names):
-            cases.append(GateCase(c.label, {k: v.numpy() for k, v in c.inputs.items() if k in input_names}))
-    if not cases:
-        raise TrtBuildError(f"no gate data fits the optimization profile of {name}")
-    return cases
-
-
-# --------------------------------------------------------------------------------------------- metrics
-
-
-def top1_agreement(ref_logits: np.ndarray, got_logits: np.ndarray) -> float:
-    """Fraction of samples whose arg-max class is the same in both."""
-    return float(np.mean(np.argmax(ref_logits, axis=1) == np.argmax(got_logits, axis=1)))
-
-
-def gates_for(precision: str, overrides: Mapping[str, float] | None = None) -> dict[str, float]:
-    """The gate for ``precision``: the quantization step's own thresholds for fp16/int8 when it defines
-    them (so both steps always agree), else :data:`GATES`; then explicit ``overrides``."""
-    g = dict(GATES[precision])
-    try:
-        from unroll.export.quantize import DEFAULT_GATES  # {"agreement", "accuracy_loss" (fraction), "psnr_loss_db"}
-
-        q = DEFAULT_GATES.get(precision, {})
-        for theirs, ours, scale in (("agreement", "min_top1_agreement", 1.0),
-                                    ("accuracy_loss", "max_accuracy_loss_points", 100.0),
-                                    ("psnr_loss_db", "max_psnr_loss_db", 1.0)):
-            if theirs in q:
-                g[ours] = float(q[theirs]) * scale
-    except (ImportError, AttributeError, TypeError):
-        pass
-    return {**g, **(overrides or {})}
-
-
-def gate_failures(task: str, precision: str, parity: dict, gates: Mapping[str, float] | None = None) -> list[str]:
-    """Which gate metrics failed and by how much (empty when the engine passes)."""
-    g = gates_for(precision, gates)
-    bad = []
-    if task == "classification":
-        a = parity["top1_agreement"]
-        if a < g["min_top1_agreement"]:
-            bad.append(f"top-1 agreement {a:.2%} is below {g['min_top1_agreement']:.2%} "
-                       f"(short by {g['min_top1_agreement'] - a:.2%})")
-        loss = parity.get("accuracy_loss_points")
-        if loss is not None and "max_accuracy_loss_points" in g and loss > g["max_accuracy_loss_points"]:
-            bad.append(f"accuracy loss {loss:.2f} points exceeds {g['max_accuracy_loss_points']:.2f} "
-                       f"(by {loss - g['max_accuracy_loss_points']:.2f})")
-    elif task == "denoising":
-        for s, row in parity["psnr"].items():
-            if row["loss_db"] > g["max_psnr_loss_db"]:
-                bad.append(f"PSNR loss at σ={s} is {row['loss_db']:.3f} dB, over {g['max_psnr_loss_db']} dB "
-                           f"(by {row['loss_db'] - g['max_psnr_loss_db']:.3f} dB)")
-    if not parity.get("finite", True):
-        bad.append("the engine produced NaN or Inf")
-    return bad
-
-
-def split_cases(cases: list[GateCase], bmax: int) -> list[GateCase]:
-    """Cases larger than the profile's maximum batch, cut into pieces the engine accepts."""
-    out = []
-    for c in cases:
-        n = len(next(iter(c.feeds.values())))
-        if n <= bmax:
-            out.append(c)
-            continue
-        for s in range(0, n, bmax):
-            cut = slice(s, s + bmax)
-            out.append(GateCase(f"{c.label} [{s}:{min(n, s + bmax)}]", {k: v[cut] for k, v in c.feeds.items()},
-                                None if c.clean is None else c.clean[cut],
-                                None if c.labels is None else c.labels[cut], c.sigma255))
-    return out
+    lo, _, hi = profile[card.input.name]
+    max_hw = (hi[2], hi[3]) if len(hi) == 4 else None
+    cases = gate.gate_cases(card, max_batch=hi[0], max_hw=max_hw)
+    fits = [c for c in cases
+            if all(a <= n <= b for a, n, b in zip(lo[1:], c.feeds[card.input.name].shape[1:], hi[1:], strict=True))]
+    if not fits:
+        raise TrtBuildError(f"none of the {len(cases)} gate cases of {card.name} fits the optimization profile "
+                            f"{lo} … {hi} of input {card.input.name!r}")
+    role = card.data.gate
+    what = f"card.data.{role} = {getattr(card.data, role) or 'the export example inputs'}"
+    left = f"; {len(cases) - len(fits)} smaller than the profile minimum left out" if len(fits) < len(cases) else ""
+    return fits, f"{what}: {len(fits)} batches, {sum(len(c) for c in fits)} samples{left}"
 
 
 def _pad_batch(feeds: dict[str, np.ndarray], bmin: int) -> tuple[dict[str, np.ndarray], int]:
@@ -556,54 +379,25 @@ def _pad_batch(feeds: dict[str, np.ndarray], bmin: int) -> tuple[dict[str, np.nd
 
 
 def parity_check(runner: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]], reference_onnx: Path,
-                 task: str, cases: list[GateCase], bmin: int = 1, progress: Progress | None = None) -> dict:
-    """Engine vs ONNX Runtime (CPU, FP32 graph) on the gate cases: the task metric and max |Δ|."""
+                 card: ModelCard, cases: list[gate.GateCase], bmin: int = 1,
+                 progress: Progress | None = None) -> dict:
+    """Engine vs ONNX Runtime (CPU, FP32 graph) on the gate cases: :func:`unroll.export.gates.measure`'s metrics."""
     import onnxruntime as ort
 
-    from unroll.train.denoiser import psnr  # the metric the denoiser is evaluated with everywhere
+    reference = gate.onnxruntime_run(reference_onnx, card.output)
+    done = iter(range(1, len(cases) + 1))
 
-    sess = ort.InferenceSession(str(reference_onnx), providers=["CPUExecutionProvider"])
-    out_name = sess.get_outputs()[0].name
-    refs, gots, labels, max_abs, finite = [], [], [], 0.0, True
-    psnr_rows: dict[str, dict[str, list[float]]] = {}
-    for i, c in enumerate(cases):
+    def engine(feeds: dict[str, np.ndarray]) -> np.ndarray:
         if progress:
-            progress(f"parity {i + 1}/{len(cases)}: {c.label}")
-        feeds = {k: np.asarray(v) for k, v in c.feeds.items()}
-        ref = sess.run([out_name], feeds)[0]
+            progress(f"parity {next(done)}/{len(cases)}")
         padded, n = _pad_batch(feeds, bmin)
-        got = runner(padded)[out_name][:n].astype(np.float32)
-        if got.shape != ref.shape:
-            raise TrtBuildError(f"{c.label}: engine output shape {got.shape} != ONNX Runtime {ref.shape}")
-        finite &= bool(np.isfinite(got).all())
-        max_abs = max(max_abs, float(np.max(np.abs(got.astype(np.float64) - ref))))
-        if task == "classification":
-            refs.append(ref)
-            gots.append(got)
-            if c.labels is not None:
-                labels.append(np.asarray(c.labels))
-        elif task == "denoising" and c.clean is not None:
-            key = f"{c.sigma255:g}" if c.sigma255 is not None else "all"
-            row = psnr_rows.setdefault(key, {"ref": [], "got": []})
-            for k in range(len(ref)):
-                row["ref"].append(psnr(c.clean[k], ref[k]))
-                row["got"].append(psnr(c.clean[k], got[k]))
-    result: dict[str, Any] = {"reference": f"onnxruntime {ort.__version__} CPU, {reference_onnx.name}",
-                              "cases": len(cases), "max_abs_diff": max_abs, "finite": finite}
-    if task == "classification":
-        r, g = np.concatenate(refs), np.concatenate(gots)
-        result.update(samples=len(r), top1_agreement=top1_agreement(r, g))
-        if labels and len(np.concatenate(labels)) == len(r):
-            y = np.concatenate(labels)
-            acc_ref, acc_got = float(np.mean(r.argmax(1) == y)), float(np.mean(g.argmax(1) == y))
-            result.update(accuracy_reference=acc_ref, accuracy_engine=acc_got,
-                          accuracy_loss_points=100.0 * (acc_ref - acc_got))
-    elif task == "denoising":
-        result["psnr"] = {s: {"images": len(v["ref"]), "reference_db": float(np.mean(v["ref"])),
-                              "engine_db": float(np.mean(v["got"])),
-                              "loss_db": float(np.mean(v["ref"]) - np.mean(v["got"]))}
-                          for s, v in psnr_rows.items()}
-    return result
+        return runner(padded)[card.output][:n].astype(np.float32)
+
+    try:
+        metrics = gate.measure(card, cases, reference, engine)
+    except ValueError as e:  # an output of another shape than ONNX Runtime's
+        raise TrtBuildError(str(e)) from None
+    return {"reference": f"onnxruntime {ort.__version__} CPU, {Path(reference_onnx).name}", **metrics}
 
 
 # --------------------------------------------------------------------------------------------- build
@@ -662,18 +456,32 @@ def _finish(tmp_plan: Path, plan_path: Path, json_path: Path, report: dict, fail
     os.replace(tmp_plan, plan_path)
 
 
+def require_onnx(name: str, precision: str, onnx_dir: Path, verify: bool = True) -> tuple[Path, Path]:
+    """The ONNX a ``precision`` engine builds from and the FP32 reference; a missing one is an error naming
+    the command that writes it."""
+    src, ref = onnx_path_for(name, precision, onnx_dir), onnx_path_for(name, "fp32", onnx_dir)
+    for path, p in ((src, precision), (ref, "fp32")):
+        if not path.exists() and (path == src or verify):
+            cmd = f"unroll export {name}" if p == "fp32" else f"unroll quantize {name} --precision {p}"
+            raise MissingOnnxError(f"{path} does not exist: run `{cmd}` first.")
+    return src, ref
+
+
 def build_engine(name: str, precision: str = "fp32", onnx_dir: Path = Path("build/onnx"),
-                 out_dir: Path = Path("build/trt"), batch: tuple[int, int, int] = DEFAULT_BATCH,
+                 out_dir: Path = Path("build/trt"), batch: Range | None = None,
                  image_sizes: tuple[tuple[int, int], tuple[int, int], tuple[int, int]] | None = None,
                  workspace_gib: float = 4.0, opt_level: int = 3,
                  timing_cache: Path | None = Path("build/trt/timing.cache"), verify: bool = True,
-                 dim_ranges: Mapping[str, tuple[int, int, int]] | None = None, tf32: bool = False,
-                 gates: Mapping[str, float] | None = None, progress: Progress | None = None) -> dict:
+                 tf32: bool = False, gates: Mapping[str, float] | None = None,
+                 progress: Progress | None = None) -> dict:
     """Build ``out_dir/NAME.PRECISION.plan`` (+ ``.json``) strongly typed from the precision's ONNX.
 
-    ``tf32`` is off by default so FP32 layers compute in IEEE FP32 and the parity gate compares like with
-    like; precision is otherwise entirely the graph's. Raises :class:`MissingOnnxError`,
-    :class:`TrtUnavailableError`, :class:`TrtBuildError` or :class:`GateError` (JSON written, no plan).
+    The profile, gate data and tolerances come from the card in that ONNX: ``batch`` (min, opt, max) and
+    ``image_sizes`` override ``card.trt_profile``; ``gates`` (``{metric: tolerance}``) override
+    ``card.gate(precision)``. ``tf32`` is off by default so FP32 layers compute in IEEE FP32 and the
+    parity gate compares like with like; precision is otherwise entirely the graph's. Raises
+    :class:`MissingOnnxError`, :class:`TrtUnavailableError`, :class:`TrtBuildError` or :class:`GateError`
+    (JSON written, no plan).
     """
     _check_precision(precision)
     if not 0 <= opt_level <= MAX_OPT_LEVEL:
@@ -682,16 +490,12 @@ def build_engine(name: str, precision: str = "fp32", onnx_dir: Path = Path("buil
         raise ValueError(f"workspace must be positive, not {workspace_gib} GiB")
     say = progress or (lambda _msg: None)
     onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
-    src = onnx_path_for(name, precision, onnx_dir)
-    ref = onnx_path_for(name, "fp32", onnx_dir)
-    for path, p in ((src, precision), (ref, "fp32")):
-        if not path.exists() and (path == src or verify):
-            cmd = f"unroll export {name}" if p == "fp32" else f"unroll quantize {name} --precision {p}"
-            raise MissingOnnxError(f"{path} does not exist: run `{cmd}` first.")
+    src, ref = require_onnx(name, precision, onnx_dir, verify)
+    card = read_card(src)
+    tolerances = gate.tolerances(card, precision, gates)
     graph = onnx.load(str(src), load_external_data=False)
-    if image_sizes is None and has_dynamic_image(graph):
-        image_sizes = DEFAULT_IMAGE_SIZES
-    profile = profile_shapes(graph, batch, image_sizes, dim_ranges)
+    profile = profile_shapes(graph, card, batch, image_sizes)
+    batch = tuple(batch or card.trt_profile.batch)
     input_names = list(profile)
     del graph
 
@@ -744,13 +548,10 @@ def build_engine(name: str, precision: str = "fp32", onnx_dir: Path = Path("buil
     tmp_plan = plan_path.with_name(f".{plan_path.name}.partial")
     tmp_plan.write_bytes(blob)
 
-    from unroll.registry import get_spec
-
-    task = get_spec(name).task
     dev = torch.cuda.current_device()
     cc = torch.cuda.get_device_capability(dev)
     report: dict[str, Any] = {
-        "model": name, "task": task, "precision": precision,
+        "model": name, "task": card.task, "precision": precision,
         "onnx": str(src), "onnx_sha256": _sha256(src),
         "plan": str(plan_path), "plan_bytes": len(blob), "plan_sha256": hashlib.sha256(blob).hexdigest(),
         "tensorrt": str(trt.__version__),
@@ -765,16 +566,20 @@ def build_engine(name: str, precision: str = "fp32", onnx_dir: Path = Path("buil
         "max_batch_size": batch[2],
         "build_seconds": round(build_s, 2),
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "card": card.model_dump(mode="json"),
     }
     runner = EngineRunner(blob)
     report["io"] = runner.io_info()
     failures: list[str] = []
     if verify:
         say("checking the engine against ONNX Runtime FP32")
-        cases, report["gate_data"] = gate_cases(name, task, input_names, profile, onnx_dir)
-        report["parity"] = parity_check(runner, ref, task, split_cases(cases, batch[2]), batch[0], say)
-        report["gate"] = gates_for(precision, gates)
-        failures = gate_failures(task, precision, report["parity"], gates)
+        cases, report["gate_data"] = engine_gate_cases(card, profile)
+        report["parity"] = parity_check(runner, ref, card, cases, batch[0], say)
+        report["gate"] = tolerances
+        failures = gate.failures(report["parity"], tolerances)
+        unchecked = gate.unmeasured(report["parity"], tolerances)
+        if unchecked:
+            report["gate_unmeasured"] = unchecked
     else:
         report["parity"] = None
         report["gate"] = "skipped (verify=False)"

@@ -45,23 +45,54 @@ def parse_size(text: str, option: str) -> tuple[int, int]:
     return h, int(m.group(2) or h)
 
 
+Sizes = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
+
+
+def _merge(given: tuple, defaults: tuple | None, what: str, hint: str) -> tuple:
+    """Options given on the command line, the card's values for the rest."""
+    if all(g is None for g in given):
+        return tuple(defaults) if defaults is not None else None
+    if defaults is None and any(g is None for g in given):
+        raise typer.BadParameter(f"the model card has no {what}; give all three", param_hint=hint)
+    return tuple(d if g is None else g for g, d in zip(given, defaults or given, strict=True))
+
+
+def _card_sizes(card) -> Sizes | None:
+    """The card's (min, opt, max) H×W for a [C, H, W] input with dynamic H, W, from card.trt_profile.dims."""
+    dims = card.trt_profile.dims
+    if len(card.input.shape) != 3 or card.input.fixed_hw is not None or not {"1", "2"} <= set(dims):
+        return None
+    return tuple((dims["1"][i], dims["2"][i]) for i in range(3))
+
+
+def _ordered(values: tuple, what: str, hint: str, floor: int = 1) -> None:
+    given = [v for v in values if v is not None]
+    if given != sorted(given) or (given and given[0] < floor):
+        raise typer.BadParameter(f"need {floor} ≤ min ≤ opt ≤ max {what}, got "
+                                 f"{'/'.join('-' if v is None else str(v) for v in values)}", param_hint=hint)
+
+
 def build(
-    name: Annotated[str, typer.Argument(help="Registered model name, e.g. sdnet-mnist or csc-denoiser.")],
+    name: Annotated[str, typer.Argument(help="A model name, see `unroll models` (the ONNX file stem).")],
     precision: Annotated[Precision, typer.Option(
         help="fp32 builds build/onnx/NAME.onnx (from `unroll export`); fp16/int8 build NAME.fp16.onnx / "
              "NAME.int8.onnx (from `unroll quantize`). Precision lives in the graph: the network is strongly "
              "typed and no FP16/INT8 builder flag is set.")] = Precision.fp32,
     out: Annotated[Path, typer.Option(help="Folder for NAME.PRECISION.plan and its .json.")] = Path("build/trt"),
     onnx_dir: Annotated[Path, typer.Option(help="Folder holding the exported/quantized ONNX.")] = Path("build/onnx"),
-    batch_min: Annotated[int, typer.Option(help="Smallest batch the engine accepts.", min=1)] = 1,
-    batch_opt: Annotated[int, typer.Option(help="Batch TensorRT tunes kernels for.", min=1)] = 8,
-    batch_max: Annotated[int, typer.Option(help="Largest batch (Triton's max_batch_size must not exceed it).",
-                                           min=1)] = 32,
-    min_size: Annotated[str, typer.Option(help="Denoiser: smallest image, HxW (≥ 16x16). Ignored by "
-                                               "fixed-resolution models.")] = "16x16",
-    opt_size: Annotated[str, typer.Option(help="Denoiser: image size TensorRT tunes for, HxW.")] = "256x256",
-    max_size: Annotated[str, typer.Option(help="Denoiser: largest image, HxW. GPU memory grows with "
-                                               "batch-max x max-size.")] = "1024x1024",
+    batch_min: Annotated[int | None, typer.Option(help="Smallest batch the engine accepts [default: the model "
+                                                      "card's trt_profile.batch].", min=1)] = None,
+    batch_opt: Annotated[int | None, typer.Option(help="Batch TensorRT tunes kernels for [default: the card's].",
+                                                  min=1)] = None,
+    batch_max: Annotated[int | None, typer.Option(help="Largest batch (Triton's max_batch_size must not exceed "
+                                                      "it) [default: the card's].", min=1)] = None,
+    min_size: Annotated[str | None, typer.Option(help="Models with dynamic H×W: smallest image, HxW [default: "
+                                                      "the card's trt_profile.dims]. Ignored by fixed-resolution "
+                                                      "models.")] = None,
+    opt_size: Annotated[str | None, typer.Option(help="Image size TensorRT tunes for, HxW [default: the "
+                                                      "card's].")] = None,
+    max_size: Annotated[str | None, typer.Option(help="Largest image, HxW [default: the card's]. GPU memory "
+                                                      "grows with batch-max x max-size.")] = None,
     workspace_gib: Annotated[float, typer.Option(help="Workspace memory pool limit for tactics, in GiB.",
                                                  min=0.001)] = 4.0,
     opt_level: Annotated[int, typer.Option(help="Builder optimization level 0-5: higher searches more "
@@ -73,47 +104,54 @@ def build(
     no_timing_cache: Annotated[bool, typer.Option("--no-timing-cache", help="Neither load nor save a "
                                                                              "timing cache.")] = False,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Check the engine against ONNX Runtime "
-                                                                      "FP32 on the gate data; the plan is kept "
-                                                                      "only if it passes.")] = True,
+                                                                      "FP32 on the model card's gate data; the "
+                                                                      "plan is kept only if it passes.")] = True,
     tf32: Annotated[bool, typer.Option("--tf32/--no-tf32", help="Let FP32 layers use TF32 tensor cores "
                                                                 "(off: IEEE FP32, as the gate assumes).")] = False,
 ) -> None:
     """Build a TensorRT engine (strongly typed) with one optimization profile, then check it.
 
-    Writes OUT/NAME.PRECISION.plan and OUT/NAME.PRECISION.json (TensorRT version, GPU and compute
-    capability, CUDA, profile, build time, plan size, parity against ONNX Runtime FP32: top-1 agreement
-    for classifiers, PSNR loss at σ 15/25/50 for the denoiser, max |Δ|). A plan that fails its gate is
-    not kept; the JSON says which metric failed and by how much. Needs an NVIDIA GPU and TensorRT 10/11.
+    The profile, gate data and tolerances come from the model card in the ONNX. Writes
+    OUT/NAME.PRECISION.plan and OUT/NAME.PRECISION.json (TensorRT version, GPU and compute capability,
+    CUDA, profile, build time, plan size, parity against ONNX Runtime FP32 with the card's gate metric:
+    top-1 agreement for classifiers, PSNR loss per gate σ for denoisers, relative error for blocks; max
+    |Δ|). A plan that fails its gate is not kept; the JSON says which metric failed and by how much.
+    Needs an NVIDIA GPU and TensorRT 10/11.
     """
-    sizes = (parse_size(min_size, "--min-size"), parse_size(opt_size, "--opt-size"),
-             parse_size(max_size, "--max-size"))
-    if not batch_min <= batch_opt <= batch_max:
-        raise typer.BadParameter(f"need batch-min ≤ batch-opt ≤ batch-max, got {batch_min}/{batch_opt}/{batch_max}",
-                                 param_hint="--batch-min/--batch-opt/--batch-max")
-    for axis, label in ((0, "height"), (1, "width")):
-        lo, mid, hi = (s[axis] for s in sizes)
-        if not 16 <= lo <= mid <= hi:
-            raise typer.BadParameter(f"need 16 ≤ min ≤ opt ≤ max image {label}, got {lo}/{mid}/{hi}",
-                                     param_hint="--min-size/--opt-size/--max-size")
+    batch_given = (batch_min, batch_opt, batch_max)
+    _ordered(batch_given, "batch", "--batch-min/--batch-opt/--batch-max")
+    hints = ("--min-size", "--opt-size", "--max-size")
+    sizes_given = tuple(None if t is None else parse_size(t, o) for t, o in zip((min_size, opt_size, max_size), hints,
+                                                                                strict=True))
+    for axis, label in ((0, "image height"), (1, "image width")):
+        _ordered(tuple(None if s is None else s[axis] for s in sizes_given), label, "/".join(hints))
 
     from unroll.export import trt_build as tb
 
-    from unroll.registry import get_spec
-
-    try:
-        get_spec(name)
-    except KeyError as e:
-        raise _fail(f"{e.args[0]} (see `unroll models`).") from None
     prec = Precision(precision).value
-    src = tb.onnx_path_for(name, prec, onnx_dir)
+    try:
+        src, _ = tb.require_onnx(name, prec, onnx_dir, verify)
+        card = tb.read_card(src)
+    except tb.MissingOnnxError as e:
+        raise _fail(f"{str(e).rstrip('.')} (NAME is a model name, see `unroll models`).") from None
+    except tb.TrtBuildError as e:
+        raise _fail(str(e)) from None
+    batch = _merge(batch_given, card.trt_profile.batch, "trt_profile.batch", "--batch-min/--batch-opt/--batch-max")
+    _ordered(batch, "batch", "--batch-min/--batch-opt/--batch-max")
+    sizes = None
+    if card.input.fixed_hw is None and len(card.input.shape) == 3:
+        sizes = _merge(sizes_given, _card_sizes(card), "trt_profile.dims for H and W", "/".join(hints))
+        for axis, label in ((0, "image height"), (1, "image width")):
+            if sizes is not None:
+                _ordered(tuple(s[axis] for s in sizes), label, "/".join(hints), card.input.min_size)
     ok, why = tb.tensorrt_available()
     if not ok:
         raise _fail(why, 2)
     try:
         with err.status(f"building {name} ({prec}) from {src}") as status:
             report = tb.build_engine(
-                name, prec, onnx_dir=onnx_dir, out_dir=out, batch=(batch_min, batch_opt, batch_max),
-                image_sizes=sizes, workspace_gib=workspace_gib, opt_level=opt_level,
+                name, prec, onnx_dir=onnx_dir, out_dir=out, batch=batch, image_sizes=sizes,
+                workspace_gib=workspace_gib, opt_level=opt_level,
                 timing_cache=None if no_timing_cache else timing_cache, verify=verify, tf32=tf32,
                 progress=lambda msg: status.update(f"{name} ({prec}): {msg}"))
     except tb.TrtUnavailableError as e:
@@ -138,13 +176,16 @@ def _print_summary(report: dict) -> None:
              for n, p in report["profiles"][0].items()]
     parity = report.get("parity")
     if parity:
+        from unroll.export.gates import METRICS
+
         rows.append(("max |engine − ORT|", f"{parity['max_abs_diff']:.2e}"))
-        if "top1_agreement" in parity:
-            rows.append(("top-1 agreement", f"{parity['top1_agreement']:.2%} of {parity['samples']}"))
-        if "accuracy_loss_points" in parity:
-            rows.append(("accuracy", f"{parity['accuracy_engine']:.2%} (ORT FP32 {parity['accuracy_reference']:.2%})"))
-        rows += [(f"PSNR σ={s}", f"{r['engine_db']:.3f} dB (ORT FP32 {r['reference_db']:.3f}, "
-                                 f"loss {r['loss_db']:+.4f})") for s, r in parity.get("psnr", {}).items()]
+        rows += [(f"{m} (gate {METRICS[m].format(t)})", METRICS[m].format(parity[m]))
+                 for m, t in report.get("gate", {}).items() if m in parity]
+        if "accuracy" in parity:
+            rows.append(("accuracy", f"{parity['accuracy']:.2%} (ORT FP32 {parity['accuracy_fp32']:.2%}) "
+                                     f"on {parity['n']}"))
+        rows += [(f"PSNR σ={s}", f"{r['psnr']:.3f} dB (ORT FP32 {r['psnr_fp32']:.3f}, "
+                                 f"loss {r['psnr_loss_db']:+.4f})") for s, r in parity.get("per_sigma", {}).items()]
     table = Table(show_header=False, box=None)
     for key, value in rows:
         table.add_row(escape(key), escape(value))

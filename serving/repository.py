@@ -14,31 +14,19 @@ Configs are built as ``model_config_pb2.ModelConfig`` protobufs and printed with
 so they are schema-valid by construction; :func:`validate_repository` re-parses every written
 config and checks each input and output (name, type, dims, reshape) against the ONNX graph.
 
-Batching defaults, measured on this 2-core CPU machine (shared with other jobs: ±40 % between repeats).
-ONNX Runtime alone (2 threads): sdnet-mnist 1.6 ms at batch 1 and 2.0–2.4 ms/sample at batch 8–64;
-csc-denoiser ~15 ms per 64×64 image and ~140 ms per 256×256 image at any batch size. So on CPU
-batching buys no arithmetic, only the per-execution Python-backend/IPC overhead (~0.6 ms,
-Triton's compute_input + compute_output statistics). Through the server (sdnet-mnist, one instance,
-gRPC clients in closed loop, 3 s per point; p50 of 100 sequential lone requests):
+Everything model-specific comes from the model card the export wrote into the ONNX (labels, the λ
+input and its default, the TensorRT profile, the task); each config carries that card as the parameter
+``unroll.card`` so Triton's clients (the gateway) read the same card. Warm-up shapes come from the export
+report's verified parity cases.
 
-    max_queue_delay_us   lone p50   4 clients: req/s, avg batch   8 clients: avg batch
-    0                    4.2 ms     369, 2.05                     3.5
-    250                  6.5 ms     311, 2.24                     3.9
-    500                  4.3 ms     263, 2.41                     4.4
-    1000                 7.0 ms     275, 2.57                     3.6
-    2000                 8.7 ms     199, 3.33                     4.0
-
-Under load, batches form anyway from requests queued behind a busy instance (avg batch 13–16 for
-32 clients at every delay); the delay only matters when the instance is idle, where it is pure
-added latency unless it catches a request that saves the ~0.6 ms overhead. Hence
-``DEFAULT_QUEUE_DELAY_US = 500``: no more than the overhead it can save, lone latency unchanged
-within noise, while ≥ 1 ms delays cost 3–4 ms p50 with no throughput gain. (On a GPU, where
-batching does save arithmetic, re-measure with ``perf_analyzer`` and pass ``--queue-delay-us``.)
-
-``max_batch_size``: 32 (per-sample cost is flat past batch 8 on CPU; a 32-request burst forms
-batches of ~15, so 32 leaves headroom; a full sdnet-mnist batch runs in ~70 ms). The CPU denoiser
-gets 4: its cost grows with H×W and not with batching, so a batch of 32 large images would only
-make every request in it wait for all the others (~0.6 s per 512×512 image, 4× the 256×256 time).
+Batching defaults are starting points, not measurements: on a CPU, batching saves no arithmetic, only
+the per-execution overhead of the Python backend, so the queue delay is kept short (waiting longer only
+adds latency to a lone request), and the denoiser gets a small ``max_batch_size`` because its cost grows
+with the image area, so a large batch of large images would make every request wait for all the others.
+On the GPU target ``max_batch_size`` is the card's TensorRT profile maximum (the engine covers no more).
+``unroll bench serve`` measures dynamic batching on and off through the real server
+(``benchmarks/results/``); re-measure on your hardware and pass ``--queue-delay-us`` /
+``--max-batch-size``.
 """
 
 from __future__ import annotations
@@ -59,14 +47,12 @@ from unroll.card import CARD_KEY, CardError, ModelCard, from_onnx
 Target = Literal["cpu", "gpu"]
 PRECISIONS = ("fp32", "fp16", "int8")
 DEFAULT_MAX_BATCH_SIZE = 32
-#: Per (target, task) exceptions to DEFAULT_MAX_BATCH_SIZE (see the module docstring).
-MAX_BATCH_SIZE_OVERRIDES = {("cpu", "denoising"): 4}
+#: CPU exceptions to DEFAULT_MAX_BATCH_SIZE by task (see the module docstring).
+CPU_MAX_BATCH_SIZE = {"denoising": 4}
 DEFAULT_QUEUE_DELAY_US = 500
 VERSION = "1"
 LABELS_FILE = "labels.txt"
 BACKEND_MODEL = Path(__file__).with_name("triton_backend_model.py")
-#: Largest size of a dynamic non-batch dimension (image height/width, tokens) in the GPU TensorRT profile.
-GPU_PROFILE_MAX_DIM = 1024
 #: Where the NGC container keeps ONNX Runtime's TensorRT engines (must be writable inside it).
 GPU_ENGINE_CACHE = "/tmp/unroll-trt-cache"
 
@@ -138,6 +124,8 @@ def _source(name: str, target: Target, precision: str, onnx_dir: Path, plan_dir:
         card = from_onnx(fp32)
     except CardError as e:
         raise RepositoryError(str(e)) from None
+    if card.name != name:  # the Triton model name, the gateway's model= and the card must agree
+        raise RepositoryError(f"{fp32} carries the card of {card.name!r}: a graph's file stem must be its card's name")
     return Source(name, graph, json.loads(report_path.read_text()), card, plan)
 
 
@@ -196,22 +184,25 @@ def _warmup(src: Source, cfg: mc.ModelConfig, batch_sizes: Iterable[int]) -> Non
 
 
 def _gpu_profile(src: Source, cfg: mc.ModelConfig) -> dict[str, str]:
-    """One TensorRT optimization profile: batch 1…max_batch_size, dynamic dims min…GPU_PROFILE_MAX_DIM."""
-    example = _example_shapes(src)
-    cases = src.report["parity"]["cases"]
+    """One TensorRT optimization profile from the card: batch up to ``max_batch_size``, dynamic axes per card.
+
+    The card's ``trt_profile.batch`` gives min/opt (capped at the config's ``max_batch_size``, which is
+    the profile's max); ``trt_profile.dims`` the range of each dynamic axis of the card's main input.
+    """
+    prof = src.card.trt_profile
+    b = cfg.max_batch_size
     mins, opts, maxs = [], [], []
     for inp in cfg.input:
         graph_dims = list(inp.reshape.shape) if inp.HasField("reshape") else list(inp.dims)
-        b = cfg.max_batch_size
-        lo, op, hi = ([1], [max(1, b // 4)], [b]) if b else ([], [], [])
-        off = 1 if b else 0
-        for i, d in enumerate(graph_dims):
+        lo, op, hi = ([min(prof.batch[0], b)], [min(prof.batch[1], b)], [b]) if b else ([], [], [])
+        for axis, d in enumerate(graph_dims):
             if d >= 0:
                 triple = (d, d, d)
+            elif inp.name == src.card.input.name and str(axis) in prof.dims:
+                triple = prof.dims[str(axis)]
             else:
-                seen = [c["shapes"][inp.name][i + off] for c in cases if inp.name in c["shapes"]]
-                low = min(src.card.input.min_size, *seen)
-                triple = (low, example[inp.name][i + off], max(GPU_PROFILE_MAX_DIM, *seen))
+                raise RepositoryError(f"{src.name}: input {inp.name!r} axis {axis} is dynamic; the card needs "
+                                      f"trt_profile.dims['{axis}'] (min, opt, max) for the TensorRT profile")
             for lst, v in zip((lo, op, hi), triple, strict=True):
                 lst.append(v)
         mins.append(f"{inp.name}:{'x'.join(map(str, lo))}")
@@ -221,8 +212,11 @@ def _gpu_profile(src: Source, cfg: mc.ModelConfig) -> dict[str, str]:
             "trt_profile_max_shapes": ",".join(maxs)}
 
 
-def default_max_batch_size(target: Target, task: str | None) -> int:
-    return MAX_BATCH_SIZE_OVERRIDES.get((target, task or ""), DEFAULT_MAX_BATCH_SIZE)
+def default_max_batch_size(target: Target, card: ModelCard) -> int:
+    """GPU: the card's TensorRT profile maximum; CPU: :data:`DEFAULT_MAX_BATCH_SIZE` or the task's exception."""
+    if target == "gpu":
+        return card.trt_profile.batch[2]
+    return CPU_MAX_BATCH_SIZE.get(card.task, DEFAULT_MAX_BATCH_SIZE)
 
 
 def build_config(src: Source, target: Target, precision: str = "fp32", threads: int = 2,
@@ -230,7 +224,7 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
                  instances: int = 1) -> tuple[mc.ModelConfig, list[str] | None]:
     """The ModelConfig for one model, and its labels (classifiers) or None."""
     if max_batch_size is None:
-        max_batch_size = default_max_batch_size(target, src.card.task)
+        max_batch_size = default_max_batch_size(target, src.card)
     inputs, outputs = onnx_io(src.onnx)
     batching = all(t.dims and t.dims[0] == -1 for t in inputs + outputs)
     cfg = mc.ModelConfig(name=src.name, max_batch_size=max_batch_size if batching else 0)
@@ -284,7 +278,8 @@ def _header(src: Source, target: Target, precision: str, cfg: mc.ModelConfig) ->
              + (f" and {src.plan.name}" if src.plan else "") + "; regenerate instead of editing.",
              "dims exclude the batch dimension (-1 = dynamic); a [B] graph tensor is dims [1] + reshape [] "
              "(clients send it as [B, 1]).",
-             "max_queue_delay_microseconds and max_batch_size: measured, see serving/repository.py.",
+             "max_queue_delay_microseconds and max_batch_size: defaults explained in serving/repository.py "
+             "(re-measure with `unroll bench serve`).",
              "model_warmup runs before the model reports ready."]
     if src.card.lam is not None:
         lines.append("lam is optional (default = the trained λ) on the CPU target only: the GPU backends cannot "

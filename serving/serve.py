@@ -1,16 +1,18 @@
 """``unroll serve``: build what is missing, start Triton and the REST gateway, stop both cleanly.
 
-Steps: export the demo models to ONNX when an export is missing or older than its weights
-(``build/onnx``), write the Triton repository when a model directory is missing, stale or for another
-target (``model_repository``), start the bundled tritonserver on 127.0.0.1 (unless ``--triton-url``
-points at one already running, e.g. the NGC container on a GPU server), write sample inputs to
-``build/samples``, then run the gateway with uvicorn and print the URLs and a ``curl`` per endpoint.
+Which models: ``--models`` (registry names), by default every registered model with committed weights;
+each brings the companion graphs its card names (its λ rule, ``card.lam.auto``). Steps: export a model
+to ONNX when one of its graphs is missing or stale (``build/onnx``; staleness is read from each graph's
+card and report, see :func:`stale_reason`), write the Triton repository when a model directory is missing,
+stale or for another target (``model_repository``), start the bundled tritonserver on 127.0.0.1 (unless
+``--triton-url`` points at one already running, e.g. the NGC container on a GPU server), write one sample
+input per served model to ``build/samples`` (chosen from its card), then run the gateway with uvicorn and
+print the URLs and a ``curl`` per model. The gateway finds the models and their cards in Triton.
 Ctrl-C or SIGTERM stops the gateway gracefully, then Triton — also when they arrive during set-up.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -18,14 +20,19 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-GATEWAY_MODELS = ("sdnet-mnist", "csc-denoiser")
-#: The Triton models behind them: each classifier's λ rule is a model of its own (lam=auto).
-TRITON_MODELS = ("sdnet-mnist", "sdnet-mnist-autolam", "csc-denoiser")
-SAMPLE_DIGIT_INDEX = 0
+if TYPE_CHECKING:
+    import numpy as np
+
+    from unroll.card import ModelCard
+
+#: Noise level (0–255 scale) of the denoising samples in the printed ``curl`` lines.
+SAMPLE_SIGMA = 25.0
+#: Tasks the gateway has routes for; other served graphs (λ rules, solver blocks) are Triton-only.
+GATEWAY_TASKS = ("classification", "denoising")
 
 
 class ServeError(RuntimeError):
@@ -36,90 +43,143 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def _onnx_stem(model: str) -> tuple[str, str]:
-    """Triton model → (registry name, ONNX file stem)."""
-    if model.endswith("-autolam"):
-        base = model.removesuffix("-autolam")
-        return base, f"{base}.autolam"
-    return model, model
+def default_models() -> list[str]:
+    """Every registered model with committed weights (the ones whose answers mean something)."""
+    from unroll.registry import get_spec, list_models
+
+    return [n for n in list_models() if get_spec(n).has_weights]
 
 
-def stale_reason(model: str, onnx_dir: Path) -> str | None:
-    """Why ``model``'s export must be (re)built, or ``None`` when it is up to date with its weights."""
+def graphs_of(models: list[str]) -> list[str]:
+    """Triton model names to serve: each model, followed by the companions its card names (``lam.auto``)."""
     from unroll.registry import get_spec
 
-    name, stem = _onnx_stem(model)
-    spec = get_spec(name)
-    graph, report = onnx_dir / f"{stem}.onnx", onnx_dir / f"{stem}.report.json"
-    if not graph.exists() or not report.exists():
+    out: list[str] = []
+    for m in models:
+        card = get_spec(m).card  # KeyError lists the registered names
+        out += [m] + ([card.lam.auto] if card.lam is not None and card.lam.auto is not None else [])
+    return list(dict.fromkeys(out))
+
+
+def stale_reason(graph: str, onnx_dir: Path) -> str | None:
+    """Why the export ``onnx_dir/<graph>.onnx`` must be (re)built, or ``None`` when it is up to date.
+
+    The graph's own card says which registered model it comes from (``companion_of`` for a λ rule), and
+    the report whether it was exported from committed weights; both are compared with the registry.
+    """
+    import json
+
+    from unroll.card import CardError, from_onnx
+    from unroll.registry import get_spec
+
+    path, report_path = onnx_dir / f"{graph}.onnx", onnx_dir / f"{graph}.report.json"
+    if not path.exists() or not report_path.exists():
         return "not exported yet"
+    try:
+        card = from_onnx(path)
+    except CardError:
+        return "exported without a model card (an older export)"
+    spec = get_spec(card.companion_of or card.name)
     if spec.has_weights:
-        if json.loads(report.read_text()).get("weights") != "committed":
+        if json.loads(report_path.read_text()).get("weights") != "committed":
             return "exported before its weights were committed"
-        if spec.weights_path.stat().st_mtime > graph.stat().st_mtime:
+        if spec.weights_path.stat().st_mtime > path.stat().st_mtime:
             return "weights are newer than the export"
     return None
 
 
-def ensure_onnx(onnx_dir: Path, models: tuple[str, ...] = TRITON_MODELS, force: bool = False) -> list[str]:
-    """Export every model whose ONNX is missing or stale; returns the names exported."""
-    from unroll.export.onnx_export import export_auto_lam, export_model
+def ensure_onnx(onnx_dir: Path, models: list[str], force: bool = False) -> list[str]:
+    """Export every model one of whose graphs is missing or stale; returns the graph names written."""
+    from unroll.export.onnx_export import export_model
 
     from unroll.registry import get_spec
 
-    done = []
+    done: list[str] = []
     for m in models:
-        why = "--rebuild" if force else stale_reason(m, onnx_dir)
-        if why is None:
+        reasons = {g: "--rebuild" if force else stale_reason(g, onnx_dir) for g in graphs_of([m])}
+        why = "; ".join(f"{g}: {r}" for g, r in reasons.items() if r is not None)
+        if not why:
             continue
-        name, _ = _onnx_stem(m)
-        if not get_spec(name).has_weights:
-            _say(f"warning: {name} has no committed weights ({get_spec(name).weights_path}); serving a seeded "
-                 "random initialisation — its predictions are meaningless until it is trained")
+        spec = get_spec(m)
+        if not spec.has_weights:
+            _say(f"warning: {m} has no committed weights ({spec.weights_path}); serving a seeded random "
+                 "initialisation — its predictions are meaningless until it is trained")
         _say(f"export {m} → {onnx_dir} ({why})")
-        if m.endswith("-autolam"):
-            export_auto_lam(name, onnx_dir)
-        else:
-            export_model(name, onnx_dir, naive=False)
-        done.append(m)
+        result = export_model(m, onnx_dir, naive=False)
+        done += [r.onnx_path.stem for r in (result, *result.companions)]
     return done
 
 
-def ensure_repository(repo: Path, onnx_dir: Path, target: str, models: tuple[str, ...] = TRITON_MODELS,
-                      force: bool = False) -> list[str]:
-    """(Re)write the Triton repository for models that are missing, older than their ONNX, or for another target."""
+def ensure_repository(repo: Path, onnx_dir: Path, target: str, graphs: list[str], force: bool = False) -> list[str]:
+    """(Re)write the Triton repository for graphs that are missing, older than their ONNX, or for another target."""
     from unroll.serving.repository import write_repository
 
     todo = []
-    for m in models:
-        cfg = repo / m / "config.pbtxt"
-        _, stem = _onnx_stem(m)
+    for g in graphs:
+        cfg = repo / g / "config.pbtxt"
         if force or not cfg.exists() or f"--target {target} " not in cfg.read_text().split("\n", 1)[0] \
-                or cfg.stat().st_mtime < (onnx_dir / f"{stem}.onnx").stat().st_mtime:
-            todo.append(m)
+                or cfg.stat().st_mtime < (onnx_dir / f"{g}.onnx").stat().st_mtime:
+            todo.append(g)
     if todo:
         _say(f"write Triton repository {repo} ({target}): {', '.join(todo)}")
         write_repository(target, todo, repo, onnx_dir=onnx_dir)
     return todo
 
 
-def write_samples(out: Path) -> dict[str, Path]:
-    """A test digit (white on black, 28×28) and a noisy photo (σ = 25) for the printed ``curl`` lines."""
+def _first_sample(card: ModelCard) -> tuple[np.ndarray, int | None]:
+    """The first sample of the card's test data (else validation, else training data) and its label, if any."""
+    import numpy as np
+
+    from unroll.data import dataset
+
+    ids = [d for d in (card.data.test, card.data.validation, card.data.train) if d is not None]
+    if not ids:
+        raise ServeError(f"{card.name}: its card names no dataset (card.data) to take a sample input from")
+    loaded = dataset(ids[0]).load()
+    if isinstance(loaded, dict):  # images: {name: gray [H, W]}
+        return np.asarray(next(iter(loaded.values())))[None], None
+    x, y = loaded
+    return np.asarray(x[0]), (int(y[0]) if y is not None else None)
+
+
+def _to_png(image: np.ndarray, card: ModelCard, path: Path) -> None:
+    """Save a ``[C, H, W]`` float image in [0, 1] as PNG in the card's colour (and size, for a fixed input)."""
     import numpy as np
     from PIL import Image
 
-    from unroll.data import add_noise, bundled_image, mnist_split, noise_seed
+    rgb = card.input.colour == "rgb"
+    a = np.rint(np.clip(image, 0, 1) * 255).astype(np.uint8)
+    if rgb and a.shape[0] == 1:
+        a = np.repeat(a, 3, axis=0)
+    img = Image.fromarray(a.transpose(1, 2, 0) if rgb else a.mean(axis=0).astype(np.uint8))
+    if card.input.fixed_hw is not None and img.size != card.input.fixed_hw[::-1]:
+        img = img.resize(card.input.fixed_hw[::-1], Image.Resampling.LANCZOS)
+    img.save(path)
+
+
+def write_samples(out: Path, cards: list[ModelCard]) -> dict[str, Path]:
+    """One sample input per gateway model, chosen by task from its card, for the printed ``curl`` lines.
+
+    Classification: the first sample of the card's test data, at the card's input size and colour (its
+    label beside it, ``NAME.label.txt``). Denoising: the first image of the card's test data with seeded
+    noise at σ = :data:`SAMPLE_SIGMA`.
+    """
+    from unroll.data import add_noise, noise_seed
 
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"digit": out / "digit.png", "noisy": out / "noisy.png"}
-    if not paths["digit"].exists():
-        _, _, x, y = mnist_split()
-        Image.fromarray(np.rint(x[SAMPLE_DIGIT_INDEX, 0] * 255).astype(np.uint8)).save(paths["digit"])
-        (out / "digit.label.txt").write_text(f"{int(y[SAMPLE_DIGIT_INDEX])}\n")
-    if not paths["noisy"].exists():
-        clean = bundled_image("camera")
-        noisy = add_noise(clean, 25.0, noise_seed("camera", 25.0))
-        Image.fromarray(np.rint(np.clip(noisy, 0, 1) * 255).astype(np.uint8)).save(paths["noisy"])
+    paths: dict[str, Path] = {}
+    for card in cards:
+        if card.task not in GATEWAY_TASKS:
+            continue
+        image, label = _first_sample(card)
+        path = out / f"{card.name}.png"
+        if card.task == "denoising":
+            image = add_noise(image, SAMPLE_SIGMA, noise_seed(card.name, SAMPLE_SIGMA))
+        elif label is not None:
+            (out / f"{card.name}.label.txt").write_text(
+                f"{card.labels[label] if card.labels is not None else label}\n")
+        _to_png(image, card, path)
+        paths[card.name] = path
     return paths
 
 
@@ -133,28 +193,64 @@ def _check_port_free(host: str, port: int, what: str) -> None:
                              "matching --…-port option") from None
 
 
-def banner(base: str, samples: dict[str, Path], api_key: bool, triton: str) -> str:
-    """URLs and one ``curl`` per endpoint (with the sample files), as printed once the gateway listens."""
+def banner(base: str, cards: list[ModelCard], samples: dict[str, Path], api_key: bool, triton: str) -> str:
+    """URLs and one ``curl`` per served model (by its card's task, with its sample file), as printed once ready."""
     auth = " -H 'X-API-Key: $UNROLL_API_KEY'" if api_key else ""
-    digit, noisy = samples["digit"], samples["noisy"]
+    tries = []
+    for card in cards:
+        sample = samples.get(card.name)
+        if card.task == "classification" and sample is not None:
+            url = f"{base}/v1/classify?model={card.name}&top_k=3"
+            tries.append(f"  curl{auth} -F image=@{sample} '{url}'")
+            if card.lam is not None and card.lam.auto is not None:
+                tries.append(f"  curl{auth} -F image=@{sample} '{url}&lam=auto'")
+        elif card.task == "denoising" and sample is not None:
+            post = f"  curl{auth} --data-binary @{sample} -H 'Content-Type: image/png'"
+            tries.append(f"{post} '{base}/v1/denoise?model={card.name}&sigma={SAMPLE_SIGMA:g}' -o denoised.png")
+            tries.append(f"{post} '{base}/v1/denoise?model={card.name}' -D - -o denoised.png"
+                         "   # σ estimated: see X-Sigma-Used")
+    triton_only = [c.name for c in cards if c.task not in GATEWAY_TASKS and c.companion_of is None]
     return "\n".join([
         "",
         f"unroll gateway ready: {base}   (Triton: {triton})",
         f"  API docs     {base}/docs",
         "",
         "try:",
-        f"  curl{auth} -F image=@{digit} '{base}/v1/classify?model=sdnet-mnist&top_k=3'",
-        f"  curl{auth} -F image=@{digit} '{base}/v1/classify?model=sdnet-mnist&top_k=3&lam=auto'",
-        f"  curl{auth} --data-binary @{noisy} -H 'Content-Type: image/png' "
-        f"'{base}/v1/denoise?model=csc-denoiser&sigma=25' -o denoised.png",
-        f"  curl{auth} --data-binary @{noisy} -H 'Content-Type: image/png' '{base}/v1/denoise' -D - -o denoised.png"
-        "   # σ estimated: see X-Sigma-Used",
+        *tries,
         f"  curl{auth} {base}/v1/models",
         f"  curl {base}/healthz    curl {base}/readyz    curl {base}/metrics",
+        *([f"  (served by Triton only, no gateway route: {', '.join(triton_only)})"] if triton_only else []),
         "",
         "Ctrl-C stops the gateway and Triton.",
         "",
     ])
+
+
+def resolve_models(models: list[str] | None) -> list[str]:
+    """The registry names to serve: ``models`` checked against the registry, else :func:`default_models`."""
+    from unroll.registry import list_models
+
+    if models is None:
+        chosen = default_models()
+        if not chosen:
+            raise ServeError("no registered model has committed weights; name the models to serve with --models")
+        return chosen
+    chosen = list(dict.fromkeys(m.strip() for m in models if m.strip()))
+    unknown = [m for m in chosen if m not in list_models()]
+    if not chosen or unknown:
+        raise ServeError(f"--models: unknown model(s) {', '.join(unknown) or '(none named)'}; registered models: "
+                         f"{', '.join(list_models())}")
+    return chosen
+
+
+def served_cards(models: list[str], onnx_dir: Path | None) -> list[ModelCard]:
+    """The cards of the served models: from their exported graphs, or (Triton elsewhere) from the registry."""
+    from unroll.card import from_onnx
+    from unroll.registry import get_spec
+
+    if onnx_dir is None:
+        return [get_spec(m).card for m in models]
+    return [from_onnx(onnx_dir / f"{m}.onnx") for m in models]
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -165,8 +261,11 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
           triton_grpc_port: int = 8001, triton_metrics_port: int = 8002, triton_url: str | None = None,
           triton_protocol: str = "grpc", api_key: str | None = None, repo: Path = Path("model_repository"),
           onnx_dir: Path = Path("build/onnx"), samples_dir: Path = Path("build/samples"), rebuild: bool = False,
-          log_level: str = "info", on_ready: Callable[[str], None] | None = None) -> None:
+          log_level: str = "info", on_ready: Callable[[str], None] | None = None,
+          models: list[str] | None = None) -> None:
     """Build what is missing, start Triton (unless ``triton_url``) and the gateway; block until Ctrl-C/SIGTERM.
+
+    ``models`` are registry names (default :func:`default_models`); their companions are served too.
 
     Gateway limits (body size, pixels, concurrency, timeouts) come from ``UNROLL_*`` variables
     (see :class:`unroll.serving.gateway.settings.Settings`); ``api_key`` defaults to ``UNROLL_API_KEY``.
@@ -180,6 +279,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
     if triton_url is None and target != "cpu":
         raise ServeError("the bundled tritonserver has only the Python backend, so it serves --target cpu; for "
                          "--target gpu run `unroll repo --target gpu` in the NGC container and pass --triton-url")
+    models = resolve_models(models)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # finally-blocks run on SIGTERM during set-up
     triton = None
     try:
@@ -189,8 +289,8 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
                             (triton_metrics_port, "Triton metrics")):
                 _check_port_free("127.0.0.1", p, what)
             onnx_dir.mkdir(parents=True, exist_ok=True)
-            rebuilt = ensure_onnx(onnx_dir, force=rebuild)
-            ensure_repository(repo, onnx_dir, target, force=rebuild or bool(rebuilt))
+            rebuilt = ensure_onnx(onnx_dir, models, force=rebuild)
+            ensure_repository(repo, onnx_dir, target, graphs_of(models), force=rebuild or bool(rebuilt))
             log_file = onnx_dir.parent / "triton.log"
             _say(f"start tritonserver on 127.0.0.1:{triton_http_port} (log: {log_file})")
             triton = start(repo, http_port=triton_http_port, grpc_port=triton_grpc_port,
@@ -198,11 +298,12 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
             url = triton.url if triton_protocol == "http" else triton.grpc_url
         else:
             url = triton_url
-        samples = write_samples(samples_dir)
+        cards = served_cards(models, None if triton_url else onnx_dir)
+        samples = write_samples(samples_dir, cards)
         settings = Settings.from_env(triton_url=url, triton_protocol=triton_protocol, api_key=api_key)
         shown = "0.0.0.0" if host in ("0.0.0.0", "::") else host
         base = f"http://{'127.0.0.1' if shown == '0.0.0.0' else shown}:{port}"
-        text = banner(base, samples, settings.api_key is not None, f"{triton_protocol}://{url}")
+        text = banner(base, cards, samples, settings.api_key is not None, f"{triton_protocol}://{url}")
 
         class _Server(uvicorn.Server):
             async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -227,6 +328,9 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
 
 
 def serve_command(
+    models: Annotated[str | None, typer.Option(
+        help="Comma-separated registry names to serve (see `unroll models`), each with the companion graphs its "
+             "card names; default: every model with committed weights")] = None,
     host: Annotated[str, typer.Option(help="Gateway address (0.0.0.0 to expose it; Triton stays on 127.0.0.1)")]
     = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Gateway port")] = 8080,
@@ -254,7 +358,7 @@ def serve_command(
         serve(host=host, port=port, target=target, triton_http_port=triton_http_port,
               triton_grpc_port=triton_grpc_port, triton_metrics_port=triton_metrics_port, triton_url=triton_url,
               triton_protocol=triton_protocol, api_key=api_key, repo=repo, onnx_dir=onnx_dir, rebuild=rebuild,
-              log_level=log_level)
+              log_level=log_level, models=models.split(",") if models is not None else None)
     except (ServeError, TritonStartError, RepositoryError, ExportError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(1) from None

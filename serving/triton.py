@@ -1,23 +1,50 @@
 """Start and stop a real Triton Inference Server: the ``tritonserver`` binary from the nvidia-pytriton wheel.
 
-The wheel ships the server, its shared libraries (``nvidia_pytriton.libs``), the Python backend and
-one Python-backend stub per interpreter version. We run that binary directly (not pytriton's
-in-process model proxy) so the model repository written by :mod:`unroll.serving.repository` is served
-exactly as the NGC container would serve it. The stub embeds libpython; it is pointed at the
-interpreter that runs this code (``LD_LIBRARY_PATH`` to its ``libpython``, ``PATH`` to its ``bin``
-so the embedded Python adopts the venv) so ``model.py`` imports the same onnxruntime and NumPy as
-the rest of the project.
+The wheel ships the server, its shared libraries, the Python backend and one Python-backend stub per
+interpreter version. We run that binary directly (not pytriton's in-process model proxy) so the model
+repository written by :mod:`unroll.serving.repository` is served exactly as the NGC container would serve it.
+
+Where the pieces are comes from pytriton's own helpers (``pytriton.utils.distribution``:
+``get_root_module_path``, ``get_libs_path`` — which also knows the editable-install layout — and
+``get_stub_path(version)``). That module is loaded on its own (:func:`_distribution`): importing it the
+usual way first runs ``pytriton/__init__``, which imports pytriton's client, model config and in-process
+server (and reconfigures other libraries' loggers), all for three path functions.
+What the helpers do not cover is ours, each for a reason:
+
+* the binary is ``<root>/tritonserver/bin/tritonserver``, the path ``pytriton.triton`` builds inline;
+* the stub must sit beside ``libtriton_python.so``. pytriton copies the whole server tree into a fresh
+  workspace on every start; we put the stub into the wheel's backend directory once (or into a cached copy
+  when site-packages is read-only, :func:`_install_stub`);
+* the stub embeds libpython and must adopt this interpreter's packages (onnxruntime, NumPy):
+  ``LD_LIBRARY_PATH`` gets this interpreter's ``libpython`` folder, ``PATH`` its ``bin`` (pytriton's
+  ``TritonServer`` does the latter too, but lives in the module whose import is heavy);
+* pytriton's ``TritonServer`` launcher keeps the log in memory and stops with SIGINT only; we need a
+  log file for post-mortems, readiness checked against our own ``--id``, and a stop that escalates.
 
 ``start(...)`` returns a :class:`TritonHandle` once ``/v2/health/ready`` says every model is loaded
 and warm; a failure raises :class:`TritonStartError` with the tail of Triton's log (which model
-failed and why). The server runs in its own process group and is always stopped with SIGTERM, then
-SIGKILL after a grace period, so no orphan stub processes survive.
+failed and why).
+
+No orphans: the server runs in its own process group; ``stop()`` (also run at interpreter exit for a
+forgotten handle) sends SIGTERM, then SIGKILL to the whole group after a grace period. A parent that
+dies without running any Python (``kill -9``, the OOM killer) cannot do that, so Triton is started with
+the Linux parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGTERM)`` in the child before ``exec``, as
+pytriton's own launcher does): the kernel sends Triton SIGTERM, Triton unloads its models, and that
+ends their stub processes (``tests/test_triton.py`` SIGKILLs a parent and checks that neither
+``tritonserver`` nor one of its stubs is left a few seconds later). The stubs get no parent-death
+signal of their own: that signal follows the *thread* that forked, and Triton's threads are its own
+business. (A SIGKILLed ``tritonserver`` does leave its stubs running; ``stop()`` kills the whole group,
+which covers that while our process lives.) Because the signal follows the forking thread,
+:func:`start` must be called from the main thread: a server started from a worker thread would be
+stopped when that thread ends, so it refuses instead.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
+import functools
 import hashlib
 import importlib.util
 import json
@@ -30,14 +57,16 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
+from types import ModuleType, TracebackType
 
 LOG_TAIL_LINES = 40
 #: Triton's own drain time on SIGTERM (``--exit-timeout-secs``): in-flight requests and open client
@@ -45,6 +74,8 @@ LOG_TAIL_LINES = 40
 EXIT_TIMEOUT_S = 5
 #: Our wait after SIGTERM before SIGKILL: Triton's drain time plus model unloading.
 STOP_GRACE_S = EXIT_TIMEOUT_S + 15.0
+#: ``prctl`` option (linux/prctl.h): signal this process when its parent (thread) exits.
+PR_SET_PDEATHSIG = 1
 
 
 class TritonStartError(RuntimeError):
@@ -69,11 +100,19 @@ class ServerLayout:
     lib_dirs: tuple[Path, ...]
 
 
-def _pytriton_root() -> Path:
-    spec = importlib.util.find_spec("pytriton")  # no import: pytriton's __init__ pulls in a lot
+@functools.cache
+def _distribution() -> ModuleType:
+    """``pytriton.utils.distribution`` (stdlib-only path helpers), without running ``pytriton/__init__``."""
+    spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
         raise TritonStartError("the nvidia-pytriton wheel is not installed (pip install -e '.[serve]')")
-    return Path(next(iter(spec.submodule_search_locations)))
+    path = Path(next(iter(spec.submodule_search_locations))) / "utils" / "distribution.py"
+    mod_spec = importlib.util.spec_from_file_location("_unroll_pytriton_distribution", path)
+    if mod_spec is None or mod_spec.loader is None or not path.exists():
+        raise TritonStartError(f"nvidia-pytriton has no {path}: install the version pinned in pyproject.toml")
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    return module
 
 
 def _python_libdir() -> Path | None:
@@ -116,24 +155,22 @@ def _install_stub(backends: Path, stub: Path) -> Path:
 
 
 def server_layout() -> ServerLayout:
-    """Locate the wheel's tritonserver and prepare its backend directory (stub for this Python)."""
-    root = _pytriton_root()
-    ts = root / "tritonserver"
+    """Locate the wheel's tritonserver (pytriton's helpers) and prepare its backend directory (stub for this Python)."""
+    dist = _distribution()
+    ts = Path(dist.get_root_module_path()) / "tritonserver"
     binary = ts / "bin" / "tritonserver"
     if not binary.exists():
         raise TritonStartError(f"no tritonserver binary at {binary}: reinstall nvidia-pytriton")
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    stub = ts / "python_backend_stubs" / version / "triton_python_backend_stub"
+    stub = Path(dist.get_stub_path(version))
     if not stub.exists():
         raise TritonStartError(f"nvidia-pytriton has no Python-backend stub for Python {version} (looked in {stub})")
     backends = _install_stub(ts / "backends", stub)
-    lib_dirs = [root.parent / "nvidia_pytriton.libs"]
-    if (ts / "lib").is_dir():
-        lib_dirs.append(ts / "lib")
+    libs = Path(dist.get_libs_path())
+    if not libs.is_dir():
+        raise TritonStartError(f"nvidia-pytriton's server libraries are missing ({libs}): reinstall nvidia-pytriton")
     pylib = _python_libdir()
-    if pylib is not None:
-        lib_dirs.append(pylib)
-    return ServerLayout(binary, backends, tuple(lib_dirs))
+    return ServerLayout(binary, backends, (libs, pylib) if pylib is not None else (libs,))
 
 
 def server_env(layout: ServerLayout) -> dict[str, str]:
@@ -314,8 +351,12 @@ def start(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port
     served is exactly what the repository says. ``log_file`` defaults to a new temporary file (kept
     after the server stops, for post-mortems). Ports are checked first, and readiness is only
     accepted from the server we launched (``--id``), never from another one on the same port.
+    Call it from the main thread (see the module docstring: Triton dies with the thread that started it).
     Raises :class:`TritonStartError` with Triton's reason on failure.
     """
+    if threading.current_thread() is not threading.main_thread():
+        raise TritonStartError("start Triton from the main thread: it gets SIGTERM when the thread that started it "
+                               "ends (the parent-death signal that stops it when this process is killed)")
     repo = Path(repo).resolve()
     if not repo.is_dir():
         raise TritonStartError(f"model repository {repo} does not exist (write it with `unroll repo`)")
@@ -376,16 +417,24 @@ def start(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port
         raise
 
 
-def _die_with_parent(parent: int):
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """A ``preexec_fn``: in the forked child, ask for SIGTERM when ``parent`` dies, then exec Triton.
 
-    def pre() -> None:
-        if libc.prctl(1, signal.SIGTERM, 0, 0, 0) != 0:
+    ``libc.prctl`` is resolved before the fork (the child only calls it). If the parent died between
+    fork and ``prctl``, the signal would never come: ``getppid()`` then names another process, and the
+    child exits instead of starting an orphan server.
+    """
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def child() -> None:
+        if prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            os.write(2, b"error: prctl(PR_SET_PDEATHSIG) failed; not starting a server that could outlive its parent\n")
             os._exit(126)
         if os.getppid() != parent:
+            os.write(2, b"error: the process starting tritonserver exited before it ran\n")
             os._exit(125)
-    return pre
+
+    return child
 
 
 def _start_failure(what: str, log_file: Path, offset: int) -> TritonStartError:

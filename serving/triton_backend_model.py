@@ -9,7 +9,7 @@ a ``--target cpu`` repository; everything model-specific comes from ``config.pbt
 * ``parameters { key: "intra_op_spinning" }`` — ``"0"`` (default): idle ORT threads sleep, since
   several models share the cores; ``"1"`` trades CPU for latency on a dedicated machine;
 * ``parameters { key: "input_defaults" }`` — JSON ``{name: value}`` for ``optional: true`` inputs
-  (``lam`` for SDNet), filled per request when the client leaves them out.
+  (the λ input a card declares), filled per request when the client leaves them out.
 
 Tensors cross the stub boundary zero-copy through DLPack (``np.from_dlpack(tensor)`` in,
 ``pb_utils.Tensor.from_dlpack`` out), not ``as_numpy()`` / ``pb_utils.Tensor(name, array)``: the

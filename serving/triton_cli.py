@@ -6,7 +6,6 @@ Plain functions (no Typer app here) so ``unroll/cli.py`` can do ``app.command("r
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 from pathlib import Path
@@ -17,7 +16,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from unroll.serving.repository import (
-    AUTOLAM_SUFFIX,
+    CPU_MAX_BATCH_SIZE,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_QUEUE_DELAY_US,
     PRECISIONS,
@@ -36,50 +35,51 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(1)
 
 
-def _has_auto_lam(name: str) -> bool:
-    """Whether the architecture has a fitted λ rule (``lam="auto"``) to serve as ``NAME-autolam``."""
-    import unroll
-
-    return hasattr(unroll.load(name, pretrained=False), "auto_lam")
-
-
 def _ensure_exports(names: list[str], onnx_dir: Path, autolam: bool) -> list[str]:
-    """Export whatever ONNX is missing; returns the model list with ``NAME-autolam`` companions added.
+    """Export whatever ONNX is missing; returns the Triton model names, each followed by its companions.
 
-    Nothing heavy (torch) is imported when every export is already there.
+    A name is a registered model or an already exported graph (``onnx_dir/NAME.onnx``). Companions are
+    the graphs a card names (its λ rule, ``card.lam.auto``), served unless ``autolam`` is off. Nothing
+    heavy (torch) is imported when every export is already there.
     """
-    served = list(dict.fromkeys(names))
+    from unroll.card import CardError, from_onnx
+
+    served: list[str] = []
     with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), TimeElapsedColumn(), console=err,
                   transient=True) as bar:
 
-        def build(path: Path, what: str, base: str) -> None:
+        def export(name: str, companion_of: str | None = None) -> None:
             from unroll.export.onnx_export import ExportError, export_auto_lam, export_model
 
-            task = bar.add_task(f"exporting {path.name} (not built yet)", total=None)
+            task = bar.add_task(f"exporting {name} (not built yet)", total=None)
             try:
-                export_auto_lam(base, onnx_dir) if what == "autolam" else export_model(base, onnx_dir)
+                if companion_of is None:
+                    export_model(name, onnx_dir, naive=False)
+                else:
+                    export_auto_lam(companion_of, onnx_dir)
             except KeyError as e:  # unknown model name: the registry's message lists the known ones
                 raise _fail(str(e.args[0])) from None
             except ExportError as e:
-                raise _fail(f"exporting {path.name} failed: {e}") from None
+                raise _fail(f"exporting {name} failed: {e}") from None
             bar.remove_task(task)
-            console.print(f"[green]✓[/] exported {path}")
+            console.print(f"[green]✓[/] exported {onnx_dir / f'{name}.onnx'}")
 
-        for base in dict.fromkeys(n.removesuffix(AUTOLAM_SUFFIX) for n in served):
-            onnx_path, autolam_path = onnx_dir / f"{base}.onnx", onnx_dir / f"{base}.autolam.onnx"
-            if not onnx_path.exists():
-                build(onnx_path, "model", base)
-            companion = f"{base}{AUTOLAM_SUFFIX}"
-            if companion not in served:
-                if not autolam:
-                    continue
-                task = json.loads(onnx_path.with_suffix(".report.json").read_text()).get("task")
-                if not autolam_path.exists() and not (task == "classification" and _has_auto_lam(base)):
-                    continue
-                served.insert(served.index(base) + 1 if base in served else len(served), companion)
-            if not autolam_path.exists():
-                build(autolam_path, "autolam", base)
-    return served
+        for name in dict.fromkeys(names):
+            path = onnx_dir / f"{name}.onnx"
+            if not path.exists():
+                export(name)
+            try:
+                card = from_onnx(path)
+            except CardError as e:
+                raise _fail(f"{e}; delete it to re-export") from None
+            served.append(name)
+            companion = card.lam.auto if card.lam is not None else None
+            if companion is None or not autolam:
+                continue
+            if not (onnx_dir / f"{companion}.onnx").exists():
+                export(companion, companion_of=name)
+            served.append(companion)
+    return list(dict.fromkeys(served))
 
 
 def repo(
@@ -87,9 +87,9 @@ def repo(
         help="cpu: Python-backend models that run the ONNX with ONNX Runtime (what the bundled Triton serves); "
              "gpu: TensorRT plans, or ONNX Runtime with the TensorRT accelerator, for the NGC tritonserver "
              "container")] = "cpu",
-    models: Annotated[str, typer.Option(
-        help="Comma-separated model names (see `unroll models`); NAME-autolam serves NAME's lam=auto rule")]
-        = "sdnet-mnist,csc-denoiser",
+    models: Annotated[str | None, typer.Option(
+        help="Comma-separated model names (see `unroll models`, or graphs already in --onnx-dir); default: every "
+             "model with committed weights")] = None,
     precision: Annotated[str, typer.Option(
         help="fp32, fp16 or int8: gpu uses build/trt/NAME.PRECISION.plan when present, else TensorRT's "
              "precision_mode; cpu fp16/int8 serve build/onnx/NAME.PRECISION.onnx from `unroll quantize`")] = "fp32",
@@ -100,13 +100,14 @@ def repo(
     threads: Annotated[int, typer.Option(help="cpu: ONNX Runtime intra-op threads per model instance")] = 2,
     instances: Annotated[int, typer.Option(help="Model instances (parallel executions) per model")] = 1,
     max_batch_size: Annotated[int | None, typer.Option(
-        help=f"Largest batch Triton's dynamic batcher forms (and the TensorRT profile's max batch); default "
-             f"{DEFAULT_MAX_BATCH_SIZE}, csc-denoiser on cpu 4 (measured; see serving/repository.py)")] = None,
+        help=f"Largest batch Triton's dynamic batcher forms (and the TensorRT profile's max batch); default: cpu "
+             f"{DEFAULT_MAX_BATCH_SIZE} ({', '.join(f'{t} {n}' for t, n in CPU_MAX_BATCH_SIZE.items())}), gpu the "
+             "card's TensorRT profile maximum (see serving/repository.py)")] = None,
     queue_delay_us: Annotated[int, typer.Option(
-        help="Dynamic batching max_queue_delay_microseconds (the default was measured; see "
-             "serving/repository.py)")] = DEFAULT_QUEUE_DELAY_US,
+        help="Dynamic batching max_queue_delay_microseconds (why the default: serving/repository.py; measure "
+             "with `unroll bench serve`)")] = DEFAULT_QUEUE_DELAY_US,
     autolam: Annotated[bool, typer.Option(
-        "--autolam/--no-autolam", help="Also serve NAME-autolam for classifiers with a fitted λ rule")] = True,
+        "--autolam/--no-autolam", help="Also serve the λ-rule graph a classifier's card names (lam=auto)")] = True,
 ) -> None:
     """Write a Triton model repository (config.pbtxt, version 1, labels) for the exported models and validate it.
 
@@ -117,9 +118,15 @@ def repo(
         raise _fail(f"--target must be cpu or gpu, not {target!r}")
     if precision not in PRECISIONS:
         raise _fail(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
-    names = [m.strip() for m in models.split(",") if m.strip()]
+    if models is None:
+        from unroll.serving.serve import default_models
+
+        names = default_models()
+    else:
+        names = [m.strip() for m in models.split(",") if m.strip()]
     if not names:
-        raise _fail("--models names no model")
+        raise _fail("--models names no model" if models is not None else
+                    "no registered model has committed weights; name the models with --models")
     served = _ensure_exports(names, onnx_dir, autolam)
     try:
         written = write_repository(target, served, out, precision=precision, onnx_dir=onnx_dir, plan_dir=plan_dir,

@@ -1,8 +1,10 @@
 """Smoke runs of ``unroll bench serve | models | quality`` (tiny durations, --quick) into a temporary folder.
 
-The ONNX graphs are exported afresh into a temporary folder (with an FP16 sdnet-mnist through the real
+The ONNX graphs are exported afresh into a temporary folder (with an FP16 classifier through the real
 quantizer), so the benchmarks never depend on a stale ``build/onnx``. Each run goes through the
-Typer command, then the JSON, Markdown and PNG files are checked for a sane structure.
+Typer command, then the JSON, Markdown and PNG files are checked for a sane structure. The models are
+the registry's trained ones (committed weights), never named here; the readers (Markdown, plots) are
+also run on the committed results in ``benchmarks/results``.
 """
 
 from __future__ import annotations
@@ -16,10 +18,14 @@ import pytest
 import typer
 from typer.testing import CliRunner
 from unroll.benchmarks import cli
-from unroll.benchmarks.common import latency_summary
+from unroll.benchmarks.common import demo_model, latency_summary, quantizable, trained_models
 from unroll.benchmarks.serve_bench import closed_loop, stats_delta
 
+from unroll.registry import REGISTRY, list_models
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+CLASSIFIER, DENOISER = demo_model("classification"), demo_model("denoising")
 
 
 def _app() -> typer.Typer:
@@ -49,7 +55,7 @@ def _load(out: Path, stem: str) -> tuple[dict, str]:
 def onnx_dir(demo_onnx_dir: Path) -> Path:
     from unroll.export.quantize import quantize
 
-    quantize("sdnet-mnist", "fp16", demo_onnx_dir)
+    quantize(CLASSIFIER, "fp16", demo_onnx_dir)
     return demo_onnx_dir
 
 
@@ -101,29 +107,67 @@ def test_cli_help_and_bad_arguments() -> None:
     assert runner.invoke(_app(), ["all", "--only", "nope"]).exit_code == 1
 
 
+def test_models_to_benchmark_come_from_the_registry() -> None:
+    from unroll.benchmarks.export_speed import default_rows
+    from unroll.benchmarks.models_bench import quantizable_models
+
+    list_models()
+    trained = [n for n, s in REGISTRY.items() if s.has_weights]
+    assert trained_models() == trained and {CLASSIFIER, DENOISER} <= set(trained)
+    assert REGISTRY[CLASSIFIER].task == "classification" and REGISTRY[DENOISER].task == "denoising"
+    for name in quantizable_models():
+        d = REGISTRY[name].card.data
+        assert name in trained and d.train and getattr(d, d.gate)
+    assert not any(quantizable(n) for n, s in REGISTRY.items() if s.card.data.train is None)
+    assert {m for m, _, _ in default_rows()} >= set(trained)
+
+
+def test_readers_accept_the_committed_results(tmp_path: Path) -> None:
+    """Markdown and plots render from the committed JSON (the format the next `make bench` writes)."""
+    from unroll.benchmarks import export_speed, models_bench, plots, quality_bench, serve_bench
+
+    def load(stem: str) -> dict:
+        return json.loads((RESULTS / f"{stem}.json").read_text())
+
+    models = load("models")
+    assert "| model | case |" in models_bench.markdown(models)
+    serve = load("serve")
+    assert "## Targets" in serve_bench.markdown(serve)
+    assert serve_bench.targets(serve)[0]["met"] is not None
+    den, cls = load("quality_denoise"), load("quality_classify")
+    assert f"{DENOISER} (ONNX Runtime FP32) takes" in quality_bench.markdown_denoise(den)
+    assert "| fp32 |" in quality_bench.markdown_classify(cls)
+    assert "| model | case |" in export_speed.markdown(load("export_speed"))
+    for path in [*plots.serve_plots(serve, tmp_path), *plots.models_plots(models, tmp_path),
+                 plots.quality_denoise_plot(den, tmp_path), plots.quality_classify_plot(cls, tmp_path)]:
+        _png(path)
+
+
 # ----------------------------------------------------------------------------------------------- smoke runs
 
 
 @pytest.mark.slow
 def test_models_bench_quick(onnx_dir: Path, tmp_path: Path) -> None:
-    _invoke("models", "--quick", "-m", "sdnet-mnist", "-m", "csc-denoiser", "--onnx-dir", str(onnx_dir),
+    _invoke("models", "--quick", "-m", CLASSIFIER, "-m", DENOISER, "--onnx-dir", str(onnx_dir),
             "--out", str(tmp_path), "--no-progress")
     payload, md = _load(tmp_path, "models")
     _png(tmp_path / "models_scaling.png")
     assert payload["machine"]["logical_cores"] and payload["machine"]["versions"]["onnxruntime"]
-    assert {r["model"] for r in payload["rows"]} == {"sdnet-mnist", "csc-denoiser"}
+    assert {r["model"] for r in payload["rows"]} == {CLASSIFIER, DENOISER}
     for r in payload["rows"]:
         assert {"pytorch eager", "onnxruntime fp32"} <= set(r["timings"])
         assert all(t["median_ms"] > 0 and t["repeats"] >= 3 for t in r["timings"].values())
         assert r["speedup_vs_eager"]["pytorch eager"] == pytest.approx(1.0)
-    mnist = [e for e in payload["precision"] if e["model"] == "sdnet-mnist"]
-    fp16 = [e for e in mnist if e["precision"] == "fp16"]
+    cls = [e for e in payload["precision"] if e["model"] == CLASSIFIER]
+    fp16 = [e for e in cls if e["precision"] == "fp16"]
     assert fp16 and all(e["median_ms"] > 0 and e["quality"]["accuracy"] > 0.9 for e in fp16)
-    assert all(e["median_ms"] is None and "not quantized" in e["note"] for e in mnist if e["precision"] == "int8")
+    assert all(e["median_ms"] is None and "not quantized" in e["note"] for e in cls if e["precision"] == "int8")
     fit = payload["scaling"]["denoiser"]["onnxruntime fp32"]["fit"]
     assert 0.2 < fit["exponent"] < 2.5
     assert all(p["images_per_s"] > 0 for pts in payload["scaling"]["classifier"]["engines"].values() for p in pts)
-    assert "| sdnet-mnist | batch 1 |" in md and "FP32 vs FP16 vs INT8" in md and "pixels^" in md
+    assert payload["scaling"]["classifier"]["model"] == CLASSIFIER
+    assert payload["scaling"]["denoiser"]["onnxruntime fp32"]["model"] == DENOISER
+    assert f"| {CLASSIFIER} | batch 1 |" in md and "FP32 vs FP16 vs INT8" in md and "pixels^" in md
 
 
 @pytest.mark.slow
@@ -131,16 +175,16 @@ def test_quality_bench_quick(onnx_dir: Path, tmp_path: Path) -> None:
     _invoke("quality", "--quick", "--onnx-dir", str(onnx_dir), "--out", str(tmp_path), "--no-progress")
     den, md = _load(tmp_path, "quality_denoise")
     _png(tmp_path / "quality_denoise.png")
-    assert {"csc-denoiser FP32", "BM3D", "NL-means", "TV (Chambolle)", "wavelet (BayesShrink)"} <= set(den["methods"])
+    assert {f"{DENOISER} FP32", "BM3D", "NL-means", "TV (Chambolle)", "wavelet (BayesShrink)"} <= set(den["methods"])
     assert den["config"]["missing_precisions"].keys() == {"fp16", "int8"}
     noisy_psnr = 20 * math.log10(255 / 25)  # ≈ 20.2 dB: every method must beat doing nothing
     for r in den["per_image"]:
         assert r["psnr"] > noisy_psnr + 1 and 0 < r["ssim"] <= 1 and r["time_s"] > 0
     assert len(den["per_image"]) == len(den["methods"]) * den["n_images"]
-    assert "| csc-denoiser FP32 |" in md
+    assert f"| {DENOISER} FP32 |" in md and den["model"] == DENOISER
     cls, md = _load(tmp_path, "quality_classify")
     _png(tmp_path / "quality_classify.png")
-    assert set(cls["results"]) == {"fp32", "fp16"}
+    assert set(cls["results"]) == {"fp32", "fp16"} and cls["model"] == CLASSIFIER
     clean = {p: rows[0] for p, rows in cls["results"].items()}
     assert all(r["sigma"] == 0 and r["acc_fixed"] >= 0.9 for r in clean.values())
     noisy = cls["results"]["fp32"][-1]
@@ -159,7 +203,8 @@ def test_serve_bench_quick(onnx_dir: Path, tmp_path: Path) -> None:
         _png(tmp_path / name)
     runs = payload["runs"]
     assert {r["path"] for r in runs} == {"onnxruntime", "triton-http", "triton-grpc", "gateway"}
-    assert {r["workload"] for r in runs} == {"mnist", "denoise-128"}
+    assert {r["workload"] for r in runs} == {"classify", "denoise-128"}
+    assert {r["model"] for r in runs} == {CLASSIFIER, DENOISER} and payload["batching"]["model"] == CLASSIFIER
     for r in runs:
         assert r["requests"] > 0 and r["throughput_rps"] > 0, r
         L = r["latency_ms"]

@@ -1,9 +1,12 @@
 """End-to-end tests of the REST gateway: a real tritonserver, real uvicorn gateway processes, an httpx client.
 
-Two gateways share one Triton: ``gw`` (gRPC to Triton, the default; small body/pixel limits) and ``gw_key``
-(HTTP to Triton, an API key, one request at a time with no queue and a 1 s Triton deadline). The ONNX models
-are exported afresh into a temporary folder, so the test never serves a stale ``build/onnx``. The
-Triton restart test runs last: it stops and restarts the shared server on the same ports.
+Two gateways share one Triton: ``gw`` (gRPC to Triton, the default; small body/pixel limits; started *before*
+Triton, so discovery has to cope with a Triton that comes later) and ``gw_key`` (HTTP to Triton, an API key, one
+request at a time with no queue and a 1 s Triton deadline). Neither is told which models to serve: they read
+the cards from Triton's configs. The repository holds the demo models (exported afresh into a temporary
+folder, so the test never serves a stale ``build/onnx``), an RGB classifier with random weights (the pipeline,
+not accuracy) and a copy of a model with its card stripped (not served). The Triton restart test runs last:
+it stops and restarts the shared server on the same ports.
 """
 
 from __future__ import annotations
@@ -11,20 +14,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import math
+import os
 import struct
+import subprocess
+import sys
 import time
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from unroll.serving.gateway.process import gateway_process
-from unroll.serving.gateway.settings import Settings
+from unroll.serving.gateway.process import gateway_process, wait_ready
+from unroll.serving.gateway.settings import Settings, SettingsError
 from unroll.serving.triton import free_ports
 
 pytestmark = pytest.mark.triton
@@ -33,6 +40,9 @@ MAX_BODY = 2 * 1024 * 1024
 MAX_PIXELS = 1_200_000  # 1200×1100 does not fit
 API_KEY = "s3cret-key"
 MODELS = ["sdnet-mnist", "sdnet-mnist-autolam", "csc-denoiser"]
+RGB_CLASSIFIER = "sdnet18-cifar"
+NO_CARD = "mystery-model"  # a copy of the λ rule with the card stripped from its Triton config
+SERVED = {"sdnet-mnist", "csc-denoiser", RGB_CLASSIFIER}
 
 
 def png(arr: np.ndarray, mode: str | None = None) -> bytes:
@@ -53,9 +63,9 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 class Triton:
     """The shared tritonserver on fixed (free) ports, restartable in place."""
 
-    def __init__(self, repo: Path, log_dir: Path) -> None:
+    def __init__(self, repo: Path, log_dir: Path, ports: tuple[int, int, int]) -> None:
         self.repo, self.log_dir = repo, log_dir
-        self.ports = tuple(free_ports(3))
+        self.ports = ports
         self.handle = None
         self.start()
 
@@ -86,6 +96,8 @@ class Gateway:
 
     base: str
     client: httpx.Client
+    #: Responses recorded before Triton was started (path → response).
+    before_triton: dict[str, httpx.Response] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -101,12 +113,64 @@ def onnx_dir(demo_onnx_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def triton(onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Triton]:
+def rgb_onnx_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An RGB classifier (seeded random weights: this is about the pipeline, not accuracy)."""
+    from unroll.export.onnx_export import export_model
+
+    out = tmp_path_factory.mktemp("rgb_onnx")
+    export_model(RGB_CLASSIFIER, out, naive=False)
+    return out
+
+
+def strip_card(repo: Path, source: str, name: str) -> None:
+    """Copy ``repo/source`` to ``repo/name`` without the ``unroll.card`` config parameter (a model without a card)."""
+    import shutil
+
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from unroll.card import CARD_KEY
+
+    shutil.copytree(repo / source, repo / name)
+    cfg = mc.ModelConfig()
+    text_format.Parse((repo / name / "config.pbtxt").read_text(), cfg)
+    assert CARD_KEY in cfg.parameters
+    del cfg.parameters[CARD_KEY]
+    cfg.name = name
+    (repo / name / "config.pbtxt").write_text(text_format.MessageToString(cfg))
+
+
+@pytest.fixture(scope="module")
+def repo(onnx_dir: Path, rgb_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from unroll.serving.repository import write_repository
 
     repo = tmp_path_factory.mktemp("repo")
     write_repository("cpu", MODELS, repo, onnx_dir=onnx_dir)
-    server = Triton(repo, tmp_path_factory.mktemp("triton-log"))
+    write_repository("cpu", [RGB_CLASSIFIER], repo, onnx_dir=rgb_onnx_dir)
+    strip_card(repo, "sdnet-mnist-autolam", NO_CARD)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def triton_ports() -> tuple[int, int, int]:
+    return tuple(free_ports(3))
+
+
+@pytest.fixture(scope="module")
+def gw_early(triton_ports: tuple[int, int, int], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """The gRPC gateway, started before Triton: what it answered then is kept in ``before_triton``."""
+    with running_gateway(Settings(triton_url=f"127.0.0.1:{triton_ports[1]}", max_body_bytes=MAX_BODY,
+                                  max_pixels=MAX_PIXELS, request_timeout_s=20, retry_after_s=3),
+                         tmp_path_factory.mktemp("gw") / "gateway.log") as g:
+        g.before_triton["/v1/models"] = g.client.get("/v1/models")
+        g.before_triton["/readyz"] = g.client.get("/readyz")
+        yield g
+
+
+@pytest.fixture(scope="module")
+def triton(repo: Path, triton_ports: tuple[int, int, int], gw_early: Gateway,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Triton]:
+    server = Triton(repo, tmp_path_factory.mktemp("triton-log"), triton_ports)
     try:
         yield server
     finally:
@@ -114,11 +178,10 @@ def triton(onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 @pytest.fixture(scope="module")
-def gw(triton: Triton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    with running_gateway(Settings(triton_url=triton.grpc_url, max_body_bytes=MAX_BODY, max_pixels=MAX_PIXELS,
-                                  request_timeout_s=20, retry_after_s=3),
-                         tmp_path_factory.mktemp("gw") / "gateway.log") as g:
-        yield g
+def gw(gw_early: Gateway, triton: Triton) -> Gateway:
+    """The gRPC gateway once it has found Triton (its gRPC channel retries within about a second)."""
+    wait_ready(gw_early.base + "/readyz", timeout_s=30)
+    return gw_early
 
 
 @pytest.fixture(scope="module")
@@ -171,16 +234,135 @@ def assert_error(r: httpx.Response, status: int, code: str) -> None:
 def test_health_ready_models_docs(gw: Gateway) -> None:
     assert gw.client.get("/healthz").json() == {"status": "ok"}
     r = gw.client.get("/readyz")
-    assert r.status_code == 200 and r.json()["models"] == dict.fromkeys(MODELS, True)
-    models = {m["name"]: m for m in gw.client.get("/v1/models").json()["models"]}
-    assert set(models) == {"sdnet-mnist", "csc-denoiser"} and all(m["ready"] for m in models.values())
+    assert r.status_code == 200 and r.json()["models"] == dict.fromkeys([*MODELS, RGB_CLASSIFIER], True), r.text
+    listing = gw.client.get("/v1/models").json()
+    models = {m["name"]: m for m in listing["models"]}
+    assert set(models) == SERVED and all(m["ready"] for m in models.values())
+    assert [m["name"] for m in listing["models"] if m["default"]] == ["sdnet-mnist", "csc-denoiser"]
     assert models["sdnet-mnist"]["lam_auto"] and models["sdnet-mnist"]["input_defaults"] == {"lam": pytest.approx(0.1)}
+    assert models[RGB_CLASSIFIER]["card"]["input"]["colour"] == "rgb" and not models[RGB_CLASSIFIER]["lam_auto"]
+    assert models["csc-denoiser"]["task"] == "denoising"
+    not_served = {m["name"]: m["reason"] for m in listing["not_served"]}
+    assert set(not_served) == {"sdnet-mnist-autolam", NO_CARD}, not_served
     assert gw.client.get("/docs").status_code == 200
     spec = gw.client.get("/openapi.json").json()
     post = spec["paths"]["/v1/classify"]["post"]
     assert "multipart/form-data" in post["requestBody"]["content"] and "image/png" in post["requestBody"]["content"]
     assert post["responses"]["413"]["content"]["application/json"]["example"]["error"]["code"] == "image_too_large"
     assert not any("repository" in p or "load" in p for p in spec["paths"])  # no model control exposed
+    text = json.dumps(spec)
+    assert not any(name in text for name in [*MODELS, RGB_CLASSIFIER, "mnist"]), "model names in the OpenAPI"
+
+
+def test_discovery_when_triton_starts_after_the_gateway(gw: Gateway, digit_png: bytes) -> None:
+    """The gateway was up before Triton: it answered 503, then found the models without a restart."""
+    assert_error(gw.before_triton["/v1/models"], 503, "triton_unavailable")
+    assert_error(gw.before_triton["/readyz"], 503, "not_ready")
+    assert {m["name"] for m in gw.client.get("/v1/models").json()["models"]} == SERVED
+    classify_ok(gw, digit_png)
+
+
+def test_model_without_card_is_not_served(gw: Gateway, digit_png: bytes) -> None:
+    listing = gw.client.get("/v1/models").json()
+    assert NO_CARD not in {m["name"] for m in listing["models"]}
+    reason = {m["name"]: m["reason"] for m in listing["not_served"]}[NO_CARD]
+    assert "no model card" in reason and "unroll.card" in reason, reason
+    for route in ("classify", "denoise"):
+        r = gw.client.post(f"/v1/{route}?model={NO_CARD}", content=digit_png, headers={"Content-Type": "image/png"})
+        assert_error(r, 404, "unknown_model")
+        assert "no model card" in r.json()["error"]["message"]
+    assert gw.client.get("/readyz").status_code == 200  # a model that is not served does not block readiness
+
+
+def test_lam_bounds_from_the_card(gw: Gateway, digit_png: bytes) -> None:
+    from unroll.registry import get_spec
+
+    hi = get_spec("sdnet-mnist").card.lam.max
+    raw = {"Content-Type": "image/png"}
+    for bad in (hi * 1.01, -0.01):
+        r = gw.client.post(f"/v1/classify?lam={bad}", content=digit_png, headers=raw)
+        assert_error(r, 422, "invalid_parameter")
+        assert f"{hi:g}" in r.json()["error"]["message"]
+    r = gw.client.post(f"/v1/classify?lam={hi}", content=digit_png, headers=raw)
+    assert r.status_code == 200 and r.json()["lam"] == pytest.approx(hi), r.text
+    # a card without a λ rule: lam=auto is a client error, not a 5xx
+    r = gw.client.post(f"/v1/classify?model={RGB_CLASSIFIER}&lam=auto", content=digit_png, headers=raw)
+    assert_error(r, 422, "invalid_parameter")
+
+
+def test_rgb_classifier_follows_its_card(gw: Gateway, rgb_onnx_dir: Path) -> None:
+    """A real RGB photo through an RGB classifier: labels from its card, scores equal to ONNX Runtime's on the
+    card's fitting (stretch to 32×32, three planes), computed here independently of the gateway's code."""
+    import onnxruntime as ort
+    from skimage.data import coffee
+
+    from unroll.card import from_onnx
+
+    card = from_onnx(rgb_onnx_dir / f"{RGB_CLASSIFIER}.onnx")
+    photo = coffee()[:300, :500]  # 500×300 RGB: not square, not the model's size
+    r = gw.client.post(f"/v1/classify?model={RGB_CLASSIFIER}&top_k=10", content=png(photo),
+                       headers={"Content-Type": "image/png"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == RGB_CLASSIFIER and body["lam"] == pytest.approx(card.lam.default)
+    assert {p["label"] for p in body["predictions"]} == set(card.labels) and len(card.labels) == 10
+
+    h, w = card.input.fixed_hw
+
+    def reference(rgb: np.ndarray) -> np.ndarray:
+        x = np.stack([np.asarray(Image.fromarray(rgb[..., c].astype(np.float32) / 255.0).resize(
+            (w, h), Image.Resampling.LANCZOS)) for c in range(3)]).clip(0, 1)[None].astype(np.float32)
+        (logits,) = sess.run(None, {card.input.name: x, card.lam.input: np.array([card.lam.default], np.float32)})
+        p = np.exp(logits[0] - logits[0].max())
+        return p / p.sum()
+
+    sess = ort.InferenceSession(str(rgb_onnx_dir / f"{RGB_CLASSIFIER}.onnx"), providers=["CPUExecutionProvider"])
+    p = reference(photo)
+    # random weights give near-uniform scores: the tolerance must be far below what a wrong pipeline changes
+    tol = 3e-6
+    assert np.abs(reference(photo[..., ::-1].copy()) - p).max() > 5 * tol, "BGR would pass: test cannot fail"
+    served = {q["index"]: q["score"] for q in body["predictions"]}
+    assert served == {i: pytest.approx(float(p[i]), abs=tol) for i in range(10)}
+    assert body["predictions"][0]["label"] == card.labels[int(np.argmax(p))]
+
+
+# --- settings (pydantic-settings, UNROLL_* variables) ------------------------------------------------------------
+
+
+def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UNROLL_MAX_PIXELS", "1234")
+    monkeypatch.setenv("UNROLL_CLASSIFY_MODELS", "a, b")
+    monkeypatch.setenv("UNROLL_TRITON_PROTOCOL", "http")
+    monkeypatch.setenv("UNROLL_API_KEY", "")
+    s = Settings.from_env(request_timeout_s=7, api_key=None)  # keywords win; None keywords are ignored
+    assert (s.max_pixels, s.classify_models, s.denoise_models, s.triton_protocol, s.request_timeout_s, s.api_key) \
+        == (1234, ("a", "b"), (), "http", 7.0, None)
+    env = s.env()
+    assert env["UNROLL_MAX_PIXELS"] == "1234" and env["UNROLL_CLASSIFY_MODELS"] == "a,b"
+    for k in list(os.environ):
+        if k.startswith("UNROLL_"):
+            monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert Settings() == s  # env() round-trips
+
+    monkeypatch.setenv("UNROLL_MAX_PIXELS", "many")
+    with pytest.raises(SettingsError, match="UNROLL_MAX_PIXELS.*'many'"):
+        Settings()
+    monkeypatch.setenv("UNROLL_MAX_PIXELS", "0")
+    with pytest.raises(SettingsError, match="UNROLL_MAX_PIXELS"):
+        Settings.from_env()
+    monkeypatch.delenv("UNROLL_MAX_PIXELS")
+    monkeypatch.setenv("UNROLL_DENOISE_MODELS", "b")
+    with pytest.raises(SettingsError, match="both name"):
+        Settings()
+
+
+def test_gateway_process_refuses_bad_env() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UNROLL_")} | {"UNROLL_MAX_PIXELS": "lots"}
+    p = subprocess.run([sys.executable, "-m", "unroll.serving.gateway", "--port", str(free_ports(1)[0])], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "UNROLL_MAX_PIXELS" in p.stderr, (p.returncode, p.stderr[-2000:])
 
 
 # --- classification ------------------------------------------------------------------------------------------

@@ -1,43 +1,65 @@
-"""FP16 / INT8 behind accuracy gates, evaluated with ONNX Runtime on held-out data."""
+"""FP16 / INT8 behind accuracy gates, and the one gate implementation (unroll.export.gates) they use."""
 
+import math
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
-from onnx import numpy_helper
-from unroll.export.onnx_export import export_model
-from unroll.export.quantize import GateFailed, calibration_inputs, gate_inputs, quantize
+from onnx import TensorProto, helper, numpy_helper
+from unroll.export import gates
+from unroll.export.quantize import GateFailed, calibration_inputs, quantize
+
+from unroll import data
+from unroll.card import DataCard, InputCard, ModelCard, from_onnx, write_to_onnx
+
+DEMOS = ("sdnet-mnist", "csc-denoiser")
 
 
 @pytest.fixture(scope="module")
-def onnx_dir(tmp_path_factory):
+def onnx_dir(demo_onnx_dir: Path, tmp_path_factory) -> Path:
+    """A private copy of the demo exports: quantize writes NAME.<precision>.onnx beside them."""
     d = tmp_path_factory.mktemp("q")
-    for name in ("sdnet-mnist", "csc-denoiser"):
-        export_model(name, d, naive=False)
+    for f in demo_onnx_dir.iterdir():
+        shutil.copy(f, d / f.name)
     return d
 
 
-@pytest.mark.parametrize("name", ["sdnet-mnist", "csc-denoiser"])
-def test_fp16_passes_gate_with_fp32_io(onnx_dir, name: str) -> None:
+@pytest.fixture(scope="module")
+def cards(onnx_dir: Path) -> dict[str, ModelCard]:
+    return {n: from_onnx(onnx_dir / f"{n}.onnx") for n in (*DEMOS, "sdnet-mnist-autolam")}
+
+
+# ----------------------------------------------------------------------------------------------- quantize
+
+
+@pytest.mark.parametrize("name", DEMOS)
+def test_fp16_passes_gate_with_fp32_io_and_carries_the_card(onnx_dir, cards, name: str) -> None:
     r = quantize(name, "fp16", onnx_dir)
     assert r["passed"] and not r["failures"]
     model = onnx.load(onnx_dir / f"{name}.fp16.onnx")
     assert all(i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT for i in model.graph.input)
     assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in model.graph.initializer)
+    assert from_onnx(model) == cards[name]  # later stages (build, repo) read the card from this file
+    assert r["card"]["name"] == name and r["gate"] == cards[name].gate("fp16")
     if name == "sdnet-mnist":
-        assert r["metrics"]["top1_agreement"] >= 0.999
+        assert r["metrics"]["top1_agreement"] >= 0.999 and r["metrics"]["n"] == 1000
+        assert r["metrics"]["accuracy_fp32"] > 0.95
     else:
-        assert all(v["psnr_loss_db"] <= 0.02 for v in r["metrics"]["per_sigma"].values())
+        assert set(r["metrics"]["per_sigma"]) == {"15", "25", "50"}
+        assert all(v["psnr_loss_db"] <= 0.02 and v["images"] == 8 for v in r["metrics"]["per_sigma"].values())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["sdnet-mnist", "csc-denoiser"])
-def test_int8_explicit_qdq_passes_gate(onnx_dir, name: str) -> None:
+@pytest.mark.parametrize("name", DEMOS)
+def test_int8_explicit_qdq_passes_gate(onnx_dir, cards, name: str) -> None:
     r = quantize(name, "int8", onnx_dir, calib=256 if name == "sdnet-mnist" else 64)
     assert r["passed"], r["failures"]
     model = onnx.load(onnx_dir / f"{name}.int8.onnx")
+    assert from_onnx(model) == cards[name]
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("QuantizeLinear") > 0 and ops.count("DequantizeLinear") > 0
     inits = {t.name: t for t in model.graph.initializer}
@@ -53,6 +75,7 @@ def test_int8_explicit_qdq_passes_gate(onnx_dir, name: str) -> None:
     k = next(i for i, t in enumerate(r["tries"]) if t["config"] == r["chosen"])
     assert margins[k] >= 0.2 or r["notes"], (r["chosen"], margins)
     assert all(m < 0.2 for m in margins[:k - k % 2]), "an earlier placement already had the margin"
+    assert "card.data.train" in r["calibration"]["source"]
     if name == "sdnet-mnist":
         assert r["metrics"]["top1_agreement"] >= 0.995 and r["metrics"]["accuracy_loss"] <= 0.003
     else:
@@ -60,9 +83,16 @@ def test_int8_explicit_qdq_passes_gate(onnx_dir, name: str) -> None:
 
 
 def test_failed_gate_writes_no_artifact_and_says_why(onnx_dir) -> None:
-    with pytest.raises(GateFailed, match=r"σ=\d+: PSNR loss .* dB > -1.0 dB \(over by"):
+    with pytest.raises(GateFailed, match=r"psnr_loss_db -?\d\.\d{3} dB > -1\.000 dB at σ=\d+ \(over by \d\.\d{3} dB\)"):
         quantize("csc-denoiser", "fp16", onnx_dir, gates={"psnr_loss_db": -1.0})
     assert not (onnx_dir / "csc-denoiser.fp16.onnx").exists()
+
+
+@pytest.mark.parametrize("gates_, match", [({"agreement": 0.9}, "unknown gate metric 'agreement'"),
+                                           ({"psnr_loss_db": 0.1}, "does not apply to sdnet-mnist")])
+def test_gate_overrides_are_checked(onnx_dir, gates_: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        quantize("sdnet-mnist", "fp16", onnx_dir, gates=gates_)
 
 
 def test_cli_gate_failure_exits_nonzero_with_the_metric(onnx_dir) -> None:
@@ -71,8 +101,161 @@ def test_cli_gate_failure_exits_nonzero_with_the_metric(onnx_dir) -> None:
     assert r.returncode != 0 and "agreement" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_calibration_never_uses_the_gate_data() -> None:
-    gate = np.concatenate([f["image"] for f in gate_inputs("sdnet-mnist")]).reshape(-1, 784)
-    calib = np.concatenate([f["image"] for f in calibration_inputs("sdnet-mnist", 256)]).reshape(-1, 784)
+def test_calibration_never_uses_the_gate_data(cards) -> None:
+    card = cards["sdnet-mnist"]
+    gate = np.concatenate([c.feeds["image"] for c in gates.gate_cases(card)]).reshape(-1, 784)
+    feeds = calibration_inputs(card, 256)
+    calib = np.concatenate([f["image"] for f in feeds]).reshape(-1, 784)
+    assert len(calib) == 256 and np.allclose(np.concatenate([f["lam"] for f in feeds]), card.lam.default)
     gate_rows = {g.tobytes() for g in gate}
     assert not any(c.tobytes() in gate_rows for c in calib)
+
+
+def test_denoiser_calibration_is_noisy_training_patches(cards) -> None:
+    card = cards["csc-denoiser"]
+    feeds = calibration_inputs(card, 20)
+    assert len(feeds) == 20 and all(f["noisy"].shape == (1, 1, 96, 96) for f in feeds)
+    sig = np.array([f["sigma"][0] for f in feeds]) * card.sigma.scale
+    assert sig.min() >= 0 and sig.max() <= 55 and sig.std() > 5
+
+
+def test_a_model_without_data_names_the_card_field(onnx_dir, cards, tmp_path) -> None:
+    bare = cards["sdnet-mnist"].model_copy(update={"data": DataCard()})
+    with pytest.raises(ValueError, match=r"card\.data\.train"):
+        calibration_inputs(bare, 8)
+    model = onnx.load(onnx_dir / "sdnet-mnist.onnx")
+    write_to_onnx(model, bare)
+    onnx.save(model, tmp_path / "sdnet-mnist.onnx")
+    with pytest.raises(ValueError, match=r"card\.data\.test"):
+        quantize("sdnet-mnist", "fp16", tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------- gates
+
+
+def test_tolerances_merge_task_defaults_card_overrides_and_arguments(cards) -> None:
+    card = cards["sdnet-mnist"].model_copy(update={"gates": {"int8": {"top1_agreement": 0.99}}})
+    assert gates.tolerances(card, "int8") == {"top1_agreement": 0.99, "accuracy_loss": 0.003}
+    assert gates.tolerances(card, "fp16") == {"top1_agreement": 0.999, "accuracy_loss": 0.001}
+    assert gates.tolerances(card, "int8", {"accuracy_loss": 0.01}) == {"top1_agreement": 0.99, "accuracy_loss": 0.01}
+    assert gates.tolerances(cards["sdnet-mnist-autolam"], "fp32") == {"rel_err": 1e-4}
+    with pytest.raises(ValueError, match="known: top1_agreement, accuracy_loss, psnr_loss_db, rel_err"):
+        gates.tolerances(card, "int8", {"psnr": 1.0})
+
+
+def _flip(logits: np.ndarray, every: int) -> np.ndarray:
+    """Logits whose top-1 class changes on every ``every``-th sample."""
+    out = logits.copy()
+    rows = np.arange(0, len(out), every)
+    out[rows] = np.roll(out[rows], 1, axis=1)
+    return out
+
+
+def test_a_candidate_that_flips_labels_fails_top1_agreement(onnx_dir, cards) -> None:
+    card = cards["sdnet-mnist"]
+    cases = gates.gate_cases(card)
+    assert sum(len(c) for c in cases) == 1000 and all(c.labels is not None for c in cases)
+    assert all(np.all(c.feeds["lam"] == card.lam.default) for c in cases)
+    run = gates.onnxruntime_run(onnx_dir / "sdnet-mnist.onnx", card.output)
+    refs = gates.reference_outputs(cases, run)
+    same = gates.evaluate(card, cases, refs, run, card.gate("int8"))
+    assert same.passed and same.metrics["top1_agreement"] == 1.0 and same.margin == pytest.approx(1.0)
+    flipped = gates.evaluate(card, cases, refs, lambda f: _flip(run(f), 50), card.gate("int8"))
+    agreement = flipped.metrics["top1_agreement"]
+    assert agreement == pytest.approx(0.98, abs=1e-3)  # 20 of 1,000 (5 per batch of 250)
+    assert not flipped.passed and flipped.margin < 0
+    short = 100 * (0.995 - agreement)
+    assert flipped.failures[0] == f"top1_agreement {100 * agreement:.2f}% < 99.50% (short by {short:.2f}%)"
+    assert flipped.failures[1].startswith("accuracy_loss ") and "> 0.30 points (over by" in flipped.failures[1]
+
+
+def test_failures_and_margin_by_the_metric_table() -> None:
+    tol = {"top1_agreement": 0.995, "accuracy_loss": 0.003}
+    assert gates.failures({"top1_agreement": 0.996, "accuracy_loss": 0.002}, tol) == []
+    assert gates.margin({"top1_agreement": 0.999, "accuracy_loss": 0.0}, tol) == pytest.approx(0.8)
+    assert gates.failures({"top1_agreement": 0.996}, tol) == [] and gates.unmeasured({"top1_agreement": 1}, tol) == [
+        "accuracy_loss"]  # no labels: agreement only, and the report says what was not measured
+    bad = gates.failures({"psnr_loss_db": 0.3, "worst_sigma": "σ=50"}, {"psnr_loss_db": 0.15})
+    assert bad == ["psnr_loss_db 0.300 dB > 0.150 dB at σ=50 (over by 0.150 dB)"]
+    assert gates.failures({"rel_err": 2e-4, "finite": False}, {"rel_err": 1e-4}) == [
+        "rel_err 2.00e-04 > 1.00e-04 (over by 1.00e-04)", "the candidate produced NaN or Inf"]
+    assert gates.failures({"rel_err": float("nan")}, {"rel_err": 1.0})  # NaN never passes
+    assert gates.margin({"rel_err": 0.5e-4}, {"rel_err": 1e-4}) == pytest.approx(0.5)
+    assert gates.margin({"rel_err": 0.0, "finite": False}, {"rel_err": 1e-4}) == -math.inf
+    assert set(gates.METRICS) == {"top1_agreement", "accuracy_loss", "psnr_loss_db", "rel_err"}
+
+
+def test_denoiser_gate_cases_are_the_seeded_held_out_images(cards) -> None:
+    card = cards["csc-denoiser"]
+    cases = gates.gate_cases(card, max_hw=(128, 160))
+    images = data.denoise_test_set()
+    assert len(cases) == len(images) * len(card.sigma.gate_levels)
+    c = next(c for c in cases if c.label.startswith("camera") and c.level == 25)
+    full = data.add_noise(images["camera"], 25, data.noise_seed("camera", 25))
+    h, w = full.shape
+    top, left = (h - 128) // 2, (w - 160) // 2
+    assert c.feeds["noisy"].shape == (1, 1, 128, 160) and c.clean.shape == (1, 1, 128, 160)
+    assert np.array_equal(c.feeds["noisy"][0, 0], full[top:top + 128, left:left + 160])  # a crop of the same noise
+    assert c.feeds["sigma"].tolist() == [pytest.approx(25 / card.sigma.scale)]
+
+
+def test_denoiser_gate_catches_a_blurring_candidate(onnx_dir, cards) -> None:
+    card = cards["csc-denoiser"]
+    cases = gates.gate_cases(card, max_hw=(96, 96))
+    run = gates.onnxruntime_run(onnx_dir / "csc-denoiser.onnx", card.output)
+
+    def worse(feeds):
+        y = run(feeds)
+        return 0.8 * y + 0.2 * y.mean()
+
+    res = gates.evaluate(card, cases, run, worse, card.gate("int8"))
+    assert not res.passed and res.metrics["psnr_loss_db"] > 0.15
+    assert res.metrics["worst_sigma"] == "σ=" + max(res.metrics["per_sigma"], key=lambda s: res.metrics["per_sigma"][
+        s]["psnr_loss_db"])
+    assert "psnr_loss_db" in res.failures[0] and res.metrics["worst_sigma"] in res.failures[0]
+
+
+def _token_block(path: Path, weight: np.ndarray) -> ModelCard:
+    """A tiny registered-nowhere block ``y = x @ W`` on ``[B, tokens, 64]`` with its card."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "tokens", 64])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "tokens", 64])
+    w = numpy_helper.from_array(weight.astype(np.float32), "W")
+    model = helper.make_model(helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g", [x], [y], [w]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    card = ModelCard(name="tiny-block", task="block", input=InputCard(name="x", shape=(-1, 64)), output="y",
+                     trt_profile=dict(batch=(1, 2, 4), dims={"0": (1, 49, 256)}))
+    write_to_onnx(model, card)
+    onnx.save(model, path)
+    return card
+
+
+def test_a_block_gate_catches_a_perturbed_graph(tmp_path: Path) -> None:
+    w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    card = _token_block(tmp_path / "ref.onnx", w)
+    _token_block(tmp_path / "bad.onnx", w * (1 + 1e-2 * np.random.default_rng(1).standard_normal(w.shape)))
+    cases = gates.gate_cases(card)
+    assert [c.feeds["x"].shape for c in cases] == [(3, 49, 64)]  # photo patches as tokens, the card's opt size
+    ref = gates.onnxruntime_run(tmp_path / "ref.onnx", "y")
+    same = gates.evaluate(card, cases, ref, ref, card.gate("fp32"))
+    assert same.passed and same.metrics["rel_err"] == 0.0
+    bad = gates.evaluate(card, cases, ref, gates.onnxruntime_run(tmp_path / "bad.onnx", "y"), card.gate("fp32"))
+    assert not bad.passed and 1e-3 < bad.metrics["rel_err"] < 1e-1
+    assert bad.failures[0].startswith("rel_err ") and "> 1.00e-04 (over by" in bad.failures[0]
+    assert gates.evaluate(card, cases, ref, gates.onnxruntime_run(tmp_path / "bad.onnx", "y"),
+                          {"rel_err": 0.1}).passed
+
+
+def test_a_block_with_a_dynamic_axis_and_no_range_names_the_card_field() -> None:
+    card = ModelCard(name="b", task="block", input=InputCard(name="x", shape=(-1, 64)), output="y")
+    with pytest.raises(ValueError, match=r"card\.trt_profile\.dims\['0'\]"):
+        gates.gate_cases(card)
+
+
+def test_lambda_rule_gate_is_rel_err_on_the_classifier_images(onnx_dir, cards) -> None:
+    card = cards["sdnet-mnist-autolam"]
+    cases = gates.gate_cases(card, max_batch=500)
+    assert [list(c.feeds) for c in cases] == [["image"], ["image"]] and sum(len(c) for c in cases) == 1000
+    run = gates.onnxruntime_run(onnx_dir / "sdnet-mnist-autolam.onnx", card.output)
+    assert gates.evaluate(card, cases, run, run, card.gate("fp32")).passed
+    res = gates.evaluate(card, cases, run, lambda f: run(f) * 1.01, card.gate("fp32"))
+    assert res.metrics["rel_err"] == pytest.approx(0.01, rel=1e-3) and not res.passed

@@ -1,12 +1,13 @@
 """Triton: repository generator, config validation, and a real tritonserver serving the demo models.
 
-One server for the module (the two demo models + sdnet-mnist-autolam, exported into a tmp dir from
-the committed weights); every server test talks to it over HTTP and gRPC with ``tritonclient`` and
-compares against ONNX Runtime run in-process on the same ONNX files.
+One server for the module (the two demo models + sdnet-mnist-autolam, the λ rule sdnet-mnist's card
+names, exported into a tmp dir from the committed weights); every server test talks to it over HTTP and
+gRPC with ``tritonclient`` and compares against ONNX Runtime run in-process on the same ONNX files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -33,6 +34,8 @@ from unroll.serving.triton import free_ports
 from unroll.serving.triton_cli import repo as repo_cmd
 from unroll.serving.triton_cli import triton as triton_cmd
 
+from unroll.card import CARD_KEY, ModelCard, from_onnx
+
 DEMO = ["sdnet-mnist", "sdnet-mnist-autolam", "csc-denoiser"]
 TOL = 1e-5
 
@@ -58,10 +61,8 @@ def server(onnx_dir: Path, tmp_path_factory):
 def sessions(onnx_dir: Path) -> dict[str, ort.InferenceSession]:
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
-    files = {"sdnet-mnist": "sdnet-mnist.onnx", "sdnet-mnist-autolam": "sdnet-mnist.autolam.onnx",
-             "csc-denoiser": "csc-denoiser.onnx"}
-    return {k: ort.InferenceSession(str(onnx_dir / f), so, providers=["CPUExecutionProvider"])
-            for k, f in files.items()}
+    return {m: ort.InferenceSession(str(onnx_dir / f"{m}.onnx"), so, providers=["CPUExecutionProvider"])
+            for m in DEMO}
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +111,16 @@ def test_models_load_and_server_metadata(server, http, grpc) -> None:
     assert cfg.backend == "python" and cfg.dynamic_batching.max_queue_delay_microseconds >= 0
     with urllib.request.urlopen(server.metrics_url, timeout=5) as r:
         assert b"nv_inference_count" in r.read()
+
+
+@pytest.mark.triton
+def test_every_config_carries_the_card_of_its_onnx(grpc, onnx_dir: Path) -> None:
+    for m in DEMO:
+        served = grpc.get_model_config(m).config.parameters[CARD_KEY].string_value
+        card = ModelCard.from_json(served)
+        assert card == from_onnx(onnx_dir / f"{m}.onnx") and card.name == m
+    assert ModelCard.from_json(grpc.get_model_config("sdnet-mnist").config.parameters[CARD_KEY].string_value
+                               ).lam.auto == "sdnet-mnist-autolam"
 
 
 @pytest.mark.triton
@@ -271,6 +282,17 @@ def test_gpu_repository_parses_and_matches_the_onnx(onnx_dir: Path, tmp_path: Pa
     assert den.platform == "tensorrt_plan" and (out / "csc-denoiser" / "1" / "model.plan").exists()
     assert not (out / "csc-denoiser" / "1" / "model.onnx").exists()
     assert (out / "sdnet-mnist" / "labels.txt").read_text().split() == [str(i) for i in range(10)]
+    assert b == from_onnx(onnx_dir / "sdnet-mnist.onnx").trt_profile.batch[2]  # GPU: the card's profile max
+
+    out = tmp_path / "gpu-noplan"  # the denoiser's TensorRT profile comes from its card (dynamic H×W ranges)
+    write_repository("gpu", ["csc-denoiser"], out, onnx_dir=onnx_dir)
+    card = from_onnx(onnx_dir / "csc-denoiser.onnx")
+    acc = validate_repository(out)["csc-denoiser"].optimization.execution_accelerators.gpu_execution_accelerator[0]
+    (b_min, b_opt, b_max), (h_min, h_opt, h_max), (w_min, w_opt, w_max) = (
+        card.trt_profile.batch, card.trt_profile.dims["1"], card.trt_profile.dims["2"])
+    assert acc.parameters["trt_profile_min_shapes"] == f"noisy:{b_min}x1x{h_min}x{w_min},sigma:{b_min}"
+    assert acc.parameters["trt_profile_opt_shapes"] == f"noisy:{b_opt}x1x{h_opt}x{w_opt},sigma:{b_opt}"
+    assert acc.parameters["trt_profile_max_shapes"] == f"noisy:{b_max}x1x{h_max}x{w_max},sigma:{b_max}"
 
 
 def _edit(path: Path, old: str, new: str) -> None:
@@ -342,6 +364,81 @@ def test_missing_repository_or_busy_port_is_a_clear_error(tmp_path: Path) -> Non
         port = busy.getsockname()[1]
         with pytest.raises(triton.TritonStartError, match=f"gRPC port {port} .* not available"):
             triton.start(tmp_path / "repo", free_ports(1)[0], port, free_ports(1)[0])
+    raised: list[BaseException] = []
+
+    def off_main() -> None:
+        try:
+            triton.start(tmp_path / "repo", *free_ports(3))
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            raised.append(e)
+
+    worker = threading.Thread(target=off_main)
+    worker.start()
+    worker.join(30)
+    assert len(raised) == 1 and isinstance(raised[0], triton.TritonStartError), raised
+    assert "main thread" in str(raised[0])
+
+
+def _processes_of(marker: str) -> dict[int, str]:
+    """Live (non-zombie) processes whose command line contains ``marker``: ``{pid: command}``."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = next(ln for ln in (proc / "status").read_text().splitlines() if ln.startswith("State:"))
+        except (OSError, StopIteration):
+            continue  # exited meanwhile
+        if marker in cmd and "zombie" not in state:
+            found[int(proc.name)] = cmd
+    return found
+
+
+@pytest.mark.triton
+def test_a_killed_parent_leaves_no_triton_and_no_stub(onnx_dir: Path, tmp_path: Path) -> None:
+    repo = _tiny_repo(onnx_dir, tmp_path, broken=False)
+    code = ("import sys, time; from pathlib import Path; from unroll.serving import triton; "
+            "h = triton.start(Path(sys.argv[1]), *triton.free_ports(3), log_file=Path(sys.argv[2])); "
+            "print('ready', h.pid, flush=True); time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", code, str(repo), str(tmp_path / "orphan.log")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = parent.stdout.readline()  # blocks until Triton is ready (or the parent failed)
+        assert line.startswith("ready"), line + parent.stdout.read()
+        before = _processes_of(str(repo))  # tritonserver (--model-repository) and its stub (<repo>/…/model.py)
+        assert any("tritonserver" in c for c in before.values()), before
+        assert any("triton_python_backend_stub" in c for c in before.values()), before
+        parent.kill()  # SIGKILL: no atexit, no finally, nothing of ours runs
+        parent.wait(10)
+        deadline = time.monotonic() + 20
+        while (left := _processes_of(str(repo))) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, f"still running {time.monotonic() - deadline + 20:.0f} s after the parent was killed: {left}"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        _end(str(repo))  # only after a failure: never leave them to the next test
+
+
+def _end(marker: str) -> None:
+    """SIGTERM what is left (Triton then removes its stubs' shared memory), SIGKILL what outlives that."""
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+        for pid in _processes_of(marker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait_s
+        while _processes_of(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+def test_the_server_is_found_without_importing_pytriton() -> None:
+    """Paths come from pytriton.utils.distribution, loaded alone: pytriton's heavy __init__ does not run."""
+    code = ("import sys; from unroll.serving import triton; layout = triton.server_layout(); "
+            "assert 'pytriton' not in sys.modules, 'pytriton/__init__ ran'; print(layout.lib_dirs[0])")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert Path(res.stdout.strip()).name == "nvidia_pytriton.libs"
 
 
 def test_stub_goes_to_a_writable_copy_when_site_packages_is_read_only(tmp_path: Path, monkeypatch) -> None:

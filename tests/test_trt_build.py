@@ -16,10 +16,11 @@ import pytest
 import typer
 from onnx import TensorProto, helper
 from typer.testing import CliRunner
+from unroll.export import gates
 from unroll.export import trt_build as tb
 from unroll.export.trt_cli import build
 
-from unroll import export
+from unroll.card import InputCard, ModelCard, from_onnx
 
 ROOT = Path(__file__).resolve().parents[1]
 AVAILABLE, WHY = tb.tensorrt_available()
@@ -27,14 +28,13 @@ SIZES = ((16, 16), (256, 256), (1024, 1024))
 
 
 @pytest.fixture(scope="module")
-def onnx_dir(tmp_path_factory) -> Path:
-    """Fresh exports of both demo models (the fp32 graphs `unroll build` reads)."""
-    from unroll.export.onnx_export import export_model
+def onnx_dir(demo_onnx_dir: Path) -> Path:
+    """The session's demo exports (the fp32 graphs `unroll build` reads); only read here."""
+    return demo_onnx_dir
 
-    out = tmp_path_factory.mktemp("onnx")
-    for name in ("sdnet-mnist", "csc-denoiser"):
-        export_model(name, out, naive=False)
-    return out
+
+def _card(onnx_dir: Path, name: str) -> ModelCard:
+    return from_onnx(onnx_dir / f"{name}.onnx")
 
 
 def _app() -> typer.Typer:
@@ -54,9 +54,10 @@ def test_tensorrt_available_says_why_in_one_sentence() -> None:
 
 
 @pytest.mark.skipif(AVAILABLE, reason="this machine can build engines")
-def test_cli_without_gpu_or_tensorrt_exits_2_with_one_sentence() -> None:
-    r = subprocess.run([sys.executable, "-m", "unroll.export.trt_cli", "sdnet-mnist"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120, env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"})
+def test_cli_without_gpu_or_tensorrt_exits_2_with_one_sentence(onnx_dir: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "unroll.export.trt_cli", "sdnet-mnist", "--onnx-dir", str(onnx_dir)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert lines == [f"error: {WHY}"], r.stderr
@@ -67,7 +68,7 @@ def test_cli_help_documents_the_options() -> None:
     r = CliRunner().invoke(_app(), ["--help"], env={"COLUMNS": "200"})
     assert r.exit_code == 0
     for opt in ("--precision", "fp16", "int8", "--out", "--batch-max", "--min-size", "--max-size", "--workspace-gib",
-                "--opt-level", "--timing-cache", "--no-verify", "strongly"):
+                "--opt-level", "--timing-cache", "--no-verify", "strongly", "card", "unroll models"):
         assert opt in r.output, opt
 
 
@@ -75,19 +76,42 @@ def test_cli_help_documents_the_options() -> None:
     (["--precision", "fp64"], "precision"),
     (["--min-size", "16by16"], "min-size"),
     (["--batch-min", "8", "--batch-opt", "4"], "batch"),
-    (["--max-size", "8x8", "--opt-size", "8x8", "--min-size", "8x8"], "size"),
+    (["--batch-max", "2"], "batch"),  # below the card's opt batch
+    (["--max-size", "8x8", "--opt-size", "8x8", "--min-size", "8x8"], "height"),  # below the card's min_size 16
+    (["--max-size", "64x64"], "height"),  # below the card's opt size
     (["--opt-level", "6"], "opt-level"),
 ])
-def test_cli_rejects_malformed_options(args: list[str], hint: str) -> None:
-    r = CliRunner().invoke(_app(), ["sdnet-mnist", *args], env={"COLUMNS": "200"})
-    assert r.exit_code == 2 and hint in r.output
+def test_cli_rejects_malformed_options(onnx_dir: Path, args: list[str], hint: str) -> None:
+    r = CliRunner().invoke(_app(), ["csc-denoiser", "--onnx-dir", str(onnx_dir), *args], env={"COLUMNS": "200"})
+    assert r.exit_code == 2 and hint in r.output, r.output
     assert r.exception is None or isinstance(r.exception, SystemExit)
 
 
-def test_cli_unknown_model_exits_1_with_one_sentence() -> None:
-    r = CliRunner().invoke(_app(), ["no-such-model"])
+def test_cli_unknown_model_exits_1_with_one_sentence(tmp_path: Path) -> None:
+    r = CliRunner().invoke(_app(), ["no-such-model", "--onnx-dir", str(tmp_path)])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit)
-    assert "unknown model 'no-such-model'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "unroll export no-such-model" in r.stderr and "unroll models" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name, args, batch, sizes", [
+    ("csc-denoiser", [], (1, 4, 8), ((16, 16), (256, 256), (1024, 1024))),  # the card's trt_profile
+    ("csc-denoiser", ["--batch-max", "16", "--max-size", "512x768"], (1, 4, 16), ((16, 16), (256, 256), (512, 768))),
+    ("sdnet-mnist", ["--max-size", "64x64"], (1, 8, 32), None),  # fixed 28×28: sizes do not apply
+])
+def test_cli_profile_defaults_come_from_the_card(onnx_dir: Path, monkeypatch, name: str, args: list[str],
+                                                 batch, sizes) -> None:
+    seen = {}
+
+    def fake_build(n, precision, **kw):
+        seen.update(kw, name=n, precision=precision)
+        raise tb.TrtUnavailableError("stand-in: nothing built.")
+
+    monkeypatch.setattr(tb, "tensorrt_available", lambda: (True, "stand-in"))
+    monkeypatch.setattr(tb, "build_engine", fake_build)
+    r = CliRunner().invoke(_app(), [name, "--onnx-dir", str(onnx_dir), *args])
+    assert r.exit_code == 2 and "stand-in: nothing built." in r.stderr
+    assert seen["name"] == name and seen["batch"] == batch and seen["image_sizes"] == sizes
 
 
 @pytest.mark.parametrize("precision, command", [("fp32", "unroll export sdnet-mnist"),
@@ -110,71 +134,70 @@ def test_onnx_path_per_precision() -> None:
 
 
 def test_profile_mnist_fixed_28x28_and_lam_follows_batch(onnx_dir: Path) -> None:
-    model = onnx.load(onnx_dir / "sdnet-mnist.onnx")
+    model, card = onnx.load(onnx_dir / "sdnet-mnist.onnx"), _card(onnx_dir, "sdnet-mnist")
     assert not tb.has_dynamic_image(model)
-    p = tb.profile_shapes(model, (1, 8, 32), SIZES)  # image sizes are ignored: the resolution is fixed
+    p = tb.profile_shapes(model, card, (1, 8, 32), SIZES)  # image sizes are ignored: the resolution is fixed
     assert p == {"image": ((1, 1, 28, 28), (8, 1, 28, 28), (32, 1, 28, 28)), "lam": ((1,), (8,), (32,))}
-    assert tb.profile_shapes(model, (2, 4, 16))["lam"] == ((2,), (4,), (16,))
+    assert tb.profile_shapes(model, card, (2, 4, 16))["lam"] == ((2,), (4,), (16,))
+    assert tb.profile_shapes(model, card)["lam"] == tuple((b,) for b in card.trt_profile.batch)
 
 
 def test_profile_denoiser_dynamic_hw_and_sigma_follows_batch(onnx_dir: Path) -> None:
-    model = onnx.load(onnx_dir / "csc-denoiser.onnx")
+    model, card = onnx.load(onnx_dir / "csc-denoiser.onnx"), _card(onnx_dir, "csc-denoiser")
     assert tb.has_dynamic_image(model)
-    p = tb.profile_shapes(model, (1, 8, 32), ((16, 24), (256, 320), (1024, 768)))
+    p = tb.profile_shapes(model, card, (1, 8, 32), ((16, 24), (256, 320), (1024, 768)))
     assert p == {"noisy": ((1, 1, 16, 24), (8, 1, 256, 320), (32, 1, 1024, 768)),
                  "sigma": ((1,), (8,), (32,))}
-    with pytest.raises(ValueError, match="'noisy'.*give image sizes"):
-        tb.profile_shapes(model, (1, 8, 32), None)
+    (b0, b1, b2), dims = card.trt_profile.batch, card.trt_profile.dims
+    assert tb.profile_shapes(model, card) == {  # the card's profile
+        "noisy": tuple((b, 1, dims["1"][i], dims["2"][i]) for i, b in enumerate((b0, b1, b2))),
+        "sigma": ((b0,), (b1,), (b2,))}
+    no_dims = card.model_copy(update={"trt_profile": card.trt_profile.model_copy(update={"dims": {}})})
+    with pytest.raises(ValueError, match=r"'noisy'.*card\.trt_profile\.dims\['1'\].*image sizes"):
+        tb.profile_shapes(model, no_dims, (1, 8, 32), None)
 
 
 @pytest.mark.parametrize("batch, sizes, match", [
     ((4, 2, 8), SIZES, "batch"),
     ((0, 1, 2), SIZES, "batch"),
-    ((1, 8, 32), ((8, 8), (256, 256), (1024, 1024)), "height"),
+    ((1, 8, 32), ((8, 8), (256, 256), (1024, 1024)), "height"),  # under the card's min_size
     ((1, 8, 32), ((16, 16), (256, 2048), (1024, 1024)), "width"),
 ])
 def test_profile_rejects_inconsistent_ranges(onnx_dir: Path, batch, sizes, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        tb.profile_shapes(onnx.load(onnx_dir / "csc-denoiser.onnx"), batch, sizes)
+        tb.profile_shapes(onnx.load(onnx_dir / "csc-denoiser.onnx"), _card(onnx_dir, "csc-denoiser"), batch, sizes)
 
 
-def test_profile_other_dynamic_dims_need_a_named_range() -> None:
+def test_profile_token_axes_from_the_card() -> None:
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "tokens", 64])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "tokens", 64])
     model = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x], [y]))
-    with pytest.raises(ValueError, match="'x'.*'tokens'"):
-        tb.profile_shapes(model)
-    p = tb.profile_shapes(model, (1, 2, 4), dim_ranges={"tokens": (16, 64, 256)})
-    assert p == {"x": ((1, 16, 64), (2, 64, 64), (4, 256, 64))}
+    card = ModelCard(name="b", task="block", input=InputCard(name="x", shape=(-1, 64)), output="y")
+    with pytest.raises(ValueError, match=r"'x'.*'tokens'.*card\.trt_profile\.dims\['0'\]"):
+        tb.profile_shapes(model, card)
+    card = card.model_copy(update={"trt_profile": card.trt_profile.model_copy(
+        update={"batch": (1, 2, 4), "dims": {"0": (16, 64, 256)}})})
+    assert tb.profile_shapes(model, card) == {"x": ((1, 16, 64), (2, 64, 64), (4, 256, 64))}
 
 
 # ------------------------------------------------------------------------------------------ gate logic
 
 
-def test_gate_failures_say_which_metric_and_by_how_much() -> None:
-    good = {"top1_agreement": 1.0, "finite": True}
-    assert tb.gate_failures("classification", "fp32", good) == []
-    bad = tb.gate_failures("classification", "fp16", {"top1_agreement": 0.997, "finite": True})
-    assert len(bad) == 1 and "99.70%" in bad[0] and "99.90%" in bad[0] and "short by 0.20%" in bad[0]
-    acc = tb.gate_failures("classification", "int8", {"top1_agreement": 0.996, "accuracy_loss_points": 0.5,
-                                                      "finite": True})
-    assert len(acc) == 1 and "accuracy loss 0.50 points" in acc[0] and "by 0.20" in acc[0]
-    psnr = {"15": {"loss_db": 0.005}, "25": {"loss_db": 0.012}, "50": {"loss_db": -0.01}}
-    assert tb.gate_failures("denoising", "fp16", {"psnr": psnr, "finite": True}) == []
-    fail = tb.gate_failures("denoising", "fp32", {"psnr": psnr, "finite": True})
-    assert len(fail) == 1 and "σ=25" in fail[0] and "0.012 dB" in fail[0] and "by 0.002 dB" in fail[0]
-    assert tb.gate_failures("denoising", "int8", {"psnr": {"50": {"loss_db": 0.1}}, "finite": False}) \
-        == ["the engine produced NaN or Inf"]
-    assert tb.gate_failures("denoising", "fp32", {"psnr": psnr, "finite": True}, {"max_psnr_loss_db": 0.02}) == []
+def test_engine_gate_uses_the_cards_tolerances(onnx_dir: Path) -> None:
+    card = _card(onnx_dir, "csc-denoiser")
+    assert gates.tolerances(card, "fp32") == {"psnr_loss_db": 0.01}  # card.gate("fp32"), the engine's fp32 gate
+    assert gates.failures({"psnr_loss_db": 0.012, "worst_sigma": "σ=25"}, gates.tolerances(card, "fp32")) == [
+        "psnr_loss_db 0.012 dB > 0.010 dB at σ=25 (over by 0.002 dB)"]
+    assert gates.failures({"psnr_loss_db": 0.012}, gates.tolerances(card, "fp32", {"psnr_loss_db": 0.02})) == []
 
 
 def test_failed_gate_writes_json_and_keeps_no_plan(tmp_path: Path) -> None:
     plan, tmp_plan, js = tmp_path / "m.int8.plan", tmp_path / ".m.int8.plan.partial", tmp_path / "m.int8.json"
     plan.write_bytes(b"old plan")  # a previous build's plan must not stay beside a JSON that says "failed"
     tmp_plan.write_bytes(b"new plan")
-    with pytest.raises(tb.GateError, match="PSNR loss at σ=50 is 0.300 dB") as e:
+    with pytest.raises(tb.GateError, match="psnr_loss_db 0.300 dB > 0.150 dB at σ=50") as e:
         tb._finish(tmp_plan, plan, js, {"model": "m", "precision": "int8"},
-                   ["PSNR loss at σ=50 is 0.300 dB, over 0.15 dB (by 0.150 dB)"])
+                   ["psnr_loss_db 0.300 dB > 0.150 dB at σ=50 (over by 0.150 dB)"])
     assert "no plan was written" in str(e.value) and not plan.exists() and not tmp_plan.exists()
     assert json.loads(js.read_text())["passed"] is False and e.value.report["failures"]
     tmp_plan.write_bytes(b"new plan")
@@ -182,57 +205,20 @@ def test_failed_gate_writes_json_and_keeps_no_plan(tmp_path: Path) -> None:
     assert plan.read_bytes() == b"new plan" and json.loads(js.read_text())["passed"] is True
 
 
-def test_gate_cases_from_the_quantize_contract_forms() -> None:
-    feeds = {"image": np.zeros((2, 1, 28, 28), np.float32)}
-    forms = [tb.GateCase("a", feeds), {"label": "b", "feeds": feeds, "labels": np.array([1, 2])},
-             ("c", feeds), ("d", feeds, np.zeros((2, 1, 28, 28)))]
-    cases = [tb._coerce_case(i, f) for i, f in enumerate(forms)]
-    assert [c.label for c in cases] == ["a", "b", "c", "d"]
-    assert cases[1].labels.tolist() == [1, 2] and cases[3].clean is not None
-    with pytest.raises(tb.TrtBuildError, match="unexpected form"):
-        tb._coerce_case(0, [1, 2, 3])
-
-
-def test_gates_follow_the_quantization_step() -> None:
-    quantize = pytest.importorskip("unroll.export.quantize")
-    q = getattr(quantize, "DEFAULT_GATES", {})
-    for precision in ("fp16", "int8"):
-        g = tb.gates_for(precision)
-        if "accuracy_loss" in q.get(precision, {}):
-            assert g["max_accuracy_loss_points"] == pytest.approx(100 * q[precision]["accuracy_loss"])
-        if "psnr_loss_db" in q.get(precision, {}):
-            assert g["max_psnr_loss_db"] == q[precision]["psnr_loss_db"]
-    assert tb.gates_for("fp32") == tb.GATES["fp32"] and tb.gates_for("int8", {"max_psnr_loss_db": 1})[
-        "max_psnr_loss_db"] == 1
-
-
-def test_gate_data_source(onnx_dir: Path, monkeypatch) -> None:
-
-    profile = tb.profile_shapes(onnx.load(onnx_dir / "sdnet-mnist.onnx"))
-    with_targets = types.SimpleNamespace(gate_inputs=lambda name: [
-        {"label": "q", "feeds": {"image": np.zeros((2, 1, 28, 28), np.float32)}, "labels": np.array([0, 1])}])
-    monkeypatch.setattr(export, "quantize", with_targets, raising=False)
-    cases, source = tb.gate_cases("sdnet-mnist", "classification", list(profile), profile, onnx_dir)
-    assert source == "unroll.export.quantize.gate_inputs" and [c.label for c in cases] == ["q"]
-    bare = types.SimpleNamespace(gate_inputs=lambda name: [{"image": np.zeros((2, 1, 28, 28), np.float32)}])
-    monkeypatch.setattr(export, "quantize", bare)
-    cases, source = tb.gate_cases("sdnet-mnist", "classification", list(profile), profile, onnx_dir)
-    assert "same held-out data" in source and sum(len(c.labels) for c in cases) == 1000
-
-    def unsupported(name: str):
-        raise ValueError(name)
-
-    monkeypatch.setattr(export, "quantize", types.SimpleNamespace(gate_inputs=unsupported))
-    assert tb.gate_cases("sdnet-mnist", "classification", list(profile), profile, onnx_dir)[1] == \
-        "built here (held-out data)"
-
-
-def test_split_cases_cuts_batches_larger_than_the_profile() -> None:
-    big = tb.GateCase("all", {"image": np.zeros((70, 1, 28, 28), np.float32), "lam": np.zeros(70, np.float32)},
-                      labels=np.arange(70))
-    parts = tb.split_cases([big, tb.GateCase("one", {"image": np.zeros((1, 1, 28, 28), np.float32)})], 32)
-    assert [len(p.feeds["image"]) for p in parts] == [32, 32, 6, 1]
-    assert parts[2].labels.tolist() == list(range(64, 70)) and parts[2].label == "all [64:70]"
+def test_engine_gate_cases_fit_the_profile(onnx_dir: Path) -> None:
+    model, card = onnx.load(onnx_dir / "sdnet-mnist.onnx"), _card(onnx_dir, "sdnet-mnist")
+    cases, source = tb.engine_gate_cases(card, tb.profile_shapes(model, card, (1, 8, 32)))
+    assert len(cases) == 32 and max(len(c) for c in cases) == 32 and sum(len(c) for c in cases) == 1000
+    assert source.startswith("card.data.test = mnist-test: 32 batches, 1000 samples")
+    model, card = onnx.load(onnx_dir / "csc-denoiser.onnx"), _card(onnx_dir, "csc-denoiser")
+    cases, source = tb.engine_gate_cases(card, tb.profile_shapes(model, card, (1, 2, 4), ((16, 16), (64, 64),
+                                                                                            (200, 300))))
+    assert {c.level for c in cases} == set(card.sigma.gate_levels) and "left out" not in source
+    assert all(c.feeds["noisy"].shape[2] <= 200 and c.feeds["noisy"].shape[3] <= 300 for c in cases)  # cropped
+    cases, source = tb.engine_gate_cases(card, tb.profile_shapes(model, card, (1, 2, 4), ((300, 300),) * 3))
+    assert 0 < len(cases) < 24 and "smaller than the profile minimum left out" in source
+    with pytest.raises(tb.TrtBuildError, match="none of the 24 gate cases"):
+        tb.engine_gate_cases(card, tb.profile_shapes(model, card, (1, 2, 4), ((1500, 1500),) * 3))
 
 
 class _OrtRunner:
@@ -250,31 +236,34 @@ class _OrtRunner:
 
 
 def test_parity_check_classifier_on_mnist_digits(onnx_dir: Path) -> None:
-    path = onnx_dir / "sdnet-mnist.onnx"
-    profile = tb.profile_shapes(onnx.load(path), (1, 8, 32))
-    cases = tb.default_gate_cases("sdnet-mnist", list(profile), profile, onnx_dir)
-    assert len(cases) == 32 and sum(len(c.feeds["image"]) for c in cases) == 1000  # the whole test split
-    assert np.allclose(cases[0].feeds["lam"], 0.1)  # the model's own λ, from the export report
-    same = tb.parity_check(_OrtRunner(path), path, "classification", cases[:2], bmin=1)
+    path, card = onnx_dir / "sdnet-mnist.onnx", _card(onnx_dir, "sdnet-mnist")
+    cases, _ = tb.engine_gate_cases(card, tb.profile_shapes(onnx.load(path), card, (1, 8, 32)))
+    assert np.allclose(cases[0].feeds["lam"], card.lam.default)  # the model's own λ, from the card
+    same = tb.parity_check(_OrtRunner(path), path, card, cases[:2], bmin=1)
     assert same["top1_agreement"] == 1.0 and same["max_abs_diff"] == 0.0 and same["samples"] == 64
-    assert same["accuracy_loss_points"] == 0.0 and same["accuracy_reference"] > 0.9
-    assert tb.gate_failures("classification", "fp32", same) == []
-    noisy = tb.parity_check(_OrtRunner(path, noise=5.0), path, "classification", cases[:2], bmin=4)
-    assert noisy["top1_agreement"] < 0.999 and tb.gate_failures("classification", "fp32", noisy)
+    assert same["accuracy_loss"] == 0.0 and same["accuracy_fp32"] > 0.9 and "onnxruntime" in same["reference"]
+    assert gates.failures(same, card.gate("fp32")) == []
+    noisy = tb.parity_check(_OrtRunner(path, noise=5.0), path, card, cases[:2], bmin=4)
+    assert noisy["top1_agreement"] < 0.999 and gates.failures(noisy, card.gate("fp32"))
 
 
-def test_parity_check_denoiser_psnr_at_three_sigmas(onnx_dir: Path) -> None:
-    path = onnx_dir / "csc-denoiser.onnx"
-    profile = tb.profile_shapes(onnx.load(path), (1, 8, 32), ((16, 16), (256, 256), (512, 512)))
-    cases = tb.default_gate_cases("csc-denoiser", list(profile), profile, onnx_dir)
-    assert {c.sigma255 for c in cases} == {15.0, 25.0, 50.0}
-    assert all(c.feeds["noisy"].shape[2] <= 512 and c.feeds["noisy"].shape[3] <= 512 for c in cases)  # cropped
+def test_parity_check_denoiser_psnr_at_the_gate_levels(onnx_dir: Path) -> None:
+    path, card = onnx_dir / "csc-denoiser.onnx", _card(onnx_dir, "csc-denoiser")
+    cases, _ = tb.engine_gate_cases(card, tb.profile_shapes(onnx.load(path), card, (1, 8, 32),
+                                                            ((16, 16), (256, 256), (512, 512))))
     small = [c for c in cases if c.label.startswith("text")]
-    same = tb.parity_check(_OrtRunner(path), path, "denoising", small, bmin=2)
-    assert set(same["psnr"]) == {"15", "25", "50"}
-    assert all(r["loss_db"] == 0.0 and r["reference_db"] > 20 for r in same["psnr"].values())
-    noisy = tb.parity_check(_OrtRunner(path, noise=0.02), path, "denoising", small)
-    assert any("PSNR loss" in f for f in tb.gate_failures("denoising", "int8", noisy))
+    same = tb.parity_check(_OrtRunner(path), path, card, small, bmin=2)
+    assert set(same["per_sigma"]) == {"15", "25", "50"}
+    assert all(r["psnr_loss_db"] == 0.0 and r["psnr_fp32"] > 20 for r in same["per_sigma"].values())
+    noisy = tb.parity_check(_OrtRunner(path, noise=0.02), path, card, small)
+    assert any(f.startswith("psnr_loss_db") for f in gates.failures(noisy, card.gate("int8")))
+
+
+def test_parity_check_rejects_an_output_of_another_shape(onnx_dir: Path) -> None:
+    path, card = onnx_dir / "sdnet-mnist.onnx", _card(onnx_dir, "sdnet-mnist")
+    cases = gates.gate_cases(card, max_batch=4)[:1]
+    with pytest.raises(tb.TrtBuildError, match=r"candidate output shape \(4, 9\)"):
+        tb.parity_check(lambda f: {"logits": np.zeros((4, 9), np.float32)}, path, card, cases)
 
 
 # ------------------------------------------------------------------------------ build flow, stand-in TensorRT
@@ -390,13 +379,13 @@ def test_build_flow_with_a_stand_in_tensorrt(onnx_dir: Path, tmp_path: Path, mon
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d=0: "Stand-in GPU")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d=0: (9, 0))
-    digits = tb.default_gate_cases("sdnet-mnist", ["image", "lam"], tb.profile_shapes(
-        onnx.load(onnx_dir / "sdnet-mnist.onnx")), onnx_dir)[:2]
-    monkeypatch.setattr(tb, "gate_cases", lambda *a: (digits, "first 64 test digits"))
+    real = tb.engine_gate_cases
+    monkeypatch.setattr(tb, "engine_gate_cases", lambda card, profile: (real(card, profile)[0][:2], "first batches"))
     monkeypatch.setattr(tb, "EngineRunner", _PlanRunner)
     cache = tmp_path / "timing.cache"
 
-    report = tb.build_engine("sdnet-mnist", onnx_dir=onnx_dir, out_dir=tmp_path, opt_level=4, timing_cache=cache)
+    report = tb.build_engine("sdnet-mnist", onnx_dir=onnx_dir, out_dir=tmp_path, batch=(1, 8, 32), opt_level=4,
+                             timing_cache=cache)
     assert ("create_network", flags) in calls  # STRONGLY_TYPED on 10.x; 11.x is always strongly typed
     assert ("set_memory_pool_limit", 0, 4 << 30) in calls and ("config.builder_optimization_level", 4) in calls
     assert ("clear_flag", 7) in calls and ("create_timing_cache", b"") in calls  # TF32 off; a new timing cache
@@ -405,14 +394,20 @@ def test_build_flow_with_a_stand_in_tensorrt(onnx_dir: Path, tmp_path: Path, mon
     assert cache.read_bytes() == b"cache v1" and (tmp_path / "sdnet-mnist.fp32.plan").exists()
     on_disk = json.loads((tmp_path / "sdnet-mnist.fp32.json").read_text())
     assert on_disk == report and report["passed"] and report["parity"]["top1_agreement"] == 1.0
+    assert report["gate"] == {"top1_agreement": 0.999, "accuracy_loss": 0.001}  # card.gate("fp32")
+    assert report["card"]["name"] == "sdnet-mnist"
+    assert report["gate_data"] == "first batches" and report["task"] == "classification"
     assert report["tensorrt"] == version and report["gpu"] == {"name": "Stand-in GPU", "compute_capability": "9.0"}
     assert report["profiles"][0]["lam"] == {"min": [1], "opt": [8], "max": [32]} and report["max_batch_size"] == 32
 
     tb.build_engine("sdnet-mnist", onnx_dir=onnx_dir, out_dir=tmp_path, timing_cache=cache)  # reuses the cache
+    card_batch = _card(onnx_dir, "sdnet-mnist").trt_profile.batch
+    assert calls[-1] == ("profile", {"image": tuple((b, 1, 28, 28) for b in card_batch),  # the card's batch range
+                                     "lam": tuple((b,) for b in card_batch)})
     assert ("create_timing_cache", b"cache v1") in calls
 
     monkeypatch.setattr(tb, "EngineRunner", lambda plan: _PlanRunner(plan, noise=5.0))
-    with pytest.raises(tb.GateError, match="top-1 agreement .* below 99.90%"):
+    with pytest.raises(tb.GateError, match=r"top1_agreement \d+\.\d+% < 99\.90%"):
         tb.build_engine("sdnet-mnist", onnx_dir=onnx_dir, out_dir=tmp_path, timing_cache=cache)
     assert not (tmp_path / "sdnet-mnist.fp32.plan").exists()  # the earlier plan went with the failed build
     assert json.loads((tmp_path / "sdnet-mnist.fp32.json").read_text())["passed"] is False
@@ -437,13 +432,14 @@ def test_fp32_engine_builds_and_matches_onnxruntime(onnx_dir: Path, tmp_path: Pa
     assert on_disk["tensorrt"].split(".")[0] in {"10", "11"} and on_disk["gpu"]["compute_capability"]
     assert on_disk["profiles"][0] == {n: {"min": list(a), "opt": list(b), "max": list(c)}
                                       for n, (a, b, c) in tb.profile_shapes(onnx.load(onnx_dir / f"{name}.onnx"),
-                                                                            (1, 8, 32), sizes).items()}
+                                                                            _card(onnx_dir, name), (1, 8, 32),
+                                                                            sizes).items()}
     parity = report["parity"]
     if name == "sdnet-mnist":
         assert parity["samples"] == 1000 and parity["top1_agreement"] >= 0.999
     else:
-        assert set(parity["psnr"]) == {"15", "25", "50"}
-        assert all(r["loss_db"] <= 0.01 for r in parity["psnr"].values())
+        assert set(parity["per_sigma"]) == {"15", "25", "50"}
+        assert all(r["psnr_loss_db"] <= 0.01 for r in parity["per_sigma"].values())
     assert parity["max_abs_diff"] < 1e-2
     # the runner on its own, at a batch and size inside the profile
     feeds = ({"image": np.random.default_rng(0).random((5, 1, 28, 28), np.float32),

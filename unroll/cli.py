@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -27,7 +28,7 @@ err = Console(stderr=True)
 
 def fail(message: str, code: int = 1) -> typer.Exit:
     """Print one clear sentence (no traceback) and return the exit to raise."""
-    err.print(f"[bold red]error:[/] {message}")
+    err.print(f"[bold red]error:[/] {escape(message)}")
     return typer.Exit(code)
 
 
@@ -133,7 +134,7 @@ def train(
 def _print_options(name: str, options) -> None:
     console.print(f"{name}'s recipe options:" if options else f"{name}'s recipe has no options of its own")
     for o in options:
-        console.print(f"  {o.describe()}")
+        console.print(f"  {escape(o.describe())}")
 
 
 @app.command("eval", context_settings=_EXTRA)
@@ -167,7 +168,7 @@ def evaluate(
             table.add_row(*row)
         console.print(table)
     for line in result.lines:
-        console.print(line)
+        console.print(escape(line))
     if write:
         record["metrics"] = {**record.get("metrics", {}), **result.metrics}
         spec.info_path.write_text(json.dumps(record, indent=2) + "\n")

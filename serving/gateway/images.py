@@ -6,14 +6,16 @@ Rules (documented in the README and the OpenAPI description):
   runs on client bytes). Multi-frame files (TIFF, animated WebP) use their first frame.
 * The pixel count comes from the header and is checked *before* any pixel is decoded; Pillow's own
   decompression-bomb guard (``Image.MAX_IMAGE_PIXELS``) is set to the same limit as a second line.
-* Classification: EXIF orientation applied; alpha flattened onto **black**; RGB → luma (ITU-R 601-2, as
-  Pillow's ``L``); a non-square image is padded with black to a centred square; then resized to the
-  model's input size (28×28 for ``sdnet-mnist``) with Lanczos, clipped to [0, 1]. MNIST digits are
-  **white on black**; images are never inverted automatically — send a dark-on-light digit inverted.
+* Classification, driven by the model's card (``card.input``): EXIF orientation applied; alpha flattened
+  onto **black**; colour converted to the card's (``gray``: RGB → luma, ITU-R 601-2 as Pillow's ``L``;
+  ``rgb``: three planes, a gray image repeated); fitted to the card's fixed H×W by its ``resize`` policy
+  (``pad-square``: padded with black to a centred square, then resized; ``stretch``: resized; Lanczos,
+  clipped to [0, 1]); scaled to the card's value range and normalised per channel, ``(x - mean) / std``.
+  Images are never inverted automatically (digit classifiers trained white on black need such input).
 * Denoising: the stored pixel grid is kept (no EXIF rotation, no resize). Gray, RGB, gray+alpha and
-  RGBA keep their mode (each colour channel is denoised as one item of a batch ``[C,1,H,W]``, alpha is
-  copied); 16-bit gray stays 16-bit. PNG cannot hold palette, 1-bit, CMYK, YCbCr, LAB or HSV images:
-  those come back as RGB(A) or 8-bit gray. Float images are refused (415). Metadata is not copied.
+  RGBA keep their mode (for a single-channel denoiser each colour channel is one item of a batch
+  ``[C,1,H,W]``; alpha is copied); 16-bit gray stays 16-bit. PNG cannot hold palette, 1-bit, CMYK, YCbCr,
+  LAB or HSV images: those come back as RGB(A) or 8-bit gray. Float images are refused (415). Metadata is not copied.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 from unroll.serving.gateway.errors import ApiError
+
+from unroll.card import InputCard
 
 #: Content type → Pillow format; these and nothing else are decoded.
 CONTENT_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP",
@@ -144,24 +148,70 @@ def encode_png(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-def classifier_input(img: Image.Image, size: tuple[int, int]) -> np.ndarray:
-    """``[1, 1, H, W]`` float32 in [0, 1] following the classification rules in the module docstring."""
+def classifier_input(img: Image.Image, card: InputCard) -> np.ndarray:
+    """``[1, C, H, W]`` float32 for a classifier, following the rules in the module docstring and its card.
+
+    Alpha is flattened onto black; colour is converted to the card's (``gray`` → luma, ``rgb`` → three planes,
+    a gray image repeated); the image is fitted to the card's fixed H×W by its ``resize`` policy (``pad-square``,
+    ``stretch``; ``none`` needs the exact size, a dynamic input keeps the image's); then scaled to the card's
+    value range and normalised per channel with its ``mean`` / ``std``.
+    """
     img = ImageOps.exif_transpose(img)
     planes = to_planes(img)
-    c = planes.data
-    gray = c[0] if len(c) == 1 else 0.299 * c[0] + 0.587 * c[1] + 0.114 * c[2]
+    x = planes.data
     if planes.alpha is not None:
-        gray = gray * (planes.alpha.astype(np.float32) / 255.0)
-    h, w = gray.shape
+        x = x * (planes.alpha.astype(np.float32) / 255.0)
+    x = _colour(x, card.colour)
+    size = card.fixed_hw
+    if size is not None and x.shape[1:] != size:
+        x = np.stack([_fit(c, size, card.resize) for c in x])
+    return to_graph(x[None], card)
+
+
+def to_graph(x: np.ndarray, card: InputCard) -> np.ndarray:
+    """``[N, C, H, W]`` in [0, 1] → the card's value range, normalised per channel: ``(x - mean) / std``."""
+    lo, hi = card.value_range
+    mean, std = _stats(card)
+    return np.ascontiguousarray((lo + x * (hi - lo) - mean) / std, dtype=np.float32)
+
+
+def from_graph(y: np.ndarray, card: InputCard) -> np.ndarray:
+    """The inverse of :func:`to_graph`, for a graph whose output is an image like its input (denoisers)."""
+    lo, hi = card.value_range
+    mean, std = _stats(card)
+    return ((y * std + mean) - lo) / (hi - lo)
+
+
+def _stats(card: InputCard) -> tuple[np.ndarray, np.ndarray]:
+    return (np.asarray(card.mean, np.float32).reshape(-1, 1, 1),  # broadcasts over [N, C, H, W] and [C, H, W]
+            np.asarray(card.std, np.float32).reshape(-1, 1, 1))
+
+
+def _colour(x: np.ndarray, colour: str | None) -> np.ndarray:
+    """``[C, H, W]`` planes in the card's colour: luma (ITU-R 601-2, as Pillow's ``L``) or RGB."""
+    if colour == "gray":
+        return x if len(x) == 1 else (0.299 * x[0] + 0.587 * x[1] + 0.114 * x[2])[None]
+    if colour == "rgb":
+        return x if len(x) == 3 else np.repeat(x, 3, axis=0)
+    raise ApiError(422, "unsupported_model_input", f"the model's input is not an image (card colour {colour!r})")
+
+
+def _fit(plane: np.ndarray, size: tuple[int, int], resize: str) -> np.ndarray:
+    """One ``[H, W]`` plane fitted to ``size``: centred black padding to a square first for ``pad-square``."""
     th, tw = size
-    if (h, w) != (th, tw):
+    if resize == "none":
+        h, w = plane.shape
+        raise ApiError(422, "invalid_image_size", f"image is {w}×{h}; the model takes exactly {tw}×{th} "
+                                                  "(its card allows no resizing)")
+    if resize == "pad-square":
+        h, w = plane.shape
         side = max(h, w)
         square = np.zeros((side, side), np.float32)
         top, left = (side - h) // 2, (side - w) // 2
-        square[top:top + h, left:left + w] = gray
-        gray = np.asarray(Image.fromarray(square).resize((tw, th), Image.Resampling.LANCZOS))
-        gray = np.clip(gray, 0.0, 1.0)
-    return np.ascontiguousarray(gray, dtype=np.float32)[None, None]
+        square[top:top + h, left:left + w] = plane
+        plane = square
+    out = np.asarray(Image.fromarray(plane.astype(np.float32)).resize((tw, th), Image.Resampling.LANCZOS))
+    return np.clip(out, 0.0, 1.0)
 
 
 def estimate_sigma(planes: Planes) -> float:

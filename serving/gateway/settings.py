@@ -18,7 +18,6 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 #: Environment variable for each setting: ``UNROLL_`` + the upper-case field name.
 ENV_PREFIX = "UNROLL_"
-PROTOCOLS = ("http", "grpc")
 
 _Names = Annotated[tuple[str, ...], NoDecode]  # comma-separated in the environment, not JSON
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from unroll import data
+from unroll.metrics import psnr
 from unroll.models.denoiser import CSCDenoiser
 from unroll.train import Evaluation, Option, ProgressFactory, Table, TrainRun
 
@@ -123,12 +124,6 @@ def train_denoiser(
                   "n_steps": model.n_steps, "border": model.border},
     }
     return model, recipe
-
-
-def psnr(clean: np.ndarray, estimate: np.ndarray) -> float:
-    from skimage.metrics import peak_signal_noise_ratio
-
-    return float(peak_signal_noise_ratio(clean, np.clip(estimate, 0, 1), data_range=1.0))
 
 
 @torch.inference_mode()

@@ -1,0 +1,405 @@
+"""The one accuracy gate: held-out data, metrics, tolerances and their units, used by quantize and build.
+
+A *candidate* (an FP16/INT8 ONNX in ONNX Runtime, or a TensorRT engine) is compared with the *reference*
+(the verified FP32 ONNX in ONNX Runtime) on real held-out data that the model card names. Everything
+here is read from the card (:mod:`unroll.card`): the task, the data, the λ/σ inputs, the gate levels,
+and the tolerances (``card.gate(precision)``: the task's defaults, then the card's own overrides).
+
+Metrics (one table, :data:`METRICS`; tolerance names are these metric names):
+
+==================  =========  ========  ==========================================================
+metric              direction  unit      what
+==================  =========  ========  ==========================================================
+``top1_agreement``  min        fraction  classifiers: share of samples whose top-1 class equals FP32's
+``accuracy_loss``   max        fraction  classifiers with labels: FP32 accuracy − candidate accuracy
+``psnr_loss_db``    max        dB        denoisers: mean PSNR loss vs FP32, at the worst gate σ
+``rel_err``         max        ratio     every task: ‖candidate − reference‖₂ / ‖reference‖₂ over all
+                                         gate outputs (the gate of blocks and λ rules)
+==================  =========  ========  ==========================================================
+
+Gate data (:func:`gate_cases`), by task:
+
+* ``classification`` / ``lambda-rule``: the card's gate split (``card.data.test`` or ``.validation``,
+  per ``card.data.gate``), a labelled dataset, fitted to ``card.input.shape`` (resize, channel match);
+  the λ input, if the graph has one, at ``card.lam.default``. Without labels only agreement is measured.
+* ``denoising``: every image of the gate split at each ``card.sigma.gate_levels`` σ, with the seeded
+  noise every evaluation uses (``data.add_noise(img, σ, data.noise_seed(name, σ))``); the σ input is
+  σ / ``card.sigma.scale``. Crops (centred) keep the images inside an engine's largest H×W.
+* ``block``: an image-like block (``card.input.colour`` set) uses its gate split like a classifier. A
+  feature or token block has no dataset of its own: it gets the export's example inputs, built from the
+  card alone — non-overlapping √d×√d patches of the bundled photos as tokens (``[N, d]``) or laid out on
+  the ``[C, H, W]`` grid (see :mod:`unroll.export.inputs`). That keeps the gate independent of the
+  registry, so a graph whose model is not registered here still has a real gate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from unroll import data
+from unroll.card import ModelCard
+
+Feeds = dict[str, np.ndarray]
+Run = Callable[[Feeds], np.ndarray]
+
+#: Classifier gate data per batch when the caller sets no maximum (ONNX Runtime copes; engines set theirs).
+DEFAULT_MAX_BATCH = 250
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One gate metric: which way is better, its unit, and how values are written in messages."""
+
+    direction: Literal["min", "max"]  # min: the value must be ≥ the tolerance; max: ≤
+    unit: str
+    description: str
+    #: The value a perfect candidate has (what the safety margin measures towards).
+    best: float
+    #: Tasks that produce the metric (a tolerance for another task's metric is an error).
+    tasks: tuple[str, ...]
+    scale: float = 1.0  # values are shown times this…
+    spec: str = ".3f"  # …in this format…
+    suffix: str = ""  # …followed by this
+    #: Key in the metrics naming where the value was taken (e.g. the worst σ), if any.
+    where: str | None = None
+
+    def format(self, value: float) -> str:
+        return f"{value * self.scale:{self.spec}}{self.suffix}"
+
+    def passes(self, value: float, tolerance: float) -> bool:
+        """NaN never passes."""
+        return bool(value >= tolerance) if self.direction == "min" else bool(value <= tolerance)
+
+
+_ALL_TASKS = ("classification", "denoising", "block", "lambda-rule")
+METRICS: dict[str, Metric] = {
+    "top1_agreement": Metric("min", "fraction", "share of samples whose top-1 class equals the FP32 reference's",
+                             best=1.0, tasks=("classification",), scale=100.0, spec=".2f", suffix="%"),
+    "accuracy_loss": Metric("max", "fraction", "FP32 accuracy minus candidate accuracy on the labelled gate split",
+                            best=0.0, tasks=("classification",), scale=100.0, spec=".2f", suffix=" points"),
+    "psnr_loss_db": Metric("max", "dB", "mean PSNR of FP32 minus the candidate's, at the worst gate σ",
+                           best=0.0, tasks=("denoising",), spec=".3f", suffix=" dB", where="worst_sigma"),
+    "rel_err": Metric("max", "ratio", "‖candidate − reference‖₂ / ‖reference‖₂ over all gate outputs",
+                      best=0.0, tasks=_ALL_TASKS, spec=".2e"),
+}
+
+
+def tolerances(card: ModelCard, precision: str, overrides: Mapping[str, float] | None = None) -> dict[str, float]:
+    """The gate for ``precision``: ``card.gate(precision)`` (task defaults, then the card's), then ``overrides``.
+
+    An override naming an unknown metric, or one the model's task does not produce, is an error (a gate
+    that silently never applies is worse than none).
+    """
+    for name in overrides or {}:
+        if name not in METRICS:
+            raise ValueError(f"unknown gate metric {name!r}; known: {', '.join(METRICS)}")
+        if card.task not in METRICS[name].tasks:
+            usable = [m for m, spec in METRICS.items() if card.task in spec.tasks]
+            raise ValueError(f"gate metric {name!r} does not apply to {card.name} (a {card.task} model); "
+                             f"its metrics: {', '.join(usable)}")
+    return {**card.gate(precision), **{k: float(v) for k, v in (overrides or {}).items()}}
+
+
+# ---------------------------------------------------------------------------------------------- gate data
+
+
+@dataclass
+class GateCase:
+    """One batch of gate data: the graph's inputs, and what the task metric needs beside the reference."""
+
+    label: str
+    feeds: Feeds
+    #: Classifiers: the true classes, for the accuracy delta (``None``: agreement only).
+    labels: np.ndarray | None = None
+    #: Denoisers: the clean image(s), same shape as the output.
+    clean: np.ndarray | None = None
+    #: Denoisers: the noise level σ on the 0–255 scale (the metric is reported per level).
+    level: float | None = None
+
+    def __len__(self) -> int:
+        return len(next(iter(self.feeds.values())))
+
+
+def role_dataset(card: ModelCard, role: str) -> data.Dataset:
+    """The dataset the card names for ``role`` (train/validation/test/stress); unset is an error naming the field."""
+    ds_id = getattr(card.data, role, None)
+    if ds_id is None:
+        raise ValueError(f"{card.name}: no {role} data; set card.data.{role} to one of "
+                         f"{', '.join(data.DATASETS)} in the model's registration")
+    return data.dataset(ds_id)
+
+
+def fit_to_card(card: ModelCard, x: np.ndarray) -> np.ndarray:
+    """``[N, C, H, W]`` images fitted to the card's input: resized to a fixed H×W, channels matched."""
+    from unroll.export.inputs import fit_images
+
+    shape = card.input.shape
+    if len(shape) != 3:
+        raise ValueError(f"{card.name}: images cannot feed an input of shape {list(shape)} "
+                         "(card.input.shape is not [C, H, W])")
+    c, h, w = shape
+    target = (c, h if h > 0 else x.shape[2], w if w > 0 else x.shape[3])
+    return fit_images(x, target).numpy()
+
+
+def feature_inputs(card: ModelCard) -> np.ndarray:
+    """A feature/token block's example inputs: patches of the bundled photos, ``[3, *card.input.shape]``."""
+    from unroll.export.inputs import _tokens
+
+    shape = list(card.input.shape)
+    for axis, n in enumerate(shape):
+        if n < 0:
+            rng = card.trt_profile.dims.get(str(axis))
+            if rng is None:
+                raise ValueError(f"{card.name}: input axis {axis} is dynamic; set card.trt_profile.dims['{axis}'] "
+                                 "(its opt size is the example inputs' size)")
+            shape[axis] = rng[1]
+    photos = data.PHOTOS[:3]
+    if len(shape) == 2:  # tokens [N, d]
+        n, dim = shape
+        x = np.concatenate([_tokens(n, dim, p).numpy() for p in photos])
+    elif len(shape) == 3:  # feature map [C, H, W]: H·W tokens of dimension C on the grid
+        c, h, w = shape
+        x = np.concatenate([_tokens(h * w, c, p).transpose(1, 2).reshape(1, c, h, w).numpy() for p in photos])
+    else:
+        raise ValueError(f"{card.name}: no example inputs for a feature input of shape {list(card.input.shape)}; "
+                         "give the card a dataset (card.data) and an image input")
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def real_inputs(card: ModelCard, role: str) -> tuple[np.ndarray, np.ndarray | None, str]:
+    """Real inputs for a non-denoising graph from the card's ``role`` data: ``(x, labels or None, source)``.
+
+    A feature/token block without data of its own gets :func:`feature_inputs`.
+    """
+    if getattr(card.data, role, None) is None and card.task == "block" and card.input.colour is None:
+        return feature_inputs(card), None, "bundled photos as tokens/feature maps (the export's example inputs)"
+    ds = role_dataset(card, role)
+    if ds.kind != "labelled":
+        raise ValueError(f"{card.name}: card.data.{role} = {ds.id!r} holds {ds.kind}, but a {card.task} gate "
+                         "needs a labelled (array) dataset")
+    x, y = ds.load()
+    return fit_to_card(card, x), (None if y is None else np.asarray(y)), ds.id
+
+
+def _lam_feed(card: ModelCard, n: int) -> Feeds:
+    if card.lam is None:
+        return {}
+    if card.lam.default is None:
+        raise ValueError(f"{card.name}: card.lam.default is unset (export fills it in from the model)")
+    return {card.lam.input: np.full(n, card.lam.default, np.float32)}
+
+
+def _center_crop(img: np.ndarray, hw: tuple[int, int] | None) -> np.ndarray:
+    if hw is None:
+        return img
+    h, w = img.shape[-2:]
+    top, left = max(0, (h - hw[0]) // 2), max(0, (w - hw[1]) // 2)
+    return img[..., top:top + min(h, hw[0]), left:left + min(w, hw[1])]
+
+
+def _denoising_cases(card: ModelCard, role: str, max_hw: tuple[int, int] | None) -> list[GateCase]:
+    ds = role_dataset(card, role)
+    if ds.kind != "images":
+        raise ValueError(f"{card.name}: card.data.{role} = {ds.id!r} holds {ds.kind}, a denoiser gate needs images")
+    channels = card.input.shape[0]
+    cases = []
+    for name, img in ds.load().items():
+        clean = np.repeat(img[None, None], channels, axis=1).astype(np.float32)
+        for s in card.sigma.gate_levels:
+            noisy = np.repeat(data.add_noise(img, s, data.noise_seed(name, s))[None, None], channels, axis=1)
+            c, n = _center_crop(clean, max_hw), _center_crop(noisy, max_hw)
+            cases.append(GateCase(f"{name} {c.shape[2]}×{c.shape[3]} σ={s:g}",
+                                  {card.input.name: np.ascontiguousarray(n),
+                                   card.sigma.input: np.array([s / card.sigma.scale], np.float32)},
+                                  clean=np.ascontiguousarray(c), level=float(s)))
+    return cases
+
+
+def gate_cases(card: ModelCard, split: str | None = None, max_batch: int | None = None,
+               max_hw: tuple[int, int] | None = None) -> list[GateCase]:
+    """Real held-out gate data for the card's model (see the module docstring for what, per task).
+
+    ``split``: the data role (default ``card.data.gate``); ``max_batch``: largest batch per case;
+    ``max_hw``: denoisers' images are centre-cropped to at most this H×W.
+    """
+    role = split or card.data.gate
+    if max_batch is not None and max_batch < 1:
+        raise ValueError(f"max_batch must be ≥ 1, not {max_batch}")
+    if card.task == "denoising":
+        return _denoising_cases(card, role, max_hw)
+    x, y, source = real_inputs(card, role)
+    step = max_batch or DEFAULT_MAX_BATCH
+    cases = []
+    for s in range(0, len(x), step):
+        part = x[s:s + step]
+        cases.append(GateCase(f"{source} [{s}:{s + len(part)}]", {card.input.name: part, **_lam_feed(card, len(part))},
+                              labels=None if y is None else y[s:s + step]))
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+
+def onnxruntime_run(model, output: str, threads: int = 2) -> Run:
+    """A :data:`Run` over ONNX Runtime on CPU (``model``: a path or an ``onnx.ModelProto``) returning ``output``."""
+    import onnx
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(Path(model))
+    sess = ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+    return lambda feeds: sess.run([output], feeds)[0]
+
+
+def reference_outputs(cases: Sequence[GateCase], run: Run) -> list[np.ndarray]:
+    """The reference's outputs once, so many candidates can be measured against them."""
+    return [np.asarray(run(c.feeds), np.float32) for c in cases]
+
+
+def _psnr(clean: np.ndarray, estimate: np.ndarray) -> float:
+    from skimage.metrics import peak_signal_noise_ratio
+
+    return float(peak_signal_noise_ratio(clean, np.clip(estimate, 0, 1), data_range=1.0))
+
+
+def _classification(cases: Sequence[GateCase], refs: list[np.ndarray], gots: list[np.ndarray]) -> dict:
+    r, g = np.concatenate(refs).argmax(1), np.concatenate(gots).argmax(1)
+    out = {"n": len(r), "top1_agreement": float(np.mean(r == g))}
+    if all(c.labels is not None for c in cases):
+        y = np.concatenate([np.asarray(c.labels) for c in cases])
+        acc_ref, acc_got = float(np.mean(r == y)), float(np.mean(g == y))
+        out.update(accuracy_fp32=acc_ref, accuracy=acc_got, accuracy_loss=acc_ref - acc_got)
+    return out
+
+
+def _denoising(cases: Sequence[GateCase], refs: list[np.ndarray], gots: list[np.ndarray]) -> dict:
+    rows: dict[str, dict[str, list[float]]] = {}
+    for c, a, b in zip(cases, refs, gots, strict=True):
+        if c.clean is None or c.level is None:
+            raise ValueError(f"gate case {c.label!r}: a denoiser's gate needs the clean image and σ level")
+        row = rows.setdefault(f"{c.level:g}", {"ref": [], "got": [], "diff": []})
+        for k in range(len(a)):
+            row["ref"].append(_psnr(c.clean[k], a[k]))
+            row["got"].append(_psnr(c.clean[k], b[k]))
+        row["diff"].append(float(np.max(np.abs(a - b))))
+    per = {s: {"images": len(v["ref"]), "psnr_fp32": float(np.mean(v["ref"])), "psnr": float(np.mean(v["got"])),
+               "psnr_loss_db": float(np.mean(v["ref"]) - np.mean(v["got"])), "max_abs_diff": max(v["diff"])}
+           for s, v in rows.items()}
+    worst = max(per, key=lambda s: per[s]["psnr_loss_db"])
+    return {"per_sigma": per, "psnr_loss_db": per[worst]["psnr_loss_db"], "worst_sigma": f"σ={worst}"}
+
+
+def measure(card: ModelCard, cases: Sequence[GateCase], reference_run: Run | Sequence[np.ndarray],
+            candidate_run: Run) -> dict:
+    """Candidate vs reference on ``cases``: the task's metrics, plus ``rel_err``, ``max_abs_diff``, ``finite``.
+
+    ``reference_run``: a :data:`Run`, or its outputs already computed (:func:`reference_outputs`).
+    """
+    if not cases:
+        raise ValueError(f"{card.name}: no gate cases to measure on")
+    refs = list(reference_run) if not callable(reference_run) else reference_outputs(cases, reference_run)
+    if len(refs) != len(cases):
+        raise ValueError(f"{len(refs)} reference outputs for {len(cases)} gate cases")
+    gots = []
+    for c, ref in zip(cases, refs, strict=True):
+        got = np.asarray(candidate_run(c.feeds), np.float32)
+        if got.shape != ref.shape:
+            raise ValueError(f"{c.label}: candidate output shape {got.shape} != reference {ref.shape}")
+        gots.append(got)
+    diff = [(g.astype(np.float64) - r) for g, r in zip(gots, refs, strict=True)]
+    num = math.sqrt(sum(float(np.sum(d * d)) for d in diff))
+    den = math.sqrt(sum(float(np.sum(r.astype(np.float64) ** 2)) for r in refs))
+    out: dict = {"cases": len(cases), "samples": sum(len(c) for c in cases),
+                 "finite": all(bool(np.isfinite(g).all()) for g in gots),
+                 "max_abs_diff": max(float(np.max(np.abs(d))) for d in diff),
+                 "rel_err": num / max(den, 1e-30)}
+    if card.task == "classification":
+        out.update(_classification(cases, refs, gots))
+    elif card.task == "denoising":
+        out.update(_denoising(cases, refs, gots))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- verdict
+
+
+def failures(metrics: Mapping, tolerances: Mapping[str, float]) -> list[str]:
+    """One sentence per missed tolerance: the metric, its value, the tolerance and the shortfall.
+
+    A tolerance whose metric was not measured (``accuracy_loss`` on data without labels) is not checked;
+    :func:`unmeasured` lists those. Non-finite candidate outputs always fail.
+    """
+    out = []
+    for name, tol in tolerances.items():
+        m = METRICS[name]
+        if name not in metrics:
+            continue
+        v = float(metrics[name])
+        if m.passes(v, tol):
+            continue
+        where = f" at {metrics[m.where]}" if m.where and m.where in metrics else ""
+        op, gap, word = ("<", tol - v, "short by") if m.direction == "min" else (">", v - tol, "over by")
+        out.append(f"{name} {m.format(v)} {op} {m.format(tol)}{where} ({word} {m.format(gap)})")
+    if metrics.get("finite") is False:
+        out.append("the candidate produced NaN or Inf")
+    return out
+
+
+def unmeasured(metrics: Mapping, tolerances: Mapping[str, float]) -> list[str]:
+    """Tolerances the data could not check (reported, so a skipped gate is visible)."""
+    return [name for name in tolerances if name not in metrics]
+
+
+def margin(metrics: Mapping, tolerances: Mapping[str, float]) -> float:
+    """How far inside its gate a candidate is: the tightest measured metric's unused fraction of its tolerance.
+
+    1 means no loss at all, 0 exactly on the gate, negative a failure (``-inf`` for NaN/Inf outputs).
+    Relative, so one safety fraction fits dB and fractions alike.
+    """
+    if metrics.get("finite") is False:
+        return -math.inf
+    fractions = []
+    for name, tol in tolerances.items():
+        if name not in metrics:
+            continue
+        m, v = METRICS[name], float(metrics[name])
+        span = max((m.best - tol) if m.direction == "min" else (tol - m.best), 1e-9)
+        slack = (v - tol) if m.direction == "min" else (tol - v)
+        fractions.append(slack / span if math.isfinite(slack) else -math.inf)
+    if not fractions:
+        raise ValueError(f"none of the gate metrics {sorted(tolerances)} was measured")
+    return min(fractions)
+
+
+@dataclass
+class GateResult:
+    """A measurement judged against its tolerances."""
+
+    metrics: dict
+    tolerances: dict[str, float]
+    failures: list[str] = field(default_factory=list)
+    unmeasured: list[str] = field(default_factory=list)
+    margin: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+def evaluate(card: ModelCard, cases: Sequence[GateCase], reference_run: Run | Sequence[np.ndarray],
+             candidate_run: Run, tolerances: Mapping[str, float]) -> GateResult:
+    """:func:`measure`, then :func:`failures` and :func:`margin` against ``tolerances``."""
+    metrics = measure(card, cases, reference_run, candidate_run)
+    tol = dict(tolerances)
+    return GateResult(metrics, tol, failures(metrics, tol), unmeasured(metrics, tol), margin(metrics, tol))

@@ -1,0 +1,208 @@
+"""What the gateway serves, discovered from Triton: each model's card from its config, never from its name.
+
+``unroll repo`` copies every model's card into its Triton config (``parameters["unroll.card"]``). The
+catalog reads Triton's repository index and, for each loaded model, its config (card, optional inputs'
+defaults) and metadata (tensor shapes), and decides what ``/v1`` serves:
+
+* a model whose card says ``classification`` or ``denoising`` and whose card's tensors exist in Triton is
+  served by that route (unless the operator narrowed the task with ``UNROLL_CLASSIFY_MODELS`` /
+  ``UNROLL_DENOISE_MODELS``);
+* everything else is listed with the reason it is not served (no card, an invalid card, a λ rule, a
+  solver block, not loaded).
+
+Discovery is lazy and cached: nothing is asked before the first request, so the gateway may start before
+Triton. The snapshot is rebuilt when a request names a model it does not know, when Triton was
+unavailable since the last look (it may have come back with another repository), and while a model is
+still loading or nothing is served; rebuilds are at least :data:`MIN_REFRESH_S` apart so a client asking
+for unknown names cannot turn every request into a round of Triton calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from unroll.serving.gateway.errors import ApiError
+from unroll.serving.gateway.settings import Settings
+from unroll.serving.gateway.triton_client import ModelInfo, TritonBackend, TritonError, model_info
+
+from unroll.card import CARD_KEY, CardError, ModelCard
+
+log = logging.getLogger("unroll.gateway")
+
+#: Tasks with a ``/v1`` route.
+ROUTED_TASKS = ("classification", "denoising")
+#: Least time between two discoveries triggered by requests.
+MIN_REFRESH_S = 1.0
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One model in Triton's repository, as the gateway sees it."""
+
+    name: str
+    #: Triton's state (``READY`` when loaded).
+    state: str
+    card: ModelCard | None = None
+    info: ModelInfo | None = None
+    #: Why ``/v1`` does not serve it; ``None`` when it is served.
+    reason: str | None = None
+
+    @property
+    def served(self) -> bool:
+        return self.reason is None
+
+    @property
+    def task(self) -> str | None:
+        return self.card.task if self.card is not None else None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The catalog at one moment: every model Triton lists, and the served ones per task (default first)."""
+
+    entries: dict[str, Entry] = field(default_factory=dict)
+    by_task: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    taken_at: float = 0.0
+    #: Triton's unavailable count when this was taken (see :attr:`TritonBackend.unavailable_count`).
+    generation: int = -1
+
+    def served(self, task: str) -> tuple[str, ...]:
+        return self.by_task.get(task, ())
+
+    @property
+    def complete(self) -> bool:
+        """Nothing loading and something served: no reason to look again before Triton changes."""
+        return any(self.by_task.values()) and all(e.state == "READY" for e in self.entries.values())
+
+
+class Catalog:
+    """The served models, discovered from Triton on demand (see the module docstring)."""
+
+    def __init__(self, backend: TritonBackend, settings: Settings) -> None:
+        self.backend, self.settings = backend, settings
+        self._snapshot: Snapshot | None = None
+        self._lock = asyncio.Lock()
+
+    async def snapshot(self, refresh: bool = False) -> Snapshot:
+        """The current catalog; rebuilt first when stale (or ``refresh``), at most once per :data:`MIN_REFRESH_S`."""
+        snap = self._snapshot
+        if snap is not None and not refresh and not self._stale(snap):
+            return snap
+        async with self._lock:
+            snap = self._snapshot
+            if snap is None or self.backend.unavailable_count != snap.generation or (
+                    (refresh or not snap.complete) and time.monotonic() - snap.taken_at >= MIN_REFRESH_S):
+                snap = self._snapshot = await self._discover()
+            return snap
+
+    def _stale(self, snap: Snapshot) -> bool:
+        return self.backend.unavailable_count != snap.generation or not snap.complete
+
+    async def resolve(self, model: str | None, task: str) -> Entry:
+        """The served model of ``task`` called ``model`` (default: the task's first); 404 when there is none."""
+        snap = await self.snapshot()
+        if model is not None and model not in snap.served(task):
+            snap = await self.snapshot(refresh=True)  # it may have been loaded since
+        served = snap.served(task)
+        if model is None:
+            if not served:
+                raise ApiError(404, "unknown_model", f"Triton serves no {task} model (see GET /v1/models)")
+            return snap.entries[served[0]]
+        if model not in served:
+            entry = snap.entries.get(model)
+            why = f" ({entry.reason})" if entry is not None and entry.reason else ""
+            raise ApiError(404, "unknown_model",
+                           f"unknown {task} model {model!r}{why}; served: {', '.join(served) or 'none'}")
+        return snap.entries[model]
+
+    async def companion(self, name: str, of: str, task: str) -> Entry:
+        """The loaded model ``name`` that ``of``'s card names for ``task`` (e.g. its λ rule), with its own card."""
+        snap = await self.snapshot()
+        entry = snap.entries.get(name)
+        if entry is None or entry.card is None or entry.info is None:
+            entry = (await self.snapshot(refresh=True)).entries.get(name)
+        if entry is None or entry.card is None or entry.info is None:
+            why = "not in Triton's repository" if entry is None else entry.reason
+            raise ApiError(503, "model_unavailable", f"{of}'s card names {name!r} as its {task}, but it is not "
+                           f"available: {why}", {"Retry-After": str(self.settings.retry_after_s)})
+        if entry.card.task != task:
+            raise ApiError(503, "model_unavailable",
+                           f"{of}'s card names {name!r} as its {task}, but that model's card says {entry.card.task}")
+        return entry
+
+    # ------------------------------------------------------------------ discovery
+
+    async def _discover(self) -> Snapshot:
+        generation = self.backend.unavailable_count
+        index = await self.backend.repository_index()
+        entries = await asyncio.gather(*(self._entry(m) for m in index if m["name"]))
+        by_name = {e.name: e for e in sorted(entries, key=lambda e: e.name)}
+        by_name = self._apply_settings(by_name)
+        by_task = {task: self._served(by_name, task) for task in ROUTED_TASKS}
+        snap = Snapshot(by_name, by_task, time.monotonic(), generation)
+        log.info("gateway: Triton serves %s", "; ".join(f"{t}: {', '.join(n) or 'none'}" for t, n in by_task.items()))
+        return snap
+
+    async def _entry(self, m: dict[str, str]) -> Entry:
+        name, state = m["name"], m["state"] or "UNKNOWN"
+        if state != "READY":
+            detail = f": {m['reason']}" if m["reason"] else ""
+            return Entry(name, state, reason=f"not loaded in Triton ({state}{detail})")
+        try:
+            meta, cfg = await asyncio.gather(self.backend.model_metadata(name), self.backend.model_config(name))
+            info = model_info(name, meta, cfg)
+        except TritonError as e:
+            return Entry(name, "UNKNOWN", reason=f"cannot read its config from Triton: {e}")
+        raw = ((cfg.get("parameters") or {}).get(CARD_KEY) or {}).get("string_value")
+        if not raw:
+            return Entry(name, state, info=info, reason=f"no model card in its Triton config (parameters"
+                                                        f"[{CARD_KEY!r}]); write the repository with `unroll repo`")
+        try:
+            card = ModelCard.from_json(raw, f"Triton config of {name}")
+        except CardError as e:
+            return Entry(name, state, info=info, reason=str(e))
+        return Entry(name, state, card, info, _why_not_routed(card, info))
+
+    def _apply_settings(self, entries: dict[str, Entry]) -> dict[str, Entry]:
+        """Narrow each task to the models the operator configured (if any); configured but unusable names are
+        listed with the reason, so ``/readyz`` and ``/v1/models`` show the mistake."""
+        out = dict(entries)
+        for task in ROUTED_TASKS:
+            wanted = self.settings.configured(task)
+            if not wanted:
+                continue
+            var = f"UNROLL_{'CLASSIFY' if task == 'classification' else 'DENOISE'}_MODELS"
+            for name, e in entries.items():
+                if e.served and e.task == task and name not in wanted:
+                    out[name] = Entry(name, e.state, e.card, e.info, f"not in {var}")
+            for name in wanted:
+                e = out.get(name)
+                if e is None:
+                    out[name] = Entry(name, "MISSING", reason=f"named in {var} but not in Triton's repository")
+                elif e.served and e.task != task:
+                    out[name] = Entry(name, e.state, e.card, e.info, f"named in {var} but its card says {e.task}")
+        return out
+
+    def _served(self, entries: dict[str, Entry], task: str) -> tuple[str, ...]:
+        names = [n for n, e in entries.items() if e.served and e.task == task]  # sorted by name
+        order = {n: i for i, n in enumerate(self.settings.configured(task))}
+        return tuple(sorted(names, key=lambda n: (order.get(n, len(order)), n)))
+
+
+def _why_not_routed(card: ModelCard, info: ModelInfo) -> str | None:
+    """``None`` when ``/v1`` can serve this model; else why not (its task has no route, its tensors differ)."""
+    if card.task == "lambda-rule":
+        return f"λ rule of {card.companion_of or 'a classifier'} (used by lam=auto)"
+    if card.task not in ROUTED_TASKS:
+        return f"task {card.task!r} has no /v1 route"
+    wanted_in = [card.input.name] + [c.input for c in (card.lam, card.sigma) if c is not None]
+    missing = [n for n in wanted_in if n not in info.inputs] + [n for n in (card.output,) if n not in info.outputs]
+    if missing:
+        return (f"its card names tensor(s) {', '.join(missing)} that Triton's model lacks (inputs "
+                f"{list(info.inputs)}, outputs {list(info.outputs)})")
+    if card.input.colour is None:
+        return "its card's input is not an image (input.colour is unset)"
+    return None

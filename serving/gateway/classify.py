@@ -1,0 +1,164 @@
+"""``POST /v1/classify``: top-k labels for an image, with everything model-specific read from the model's card.
+
+Request flow: API key (401) → model (404) → parameters, checked against the card (422) → declared size
+(413) → concurrency slot (429) → streamed body (413/415/400) → decode and fit to the card's input
+(400/413/422) → [λ rule for ``lam=auto``] → Triton (503/504/502). Cheap refusals come first.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Annotated
+
+import numpy as np
+from fastapi import Depends, Query, Request
+from fastapi.responses import JSONResponse
+from PIL import Image
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+from unroll.serving.gateway import images
+from unroll.serving.gateway.body import check_declared_length, read_image_bytes
+from unroll.serving.gateway.catalog import Entry
+from unroll.serving.gateway.errors import ApiError
+from unroll.serving.gateway.openapi import IMAGE_BODY, errors
+from unroll.serving.gateway.state import Gateway, GatewayDep, v1_router
+from unroll.serving.gateway.triton_client import TritonRejected, fit_shape
+
+from unroll.card import InputCard, ModelCard
+
+router = v1_router()
+
+
+class Prediction(BaseModel):
+    label: str = Field(examples=["cat"])
+    index: int = Field(examples=[3])
+    score: float = Field(description="softmax probability over all classes", examples=[0.9931])
+
+
+class ClassifyResponse(BaseModel):
+    model: str = Field(examples=["my-classifier"])
+    predictions: list[Prediction]
+    latency_ms: float = Field(description="time spent in the gateway for this request", examples=[6.4])
+    lam: float | None = Field(None, description="λ of the model's sparse-coding front end used for this image (the "
+                                                "card's default when `lam` was omitted); absent for models without "
+                                                "a λ input", examples=[0.1])
+
+    model_config = {"json_schema_extra": {"examples": [{
+        "model": "my-classifier", "lam": 0.1, "latency_ms": 6.4,
+        "predictions": [{"label": "cat", "index": 3, "score": 0.9931}, {"label": "dog", "index": 5, "score": 0.004}]}]}}
+
+
+async def classifier(gw: GatewayDep, model: Annotated[str | None, Query(
+        description="Classifier to use (default: the first served; see GET /v1/models)",
+        examples=["my-classifier"])] = None) -> Entry:
+    """The served classifier the request names (404 otherwise)."""
+    return await gw.catalog.resolve(model, "classification")
+
+
+ClassifierDep = Annotated[Entry, Depends(classifier)]
+
+
+def parse_lam(raw: str | None) -> float | str | None:
+    """``lam`` query value: ``None`` (the card's default), ``"auto"`` or a finite number."""
+    if raw is None:
+        return None
+    if raw.strip().lower() == "auto":
+        return "auto"
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ApiError(422, "invalid_parameter", f"lam: expected a number or 'auto' (got {raw!r})") from None
+    if not math.isfinite(v):
+        raise ApiError(422, "invalid_parameter", f"lam: must be a finite number or 'auto' (got {raw!r})")
+    return v
+
+
+def check_lam(card: ModelCard, lam: float | str | None) -> float | str | None:
+    """The λ to send (a number, ``"auto"``, or ``None`` for a model without λ), checked against ``card.lam``."""
+    spec = card.lam
+    if spec is None:
+        if lam is not None:
+            raise ApiError(422, "invalid_parameter", f"lam: {card.name} has no λ input")
+        return None
+    if lam is None:
+        if spec.default is None:
+            raise ApiError(422, "invalid_parameter", f"lam: {card.name}'s card has no default λ; pass lam=<number>")
+        return spec.default
+    if lam == "auto":
+        if spec.auto is None:
+            raise ApiError(422, "invalid_parameter", f"lam=auto: {card.name}'s card names no λ rule")
+        return lam
+    hi = math.inf if spec.max is None else spec.max
+    if not spec.min <= lam <= hi:
+        raise ApiError(422, "invalid_parameter", f"lam: {card.name} takes λ in [{spec.min:g}, {hi:g}] (got {lam:g})")
+    return lam
+
+
+@router.post("/classify", response_model=ClassifyResponse, response_model_exclude_none=True, tags=["inference"],
+             summary="Classify an image (top-k labels with probabilities)", openapi_extra=IMAGE_BODY,
+             responses=errors(400, 404, 408, 413, 415, 422, 429, 502, 503, 504))
+async def classify(
+    request: Request,
+    gw: GatewayDep,
+    entry: ClassifierDep,
+    top_k: Annotated[int, Query(ge=1, description="How many labels to return (1…number of classes)",
+                                examples=[3])] = 5,
+    lam: Annotated[str | None, Query(description="λ of the model's sparse-coding front end, for models whose card "
+                                                 "declares one: a number within the card's bounds, or `auto` to "
+                                                 "pick it from the image with the card's λ rule; omit for the "
+                                                 "card's (trained) λ", examples=["0.3", "auto"])] = None,
+) -> JSONResponse:
+    t0 = time.perf_counter()
+    card, info = entry.card, entry.info
+    assert card is not None and info is not None  # served entries have both (catalog)
+    n_classes = len(card.labels) if card.labels else info.outputs[card.output].shape[-1]
+    if top_k > n_classes:
+        raise ApiError(422, "invalid_parameter", f"top_k: {entry.name} has {n_classes} classes (got {top_k})")
+    lam_v = check_lam(card, parse_lam(lam))
+    rule = await gw.catalog.companion(card.lam.auto, entry.name, "lambda-rule") if lam_v == "auto" else None
+    settings = gw.settings
+    check_declared_length(request, settings.max_body_bytes)
+    async with gw.admission.slot():
+        data = await read_image_bytes(request, settings.max_body_bytes, settings.request_timeout_s)
+        img = await run_in_threadpool(images.decode, data, settings.max_pixels)
+        x = await run_in_threadpool(images.classifier_input, img, card.input)
+        inputs = {card.input.name: x}
+        if rule is not None:
+            lam_v = await _auto_lam(gw, rule, img, x, card.input)
+        if card.lam is not None:
+            inputs[card.lam.input] = fit_shape(np.array([lam_v], np.float32), info.inputs[card.lam.input])
+        res = await gw.backend.infer(entry.name, inputs, [card.output], class_count=n_classes)
+    preds = _classes(res[card.output][0], top_k)
+    latency = round((time.perf_counter() - t0) * 1000.0, 2)
+    body = ClassifyResponse(model=entry.name, predictions=preds, latency_ms=latency,
+                            lam=round(float(lam_v), 6) if card.lam is not None else None)
+    return JSONResponse(body.model_dump(exclude_none=True), headers={"X-Latency-Ms": str(latency)})
+
+
+async def _auto_lam(gw: Gateway, rule: Entry, img: Image.Image, x: np.ndarray, fitted_for: InputCard) -> float:
+    """λ picked by the classifier's λ rule (a Triton model with its own card) from the same image."""
+    assert rule.card is not None
+    rx = x if rule.card.input == fitted_for else await run_in_threadpool(images.classifier_input, img, rule.card.input)
+    out = await gw.backend.infer(rule.name, {rule.card.input.name: rx}, [rule.card.output])
+    lam = float(np.asarray(out[rule.card.output], dtype=np.float32).reshape(-1)[0])
+    if not math.isfinite(lam):
+        raise TritonRejected(f"the λ rule {rule.name} returned {lam}")
+    return lam
+
+
+def _classes(entries: np.ndarray, top_k: int) -> list[Prediction]:
+    """Parse Triton's ``score:index[:label]`` strings (all classes) → top-k with softmax probabilities."""
+    parsed = []
+    for e in entries.reshape(-1):
+        text = e.decode() if isinstance(e, bytes) else str(e)
+        parts = text.split(":", 2)
+        try:
+            parsed.append((float(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else parts[1]))
+        except (ValueError, IndexError):
+            raise TritonRejected(f"unexpected classification entry from Triton: {text!r}") from None
+    logits = np.array([p[0] for p in parsed], dtype=np.float64)
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")[:top_k]
+    return [Prediction(label=parsed[i][2], index=parsed[i][1], score=round(float(probs[i]), 6)) for i in order]

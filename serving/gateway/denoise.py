@@ -1,0 +1,109 @@
+"""``POST /v1/denoise``: a PNG of the same size and mode, with tensor names, σ scale and minimum size from the card.
+
+Request flow: API key (401) → model (404) → σ (422) → declared size (413) → concurrency slot (429) →
+streamed body (413/415/400) → decode, size check against ``card.input.min_size`` (400/413/422) → Triton
+(503/504/502), one call per ``max_batch_size`` items.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated
+
+import numpy as np
+from fastapi import Depends, Query, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+from unroll.serving.gateway import images
+from unroll.serving.gateway.body import check_declared_length, read_image_bytes
+from unroll.serving.gateway.catalog import Entry
+from unroll.serving.gateway.errors import ApiError
+from unroll.serving.gateway.openapi import IMAGE_BODY, errors
+from unroll.serving.gateway.state import GatewayDep, v1_router
+from unroll.serving.gateway.triton_client import TritonRejected, fit_shape
+
+from unroll.card import InputCard
+
+router = v1_router()
+
+
+async def denoiser(gw: GatewayDep, model: Annotated[str | None, Query(
+        description="Denoiser to use (default: the first served; see GET /v1/models)",
+        examples=["my-denoiser"])] = None) -> Entry:
+    """The served denoiser the request names (404 otherwise)."""
+    return await gw.catalog.resolve(model, "denoising")
+
+
+DenoiserDep = Annotated[Entry, Depends(denoiser)]
+
+
+@router.post("/denoise", tags=["inference"], summary="Denoise an image (PNG of the same size and mode)",
+             openapi_extra=IMAGE_BODY, response_class=Response,
+             responses={200: {"content": {"image/png": {}}, "description": "The denoised image as PNG; headers "
+                              "X-Sigma-Used (0–255 scale), X-Sigma-Estimated, X-Latency-Ms, X-Model"},
+                        **errors(400, 404, 408, 413, 415, 422, 429, 502, 503, 504)})
+async def denoise(
+    request: Request,
+    gw: GatewayDep,
+    entry: DenoiserDep,
+    sigma: Annotated[float | None, Query(ge=0, le=255, allow_inf_nan=False,
+                                         description="Noise standard deviation on the 0–255 scale; omit to "
+                                                     "estimate it from the image (wavelet MAD)",
+                                         examples=[25])] = None,
+) -> Response:
+    t0 = time.perf_counter()
+    card, info = entry.card, entry.info
+    assert card is not None and card.sigma is not None and info is not None  # served denoisers (catalog)
+    settings = gw.settings
+    check_declared_length(request, settings.max_body_bytes)
+    async with gw.admission.slot():
+        data = await read_image_bytes(request, settings.max_body_bytes, settings.request_timeout_s)
+        planes, sigma255 = await run_in_threadpool(_planes, data, settings.max_pixels, sigma, card.input.min_size)
+        batch = images.to_graph(_batch(planes.data, card.input), card.input)
+        sig = fit_shape(np.full(len(batch), sigma255 / card.sigma.scale, np.float32), info.inputs[card.sigma.input])
+        step = info.max_batch_size if info.max_batch_size > 0 else 1
+        if info.max_batch_size == 0 and len(batch) > 1:
+            raise TritonRejected(f"{entry.name} does not batch, so it cannot take {len(batch)} colour channels at once")
+        parts = await asyncio.gather(*(
+            gw.backend.infer(entry.name, {card.input.name: batch[i:i + step], card.sigma.input: sig[i:i + step]},
+                             [card.output]) for i in range(0, len(batch), step)))
+        out = np.concatenate([p[card.output] for p in parts])
+        if out.shape != batch.shape:
+            raise TritonRejected(f"{entry.name} returned shape {out.shape} for input {batch.shape}")
+        den = _unbatch(images.from_graph(out, card.input), planes.data.shape[0])
+        png = await run_in_threadpool(lambda: images.encode_png(images.from_planes(den, planes)))
+    latency = round((time.perf_counter() - t0) * 1000.0, 2)
+    return Response(png, media_type="image/png", headers={
+        "X-Sigma-Used": f"{sigma255:.3f}", "X-Sigma-Estimated": "false" if sigma is not None else "true",
+        "X-Latency-Ms": str(latency), "X-Model": entry.name})
+
+
+def _planes(data: bytes, max_pixels: int, sigma: float | None, min_side: int) -> tuple[images.Planes, float]:
+    """Decoded planes and σ on the 0–255 scale (given, or estimated from the image)."""
+    planes = images.to_planes(images.decode(data, max_pixels))
+    h, w = planes.data.shape[1:]
+    if min(h, w) < min_side:
+        raise ApiError(422, "image_too_small", f"image is {w}×{h}; the denoiser needs both sides ≥ {min_side} pixels")
+    sigma255 = sigma if sigma is not None else images.estimate_sigma(planes) * 255.0
+    return planes, float(sigma255)
+
+
+def _batch(planes: np.ndarray, card: InputCard) -> np.ndarray:
+    """``[C, H, W]`` image planes → the graph's ``[N, C', H, W]``: a single-channel denoiser takes the colour
+    channels as a batch; a colour one takes the image as one item (a gray image repeated to its channels)."""
+    c, want = planes.shape[0], card.shape[0]
+    if want == 1:
+        return planes[:, None]
+    if c == want:
+        return planes[None]
+    if c == 1:
+        return np.repeat(planes, want, axis=0)[None]
+    raise ApiError(422, "unsupported_image_mode", f"a {c}-channel image cannot be fed to a {want}-channel denoiser")
+
+
+def _unbatch(out: np.ndarray, channels: int) -> np.ndarray:
+    """The inverse of :func:`_batch`: back to ``[C, H, W]`` (a repeated gray image averaged back)."""
+    if out.shape[1] == 1:
+        return out[:, 0]
+    return out[0] if channels == out.shape[1] else out[0].mean(axis=0, keepdims=True)

@@ -1,0 +1,80 @@
+"""OpenAPI text shared by the routers: the API description, the image request body, documented errors.
+
+Examples use generic names (``my-classifier``): the gateway serves whatever models Triton has, so no
+shipped model's name belongs in the API's documentation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unroll.serving.gateway.errors import ErrorBody
+
+API_VERSION = "1"
+
+DESCRIPTION = """
+Classification and denoising with the models Triton Inference Server serves. The gateway discovers them
+from Triton: every model whose card (copied into its Triton config by `unroll repo`) says `classification`
+or `denoising` is served; `GET /v1/models` lists them, their cards, and the models not served with the
+reason. Everything model-specific — tensor names, input size and colour, normalisation, λ and σ — comes
+from the card.
+
+**Sending an image.** Either multipart (`curl -F image=@photo.png …`) or the raw bytes with an image
+content type (`curl --data-binary @noisy.png -H 'Content-Type: image/png' …`). PNG, JPEG, WebP, TIFF
+and BMP are accepted; the body and the pixel count are limited (413 beyond them).
+
+**Classification input rules** (from the model's card). EXIF orientation applied; alpha flattened onto
+black; colour converted to the card's (gray: luma; rgb: three planes); fitted to the card's input size by its
+resize policy (`pad-square`: padded with black to a centred square, then resized; `stretch`: resized;
+Lanczos); normalised with the card's mean/std. Images are *not* inverted automatically.
+
+**Denoising.** Keeps size and mode (gray, RGB, RGBA, gray+alpha, 16-bit gray; palette/CMYK come back
+as RGB); for a single-channel denoiser colour channels are denoised as one batch `[C,1,H,W]`; sides
+must be at least the card's `input.min_size`. `sigma` is on the 0–255 scale; omit it to estimate it
+(wavelet MAD); the value used is returned in `X-Sigma-Used`.
+
+**Errors** are always `{"error": {"code", "message"}}`. **Auth**: when the server has an API key,
+send `X-API-Key: KEY` or `Authorization: Bearer KEY` on `/v1/*` (health, readiness, metrics are open).
+"""
+
+TAGS = [{"name": "inference", "description": "Classification and denoising"},
+        {"name": "info", "description": "Served models"},
+        {"name": "ops", "description": "Health, readiness and metrics (never need a key)"}]
+
+_BIN = {"schema": {"type": "string", "format": "binary"}}
+IMAGE_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {
+    "multipart/form-data": {"schema": {"type": "object", "required": ["image"],
+                                       "properties": {"image": {"type": "string", "format": "binary"}}}},
+    **{ct: _BIN for ct in ("image/png", "image/jpeg", "image/webp", "image/tiff", "image/bmp")}}}}
+
+
+def error_doc(code: str, message: str, description: str) -> dict[str, Any]:
+    """One documented error response (schema + example)."""
+    return {"model": ErrorBody, "description": description,
+            "content": {"application/json": {"example": {"error": {"code": code, "message": message}}}}}
+
+
+COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: error_doc("invalid_image", "truncated or corrupt image: OSError: image file is truncated",
+                   "Not an image, truncated or corrupt, malformed multipart"),
+    401: error_doc("unauthorized", "missing or wrong API key", "API key required and missing or wrong"),
+    404: error_doc("unknown_model", "unknown classification model 'foo'; served: my-classifier",
+                   "Model not served by this gateway"),
+    408: error_doc("request_timeout", "the upload did not finish within 60 s", "Upload too slow"),
+    413: error_doc("image_too_large", "image is 5000×5000 = 25000000 pixels; the limit is 4194304",
+                   "Body over the byte limit, or image over the pixel limit (decompression bombs included)"),
+    415: error_doc("unsupported_media_type", "Content-Type 'text/plain' is not accepted",
+                   "Not an accepted image type"),
+    422: error_doc("invalid_parameter", "top_k: Input should be greater than or equal to 1 (got '0')",
+                   "Bad query parameter (e.g. outside the bounds in the model's card)"),
+    429: error_doc("too_many_requests", "server busy: 8 requests running and 32 queued; retry later",
+                   "Over the concurrency limit and queue bound (see Retry-After)"),
+    502: error_doc("triton_error", "Triton rejected inference on my-classifier: …", "Triton answered with an error"),
+    503: error_doc("triton_unavailable", "cannot reach Triton at 127.0.0.1:8001",
+                   "Triton down or model not ready (see Retry-After)"),
+    504: error_doc("triton_timeout", "Triton did not answer inference on my-denoiser within 60 s", "Triton too slow"),
+}
+
+
+def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {k: COMMON_ERRORS[k] for k in codes}

@@ -1,0 +1,114 @@
+"""The per-process state the routes share, handed to them as FastAPI dependencies.
+
+One :class:`Gateway` is built in the app's lifespan (settings, Triton client, model catalog, metrics,
+admission control). Routes declare what they need (``gw: GatewayDep``, ``settings: SettingsDep``) instead
+of reaching into ``request.app.state``, so the wiring is visible in each signature and tests can override
+a dependency (``app.dependency_overrides[get_gateway]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Security
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from unroll.serving.gateway.catalog import Catalog
+from unroll.serving.gateway.errors import ApiError
+from unroll.serving.gateway.metrics import Metrics
+from unroll.serving.gateway.openapi import COMMON_ERRORS
+from unroll.serving.gateway.settings import Settings
+from unroll.serving.gateway.triton_client import TritonBackend
+
+
+class Admission:
+    """At most ``limit`` requests working and ``queue`` waiting; beyond that, 429 at once (bounded memory)."""
+
+    def __init__(self, limit: int, queue: int, retry_after_s: int, metrics: Metrics) -> None:
+        self.limit, self.queue, self.retry_after_s = limit, queue, retry_after_s
+        self._sem = asyncio.Semaphore(limit)
+        self._admitted = 0
+        self._metrics = metrics
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        if self._admitted >= self.limit + self.queue:
+            raise ApiError(429, "too_many_requests",
+                           f"server busy: {self.limit} requests running and {self.queue} queued; retry later",
+                           {"Retry-After": str(self.retry_after_s)})
+        self._admitted += 1
+        self._metrics.queued.inc()
+        queued = True
+        try:
+            async with self._sem:
+                self._metrics.queued.dec()
+                queued = False
+                yield
+        finally:
+            if queued:
+                self._metrics.queued.dec()
+            self._admitted -= 1
+
+
+@dataclass
+class Gateway:
+    """Per-process state shared by the routes."""
+
+    settings: Settings
+    backend: TritonBackend
+    catalog: Catalog
+    metrics: Metrics
+    admission: Admission
+
+    @classmethod
+    def create(cls, settings: Settings, metrics: Metrics) -> Gateway:
+        backend = TritonBackend(settings.triton_url, settings.triton_protocol, settings.request_timeout_s,
+                                observe=metrics.observe_triton)
+        return cls(settings, backend, Catalog(backend, settings), metrics,
+                   Admission(settings.max_concurrency, settings.max_queue, settings.busy_retry_after_s, metrics))
+
+
+def get_gateway(request: Request) -> Gateway:
+    """The app's :class:`Gateway` (set by the lifespan): the one place that knows where it is kept."""
+    return request.app.state.gateway
+
+
+def get_settings(gw: Annotated[Gateway, Depends(get_gateway)]) -> Settings:
+    return gw.settings
+
+
+GatewayDep = Annotated[Gateway, Depends(get_gateway)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+_api_key_header = APIKeyHeader(name="X-API-Key", auto_error=False,
+                               description="API key, when the server was started with one")
+_bearer = HTTPBearer(auto_error=False, description="Alternative to X-API-Key: `Authorization: Bearer KEY`")
+
+
+async def require_api_key(
+    settings: SettingsDep,
+    key: Annotated[str | None, Security(_api_key_header)] = None,
+    bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)] = None,
+) -> None:
+    """401 unless the request carries the configured key (constant-time compare); open when none is set."""
+    expected = settings.api_key
+    if expected is None:
+        return
+    given = key if key is not None else (bearer.credentials if bearer is not None else None)
+    if given is None or not hmac.compare_digest(given.encode(), expected.encode()):
+        what = "missing" if given is None else "wrong"
+        raise ApiError(401, "unauthorized", f"{what} API key: send X-API-Key: KEY or Authorization: Bearer KEY",
+                       {"WWW-Authenticate": "Bearer"})
+
+
+def v1_router() -> APIRouter:
+    """A router for one ``/v1`` concern: under ``/v1`` and behind the API key when one is configured.
+
+    Each concern's router carries the prefix itself (rather than being nested in a ``/v1`` router) so the
+    route a request matched keeps its full template (``/v1/classify``), which the metrics label by.
+    """
+    return APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses={401: COMMON_ERRORS[401]})
