@@ -409,7 +409,7 @@ def write_repositories(onnx_dir: Path, root: Path, served: Served) -> tuple[Path
     from unroll.serving.repository import validate_model, write_repository
     from unroll.serving.serve import ensure_onnx
 
-    ensure_onnx(onnx_dir, served.triton_models)
+    ensure_onnx(onnx_dir, [served.classifier, served.denoiser])  # registered models; companions come along
     on, off = root / "batching", root / "no-batching"
     write_repository("cpu", list(served.triton_models), on, onnx_dir=onnx_dir)
     write_repository("cpu", [served.classifier], off, onnx_dir=onnx_dir, max_batch_size=1)
