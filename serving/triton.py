@@ -69,6 +69,8 @@ from pathlib import Path
 from types import ModuleType, TracebackType
 
 LOG_TAIL_LINES = 40
+#: The server inside the pinned nvidia-pytriton wheel (pyproject.toml); the tests check the running one says so.
+BUNDLED_TRITON_VERSION = "2.45.0"
 #: Triton's own drain time on SIGTERM (``--exit-timeout-secs``): in-flight requests and open client
 #: connections (keep-alive clients like the gateway hold one) get this long before it exits anyway.
 EXIT_TIMEOUT_S = 5

@@ -103,6 +103,9 @@ def _images(n: int, seed: int = 0) -> np.ndarray:
 @pytest.mark.triton
 def test_models_load_and_server_metadata(server, http, grpc) -> None:
     assert http.is_server_ready() and grpc.is_server_live()
+    from unroll.serving.triton import BUNDLED_TRITON_VERSION
+
+    assert http.get_server_metadata()["version"] == BUNDLED_TRITON_VERSION  # what the README and pins say
     index = {m["name"]: m["state"] for m in http.get_model_repository_index()}
     assert index == {m: "READY" for m in DEMO}
     meta = grpc.get_model_metadata("sdnet-mnist")
