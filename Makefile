@@ -7,10 +7,14 @@ STAMP := $(VENV)/.installed
 .PHONY: venv test serve bench lint clean
 
 $(STAMP): pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[serve,dev]'
+	@test -x $(PY) || { echo "==> creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	@echo "==> upgrading pip in $(VENV)"
+	@$(PY) -m pip install -q --upgrade pip
+	@echo "==> installing unroll with its serving and dev extras into $(VENV) (PyTorch, ONNX Runtime, Triton:"
+	@echo "    about 2 minutes and a few GB on the first run; pip reports each package below)"
+	$(PY) -m pip install --progress-bar on -e '.[serve,dev]'
 	@touch $(STAMP)
+	@echo "==> $(VENV) is ready"
 
 venv: $(STAMP)  ## create .venv and install unroll with its serving and dev extras
 
@@ -19,6 +23,7 @@ test: $(STAMP)  ## run the whole test suite (CI calls this)
 	$(PY) -m pytest -q --durations=15
 
 serve: $(STAMP)  ## build what is missing, then start Triton and the REST gateway
+	@echo "==> unroll serve: exports and the Triton repository are built first when missing (about a minute)"
 	$(VENV)/bin/unroll serve
 
 bench: $(STAMP)  ## run the benchmarks and rewrite benchmarks/results/

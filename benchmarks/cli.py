@@ -171,11 +171,34 @@ def bench_quality(
     _wrote(out, [f"quality_{t}" for t in (("denoise", "classify") if task == "all" else (task,))])
 
 
-STAGES = ("export", "models", "quality", "serve")
+def bench_soak(
+    requests: Annotated[int, typer.Option(help="Mixed requests in all (tritonserver is killed halfway)")] = 10_000,
+    concurrency: Annotated[int, typer.Option(help="Clients in closed loop")] = 32,
+    out: OutOpt = RESULTS,
+) -> None:
+    """Mixed traffic through a real `unroll serve` with tritonserver killed (SIGKILL) halfway.
+
+    Passes when no request is lost (each one succeeded or got the documented 503), traffic went on after
+    the supervisor restarted Triton, and no process or /dev/shm region of any Triton server is left.
+    Writes soak.json and soak.md; exits 1 when the run did not pass.
+    """
+    from unroll.benchmarks import soak
+
+    if requests < 100 or concurrency < 1:
+        raise typer.BadParameter("--requests must be ≥ 100 and --concurrency ≥ 1")
+    with err.status("soak") as status:
+        payload = soak.run(requests, concurrency, out, progress=lambda m: status.update(m))
+    _wrote(out, ["soak"])
+    err.print(soak.markdown(payload))
+    if not payload["passed"]:
+        raise typer.Exit(1)
+
+
+STAGES = ("export", "models", "quality", "serve", "soak")
 
 
 def bench_all(
-    only: Annotated[str, typer.Option(help="Stages to run, comma-separated: export, models, quality, serve")]
+    only: Annotated[str, typer.Option(help="Stages to run, comma-separated: export, models, quality, serve, soak")]
     = ",".join(STAGES),
     quantize: Annotated[bool, typer.Option("--quantize/--no-quantize",
                                            help="Quantize (FP16/INT8, default gates) where the graphs are missing "
@@ -188,7 +211,7 @@ def bench_all(
     out: OutOpt = RESULTS,
     progress: ProgressOpt = True,
 ) -> None:
-    """Every benchmark with its defaults (what `make bench` runs): export, models, quality, serve.
+    """Every benchmark with its defaults (what `make bench` runs): export, models, quality, serve, soak.
 
     Rewrites the result files in --out (about 12–15 minutes on a quiet 2-core machine once build/onnx
     exists; a fresh clone also exports and quantizes first). bench_all.json records each stage's time.
@@ -227,6 +250,8 @@ def bench_all(
         elif stage == "quality":
             bench_quality(task="all", bm3d=True, quick=quick, threads=threads, onnx_dir=onnx_dir, out=out,
                           progress=progress)
+        elif stage == "soak":
+            bench_soak(requests=1_000 if quick else 10_000, concurrency=32, out=out)
         else:
             bench_serve(duration=duration, warmup=0.5, concurrency="1,2,4,8,16,32", denoise_concurrency="1,4",
                         denoise_sizes="256,512", batching_concurrency=16, batching_rounds=3,

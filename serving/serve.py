@@ -9,11 +9,19 @@ stale or for another target (``model_repository``), start the bundled tritonserv
 input per served model to ``build/samples`` (chosen from its card), then run the gateway with uvicorn and
 print the URLs and a ``curl`` per model. The gateway finds the models and their cards in Triton.
 Ctrl-C or SIGTERM stops the gateway gracefully, then Triton — also when they arrive during set-up.
+
+The bundled Triton runs under a :class:`~unroll.serving.supervisor.TritonSupervisor` (restarted with
+back-off when it dies or hangs, its stubs and shared memory cleaned up; ``unroll serve`` exits if it
+keeps failing) and is locked down: every Triton API but health needs a key generated for this run,
+which only the gateway gets (``UNROLL_TRITON_API_KEY`` in this process, see
+:mod:`unroll.serving.gateway.triton_client`). Its log is ``build/triton.log``, rotated at each start.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -26,6 +34,7 @@ import typer
 
 if TYPE_CHECKING:
     import numpy as np
+    from unroll.serving.triton import TritonHandle
 
     from unroll.card import ModelCard
 
@@ -112,14 +121,17 @@ def ensure_onnx(onnx_dir: Path, models: list[str], force: bool = False) -> list[
 
 def ensure_repository(repo: Path, onnx_dir: Path, target: str, graphs: list[str], force: bool = False) -> list[str]:
     """(Re)write the Triton repository for graphs that are missing, older than their ONNX, or for another target."""
-    from unroll.serving.repository import write_repository
+    from unroll.serving.repository import BACKEND_MODEL, write_repository
 
+    backend = BACKEND_MODEL.read_bytes() if target == "cpu" else None
     todo = []
     for g in graphs:
         cfg = repo / g / "config.pbtxt"
+        model_py = repo / g / "1" / "model.py"
         if force or not cfg.exists() or f"--target {target} " not in cfg.read_text().split("\n", 1)[0] \
-                or cfg.stat().st_mtime < (onnx_dir / f"{g}.onnx").stat().st_mtime:
-            todo.append(g)
+                or cfg.stat().st_mtime < (onnx_dir / f"{g}.onnx").stat().st_mtime \
+                or (backend is not None and (not model_py.exists() or model_py.read_bytes() != backend)):
+            todo.append(g)  # the last test: a repository written by an older unroll runs an outdated model.py
     if todo:
         _say(f"write Triton repository {repo} ({target}): {', '.join(todo)}")
         write_repository(target, todo, repo, onnx_dir=onnx_dir)
@@ -194,18 +206,25 @@ def _check_port_free(host: str, port: int, what: str) -> None:
 
 
 def banner(base: str, cards: list[ModelCard], samples: dict[str, Path], api_key: bool, triton: str) -> str:
-    """URLs and one ``curl`` per served model (by its card's task, with its sample file), as printed once ready."""
-    auth = " -H 'X-API-Key: $UNROLL_API_KEY'" if api_key else ""
+    """URLs and one ``curl`` per served model (by its card's task, with its sample file), as printed once ready.
+
+    The lines work when pasted into a shell anywhere: the key is ``"$UNROLL_API_KEY"`` in double quotes (so the
+    shell expands it) and sample paths are absolute (quoted when they need it).
+    """
+    auth = ' -H "X-API-Key: $UNROLL_API_KEY"' if api_key else ""
     tries = []
     for card in cards:
         sample = samples.get(card.name)
+        if sample is not None:
+            sample = Path(sample).resolve()
         if card.task == "classification" and sample is not None:
             url = f"{base}/v1/classify?model={card.name}&top_k=3"
-            tries.append(f"  curl{auth} -F image=@{sample} '{url}'")
+            form = shlex.quote(f"image=@{sample}")
+            tries.append(f"  curl{auth} -F {form} '{url}'")
             if card.lam is not None and card.lam.auto is not None:
-                tries.append(f"  curl{auth} -F image=@{sample} '{url}&lam=auto'")
+                tries.append(f"  curl{auth} -F {form} '{url}&lam=auto'")
         elif card.task == "denoising" and sample is not None:
-            post = f"  curl{auth} --data-binary @{sample} -H 'Content-Type: image/png'"
+            post = f"  curl{auth} --data-binary {shlex.quote(f'@{sample}')} -H 'Content-Type: image/png'"
             tries.append(f"{post} '{base}/v1/denoise?model={card.name}&sigma={SAMPLE_SIGMA:g}' -o denoised.png")
             tries.append(f"{post} '{base}/v1/denoise?model={card.name}' -D - -o denoised.png"
                          "   # σ estimated: see X-Sigma-Used")
@@ -257,6 +276,17 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _log_supervisor() -> None:
+    """Show the supervisor's messages (restarts, clean-ups) on stderr like the gateway's own log lines."""
+    logger = logging.getLogger("unroll.serve")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     triton supervisor: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton_http_port: int = 8000,
           triton_grpc_port: int = 8001, triton_metrics_port: int = 8002, triton_url: str | None = None,
           triton_protocol: str = "grpc", api_key: str | None = None, repo: Path = Path("model_repository"),
@@ -272,7 +302,10 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
     """
     import uvicorn
     from unroll.serving.gateway import Settings, create_app
-    from unroll.serving.triton import start
+    from unroll.serving.gateway.server import uvicorn_options
+    from unroll.serving.gateway.triton_client import TRITON_API_KEY_ENV
+    from unroll.serving.supervisor import TritonSupervisor
+    from unroll.serving.triton import new_api_key, start
 
     if target not in ("cpu", "gpu"):
         raise ServeError(f"--target must be cpu or gpu, not {target!r}")
@@ -281,7 +314,9 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
                          "--target gpu run `unroll repo --target gpu` in the NGC container and pass --triton-url")
     models = resolve_models(models)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # finally-blocks run on SIGTERM during set-up
-    triton = None
+    supervisor = None
+    server = None
+    gave_up: list[str] = []
     try:
         _check_port_free(host, port, "gateway")
         if triton_url is None:
@@ -291,10 +326,24 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
             onnx_dir.mkdir(parents=True, exist_ok=True)
             rebuilt = ensure_onnx(onnx_dir, models, force=rebuild)
             ensure_repository(repo, onnx_dir, target, graphs_of(models), force=rebuild or bool(rebuilt))
-            log_file = onnx_dir.parent / "triton.log"
-            _say(f"start tritonserver on 127.0.0.1:{triton_http_port} (log: {log_file})")
-            triton = start(repo, http_port=triton_http_port, grpc_port=triton_grpc_port,
-                           metrics_port=triton_metrics_port, host="127.0.0.1", log_file=log_file)
+            log_file = (onnx_dir.parent / "triton.log").resolve()
+            _say(f"start tritonserver on 127.0.0.1:{triton_http_port} (log: {log_file}, rotated at each start)")
+            triton_key = new_api_key()  # this run's: Triton's APIs but health need it; only the gateway has it
+            os.environ[TRITON_API_KEY_ENV] = triton_key
+
+            def launch() -> TritonHandle:
+                return start(repo, http_port=triton_http_port, grpc_port=triton_grpc_port,
+                             metrics_port=triton_metrics_port, host="127.0.0.1", log_file=log_file,
+                             api_key=triton_key, any_thread=True)
+
+            def give_up(why: str) -> None:
+                gave_up.append(why)
+                if server is not None:
+                    server.should_exit = True
+
+            _log_supervisor()
+            supervisor = TritonSupervisor(launch, on_give_up=give_up)
+            triton = supervisor.start()
             url = triton.url if triton_protocol == "http" else triton.grpc_url
         else:
             url = triton_url
@@ -314,15 +363,19 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
                         on_ready(base)
 
         server = _Server(uvicorn.Config(create_app(settings), host=host, port=port, log_level=log_level,
-                                        timeout_graceful_shutdown=10))
+                                        timeout_graceful_shutdown=10, **uvicorn_options()))
+        if gave_up:  # Triton failed again while the gateway was being set up
+            raise ServeError(gave_up[0])
         server.run()
+        if gave_up:
+            raise ServeError(f"{gave_up[0]}; its log: {(onnx_dir.parent / 'triton.log').resolve()}")
         if not server.started:
             raise ServeError(f"the gateway could not start on {host}:{port} (see the log above)")
     except KeyboardInterrupt:
         _say("stopping")
     finally:
-        if triton is not None:
-            triton.stop()
+        if supervisor is not None:
+            supervisor.stop()
             _say("tritonserver stopped")
         signal.signal(signal.SIGTERM, previous)
 

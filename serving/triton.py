@@ -36,7 +36,22 @@ signal of their own: that signal follows the *thread* that forked, and Triton's 
 business. (A SIGKILLed ``tritonserver`` does leave its stubs running; ``stop()`` kills the whole group,
 which covers that while our process lives.) Because the signal follows the forking thread,
 :func:`start` must be called from the main thread: a server started from a worker thread would be
-stopped when that thread ends, so it refuses instead.
+stopped when that thread ends, so it refuses instead — unless the caller says the thread outlives the
+server (``any_thread=True``: the supervisor's thread, :mod:`unroll.serving.supervisor`).
+
+Clean-up after a crash: each Python-backend stub gets a POSIX shared-memory region from Triton
+(``/dev/shm/triton_python_backend_shm_region_<uuid>``, named on the stub's command line) that only a
+clean Triton shutdown removes. ``stop()`` therefore kills what is left of the server's process group,
+reaps what it can, and unlinks the regions *this* server's stubs used (read from their command lines,
+recorded while they ran by :meth:`TritonHandle.snapshot`) — never other servers' regions.
+
+Locked down (``api_key``): every Triton API except health (metadata, inference, shared memory, model
+config, repository, statistics, trace, logging) needs the header :data:`RESTRICTED_HEADER` with the
+key, on HTTP and gRPC (Triton's ``--http-restricted-api`` / ``--grpc-restricted-protocol``; over gRPC
+Triton expects the header as ``triton-grpc-protocol-`` + its name).
+
+Logs: with a ``log_file``, the previous one is rotated to ``<log>.1`` … ``<log>.<log_keep>`` at each
+start, so a long-lived install keeps a bounded history and each file is one server's run.
 """
 
 from __future__ import annotations
@@ -50,6 +65,7 @@ import importlib.util
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -78,6 +94,18 @@ EXIT_TIMEOUT_S = 5
 STOP_GRACE_S = EXIT_TIMEOUT_S + 15.0
 #: ``prctl`` option (linux/prctl.h): signal this process when its parent (thread) exits.
 PR_SET_PDEATHSIG = 1
+#: Header (lower case: gRPC metadata keys must be) that carries the key of a locked-down server over HTTP.
+RESTRICTED_HEADER = "unroll-triton-key"
+#: Over gRPC Triton expects the header under this prefix (``triton-grpc-protocol-unroll-triton-key``).
+GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
+#: Triton's API groups that need the key: all but ``health`` (live/ready probes stay open on loopback).
+RESTRICTED_APIS = ("metadata", "inference", "shared-memory", "model-config", "model-repository", "statistics",
+                   "trace", "logging")
+#: Earlier logs kept beside the current one (``<log>.1`` is the newest).
+LOG_KEEP = 5
+#: Name prefix of the Python backend's shared-memory regions in ``/dev/shm``.
+SHM_PREFIX = "triton_python_backend_shm_region_"
+SHM_DIR = Path("/dev/shm")
 
 
 class TritonStartError(RuntimeError):
@@ -188,16 +216,94 @@ def server_env(layout: ServerLayout) -> dict[str, str]:
     return env
 
 
+def new_api_key() -> str:
+    """A fresh random key for a locked-down server (:data:`RESTRICTED_HEADER`)."""
+    return secrets.token_urlsafe(24)
+
+
+def restricted_api_args(api_key: str) -> list[str]:
+    """Triton flags that put every API but health behind ``RESTRICTED_HEADER: api_key`` on HTTP and gRPC."""
+    if not re.fullmatch(r"[A-Za-z0-9_\-]+", api_key):
+        raise TritonStartError("the Triton API key may hold only letters, digits, '-' and '_'")
+    spec = f"{','.join(RESTRICTED_APIS)}:{RESTRICTED_HEADER}={api_key}"
+    return [f"--http-restricted-api={spec}", f"--grpc-restricted-protocol={spec}"]
+
+
+def rotate_log(path: Path, keep: int = LOG_KEEP) -> None:
+    """Move ``path`` to ``path.1`` (and ``.1`` to ``.2`` …), dropping what is older than ``keep``."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    if keep <= 0:
+        path.unlink()
+        return
+    for i in range(keep, 0, -1):
+        older = path.with_name(f"{path.name}.{i}")
+        if i == keep:
+            older.unlink(missing_ok=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                older.rename(path.with_name(f"{path.name}.{i + 1}"))
+    path.rename(path.with_name(f"{path.name}.1"))
+
+
+def group_members(pgid: int, zombies: bool = False) -> dict[int, list[str]]:
+    """Processes of process group ``pgid`` (Triton and its stubs): ``{pid: argv}``; zombies only if asked."""
+    found: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
+            if int(fields[2]) != pgid or (fields[0] in ("Z", "X") and not zombies):
+                continue
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile
+        found[int(entry.name)] = [a.decode(errors="replace") for a in argv if a]
+    return found
+
+
+def shm_regions(argvs: list[list[str]]) -> set[str]:
+    """The Python-backend shared-memory regions named on these command lines (a stub's second argument)."""
+    return {a for argv in argvs for a in argv if a.startswith(SHM_PREFIX) and "/" not in a}
+
+
 class TritonHandle:
     """A running tritonserver: its URLs, PID and log; ``stop()`` (or leaving the ``with``) ends it."""
 
     def __init__(self, proc: subprocess.Popen, host: str, http_port: int, grpc_port: int, metrics_port: int,
-                 log_path: Path) -> None:
+                 log_path: Path, api_key: str | None = None, server_id: str = "") -> None:
         self._proc = proc
         self.host = host
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.log_path = log_path
+        self.api_key = api_key
+        self.server_id = server_id
+        #: Shared-memory regions this server's stubs have used (see :meth:`snapshot`), removed by ``stop()``.
+        self.regions: set[str] = set()
+        self._stopped = False
         _LIVE.add(self)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What an HTTP client must send on every non-health call (empty when the server is not locked down)."""
+        return {RESTRICTED_HEADER: self.api_key} if self.api_key else {}
+
+    @property
+    def grpc_headers(self) -> dict[str, str]:
+        """The same for a gRPC client (Triton prefixes the header name there)."""
+        return {GRPC_HEADER_PREFIX + RESTRICTED_HEADER: self.api_key} if self.api_key else {}
+
+    def snapshot(self) -> set[str]:
+        """Record the shared-memory regions of the stubs running now (Triton restarts dead stubs under new
+        names); returns every region seen so far."""
+        self.regions |= shm_regions(list(group_members(self.pid).values()))
+        return self.regions
+
+    def ready(self) -> bool:
+        """Triton answers ready (every model loaded) and is the server we launched."""
+        return _ready(_client_host(self.host), self.http_port, self.server_id, self.headers)
 
     @property
     def pid(self) -> int:
@@ -227,10 +333,15 @@ class TritonHandle:
         return self._proc.wait()
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
-        """SIGTERM the server's process group, SIGKILL it after ``grace_s``; idempotent.
+        """SIGTERM the server's process group, SIGKILL it after ``grace_s``; then kill the stubs a crashed
+        server left, reap them when they are ours (a child subreaper), and unlink their shared memory.
+        Idempotent.
 
         Returns tritonserver's exit code (0 after a clean shutdown, -9 when it had to be killed).
         """
+        if self._stopped:  # the group id may belong to someone else by now
+            return self._proc.returncode
+        self.snapshot()
         if self._proc.returncode is None:
             _signal_group(self._proc.pid, signal.SIGTERM)
             try:
@@ -238,8 +349,29 @@ class TritonHandle:
             except subprocess.TimeoutExpired:
                 _signal_group(self._proc.pid, signal.SIGKILL)
                 self._proc.wait()
+        self.snapshot()  # stubs a dead server left behind still name their regions
         _signal_group(self._proc.pid, signal.SIGKILL)  # stubs left in the group after tritonserver exited
+        deadline = time.monotonic() + 10.0
+        while True:
+            _reap(group_members(self._proc.pid, zombies=True))
+            if not group_members(self._proc.pid) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        _reap(group_members(self._proc.pid, zombies=True))
+        for name in self.regions:  # a clean shutdown removed them already; after a crash nobody else will
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError, PermissionError):
+                (SHM_DIR / name).unlink()
+        self._stopped = True
         return self._proc.returncode
+
+    @property
+    def returncode(self) -> int | None:
+        """tritonserver's exit code once it has exited (and been reaped by :meth:`poll`), else ``None``."""
+        return self._proc.returncode
+
+    def poll(self) -> int | None:
+        """Reap the server if it has exited; its exit code, or ``None`` while it runs."""
+        return self._proc.poll()
 
     def __enter__(self) -> TritonHandle:
         return self
@@ -261,6 +393,13 @@ def _stop_forgotten_servers() -> None:
     """A script that exits (or dies on an exception) without ``stop()`` must not leave Triton running."""
     for handle in list(_LIVE):
         handle.stop(grace_s=5)
+
+
+def _reap(pids: dict[int, list[str]]) -> None:
+    """Reap those of ``pids`` that are our children: orphaned stubs re-parented to a child subreaper."""
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
 
 
 def _client_host(host: str) -> str:
@@ -293,22 +432,24 @@ def _failure_summary(log: str) -> str:
     return "\n".join(dict.fromkeys(_LOG_PREFIX.sub("", ln) for ln in (loads or errors)))
 
 
-def _ready(host: str, port: int, server_id: str) -> bool:
+def _ready(host: str, port: int, server_id: str, headers: dict[str, str] | None = None) -> bool:
     """Ready, and really ours: the server's metadata carries the ``--id`` we launched it with."""
     try:
         with urllib.request.urlopen(f"http://{host}:{port}/v2/health/ready", timeout=1.0) as r:
             if r.status != 200:
                 return False
-        with urllib.request.urlopen(f"http://{host}:{port}/v2", timeout=1.0) as r:
+        req = urllib.request.Request(f"http://{host}:{port}/v2", headers=headers or {})
+        with urllib.request.urlopen(req, timeout=1.0) as r:
             return json.loads(r.read()).get("name") == server_id
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
         return False
 
 
-def _model_states(host: str, port: int) -> str:
+def _model_states(host: str, port: int, headers: dict[str, str] | None = None) -> str:
     """``name STATE (reason)`` for every model not READY yet, from the repository index API."""
     try:
-        req = urllib.request.Request(f"http://{host}:{port}/v2/repository/index", data=b"{}", method="POST")
+        req = urllib.request.Request(f"http://{host}:{port}/v2/repository/index", data=b"{}", method="POST",
+                                     headers=headers or {})
         with urllib.request.urlopen(req, timeout=2.0) as r:
             index = json.loads(r.read())
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
@@ -345,7 +486,8 @@ def _check_ports_free(host: str, ports: dict[str, int]) -> None:
 
 def start(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
           host: str = "127.0.0.1", log_file: Path | None = None, timeout_s: float = 120,
-          model_control: str = "none", log_verbose: int = 0, extra_args: list[str] | None = None) -> TritonHandle:
+          model_control: str = "none", log_verbose: int = 0, extra_args: list[str] | None = None,
+          api_key: str | None = None, log_keep: int = LOG_KEEP, any_thread: bool = False) -> TritonHandle:
     """Launch tritonserver on ``repo`` and return once every model is loaded and warm.
 
     ``model_control`` is Triton's ``--model-control-mode`` (``none``: load everything at start,
@@ -353,10 +495,13 @@ def start(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port
     served is exactly what the repository says. ``log_file`` defaults to a new temporary file (kept
     after the server stops, for post-mortems). Ports are checked first, and readiness is only
     accepted from the server we launched (``--id``), never from another one on the same port.
-    Call it from the main thread (see the module docstring: Triton dies with the thread that started it).
+    Call it from the main thread (see the module docstring: Triton dies with the thread that started it),
+    or pass ``any_thread=True`` from a thread that outlives the server. ``api_key`` locks every API but
+    health behind :data:`RESTRICTED_HEADER` (:func:`restricted_api_args`). A given ``log_file`` is rotated
+    first (``log_keep`` older ones kept; 0 appends to it instead).
     Raises :class:`TritonStartError` with Triton's reason on failure.
     """
-    if threading.current_thread() is not threading.main_thread():
+    if not any_thread and threading.current_thread() is not threading.main_thread():
         raise TritonStartError("start Triton from the main thread: it gets SIGTERM when the thread that started it "
                                "ends (the parent-death signal that stops it when this process is killed)")
     repo = Path(repo).resolve()
@@ -373,6 +518,8 @@ def start(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port
         log_file = Path(name)
     log_file = Path(log_file).resolve()
     log_file.parent.mkdir(parents=True, exist_ok=True)
+    if log_keep > 0:
+        rotate_log(log_file, log_keep)
     log_offset = log_file.stat().st_size if log_file.exists() else 0  # appended: earlier runs are not this one
     cmd = [
         str(layout.binary),
@@ -390,6 +537,7 @@ def start(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port
         f"--metrics-port={metrics_port}",
         "--pinned-memory-pool-byte-size=0",  # CPU-only here; avoids a CUDA host allocation attempt
         f"--log-verbose={log_verbose}",
+        *(restricted_api_args(api_key) if api_key else []),
         *(extra_args or []),
     ]
     with open(log_file, "ab") as log:
@@ -399,17 +547,19 @@ def start(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port
                                     preexec_fn=_die_with_parent(os.getpid()))
         except OSError as e:
             raise TritonStartError(f"could not run {layout.binary}: {e}") from e
-    handle = TritonHandle(proc, host, http_port, grpc_port, metrics_port, log_file)
+    handle = TritonHandle(proc, host, http_port, grpc_port, metrics_port, log_file, api_key, server_id)
     deadline = time.monotonic() + timeout_s
     client_host = _client_host(host)
     try:
         while True:
             if proc.poll() is not None:
                 raise _start_failure(f"tritonserver exited with code {proc.returncode}", log_file, log_offset)
-            if _ready(client_host, http_port, server_id):
+            handle.snapshot()
+            if handle.ready():
+                handle.snapshot()
                 return handle
             if time.monotonic() > deadline:
-                states = _model_states(client_host, http_port)
+                states = _model_states(client_host, http_port, handle.headers)
                 raise _start_failure(f"tritonserver was not ready after {timeout_s:g} s ("
                                      + (f"models: {states}" if states else "still loading or warming up models; "
                                         "raise timeout_s if they are just slow") + ")", log_file, log_offset)

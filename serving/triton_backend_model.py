@@ -16,6 +16,12 @@ Tensors cross the stub boundary zero-copy through DLPack (``np.from_dlpack(tenso
 wheel's stub was built with a pybind11 that predates NumPy 2's dtype ABI, and under NumPy 2 those
 two return wrong data (inputs read as repeated first elements, outputs as zero bytes).
 
+Outputs go as a capsule we keep (:func:`_to_triton`): the stub marks a consumed capsule ``used_dlpack``
+instead of the DLPack protocol's ``used_dltensor``, so NumPy's capsule destructor did not recognise it,
+failed ``PyCapsule_GetPointer`` and printed a 5-line traceback into Triton's log on every response
+(nothing leaked: the stub's tensor calls the DLPack deleter itself). We give the capsule the protocol's
+name after the stub took it, so NumPy's destructor leaves it alone, as the protocol intends.
+
 The requests of one dynamic batch are concatenated into one ``session.run`` per group of equal
 non-batch shapes (the denoiser takes any H×W, so one batch can mix sizes) and the outputs are split
 back per request. A failure in one group becomes a Triton error on exactly those requests; the
@@ -26,6 +32,7 @@ It only runs inside Triton's Python-backend stub (``triton_python_backend_utils`
 
 from __future__ import annotations
 
+import ctypes
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -124,7 +131,7 @@ class TritonPythonModel:
                     for (name, dtype, dims), a in zip(self.outputs, arrays, strict=True):
                         a = self._client_shape(np.ascontiguousarray(a, dtype=dtype), dims)
                         self._keep.append(a)
-                        tensors.append(pb_utils.Tensor.from_dlpack(name, a))
+                        tensors.append(_to_triton(name, a))
                     responses[idx] = pb_utils.InferenceResponse(output_tensors=tensors)
             except Exception as e:  # e.g. an image below the model's minimum size
                 for idx, _ in members:
@@ -139,6 +146,23 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.session = None
+
+
+#: DLPack's name for a consumed capsule; module-level, since a capsule keeps the pointer, not a copy.
+_USED_DLTENSOR = b"used_dltensor"
+_capsule_is_valid = ctypes.pythonapi.PyCapsule_IsValid
+_capsule_is_valid.argtypes, _capsule_is_valid.restype = [ctypes.py_object, ctypes.c_char_p], ctypes.c_int
+_capsule_set_name = ctypes.pythonapi.PyCapsule_SetName
+_capsule_set_name.argtypes, _capsule_set_name.restype = [ctypes.py_object, ctypes.c_char_p], ctypes.c_int
+
+
+def _to_triton(name: str, a: np.ndarray):
+    """``pb_utils.Tensor`` viewing ``a`` (zero-copy), without the stub's bad capsule name reaching NumPy."""
+    capsule = a.__dlpack__()
+    tensor = pb_utils.Tensor.from_dlpack(name, capsule)
+    if _capsule_is_valid(capsule, b"used_dlpack"):  # consumed by the stub, under its own name
+        _capsule_set_name(capsule, _USED_DLTENSOR)
+    return tensor
 
 
 def _error(e: Exception):

@@ -54,6 +54,10 @@ class InputCard(_Strict):
     #: square, then Lanczos resize: keeps the aspect, as MNIST digits are), ``stretch`` (resize only) or
     #: ``none`` (the model takes any H×W, as denoisers do).
     resize: Literal["pad-square", "stretch", "none"] = "none"
+    #: What the training images look like: ``light-on-dark`` (MNIST: white strokes on black) or
+    #: ``dark-on-light``; ``None``: not a drawing of strokes on a plain background. The gateway's
+    #: ``invert=auto`` needs it to decide whether a user's image is the other way round.
+    polarity: Literal["light-on-dark", "dark-on-light"] | None = None
 
     @property
     def fixed_hw(self) -> tuple[int, int] | None:

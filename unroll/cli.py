@@ -310,7 +310,7 @@ def bench_export(
 
 def _register_subsystem_commands() -> None:
     """Commands whose code lives with its subsystem (serving, TensorRT)."""
-    from unroll.benchmarks.cli import bench_all, bench_models, bench_quality, bench_serve
+    from unroll.benchmarks.cli import bench_all, bench_models, bench_quality, bench_serve, bench_soak
     from unroll.export.trt_cli import build
     from unroll.serving.serve import serve_command
     from unroll.serving.triton_cli import repo, triton
@@ -322,6 +322,7 @@ def _register_subsystem_commands() -> None:
     bench_app.command("serve")(bench_serve)
     bench_app.command("models")(bench_models)
     bench_app.command("quality")(bench_quality)
+    bench_app.command("soak")(bench_soak)
     bench_app.command("all")(bench_all)
 
 

@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from unroll.serving.gateway import classify, denoise, errors, images, info, ops
 from unroll.serving.gateway.errors import error_response
 from unroll.serving.gateway.metrics import Metrics, MetricsMiddleware
-from unroll.serving.gateway.openapi import API_VERSION, DESCRIPTION, TAGS
+from unroll.serving.gateway.openapi import API_VERSION, DESCRIPTION, TAGS, install_docs
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.gateway.state import Gateway
 from unroll.serving.gateway.triton_client import TritonRejected, TritonTimeout, TritonUnavailable
@@ -56,13 +56,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await gateway.backend.close()
 
+    # redirect_slashes=False: `/v1/classify/` is a JSON 404 naming the route meant, not a 307 with an empty body
+    # (a redirected POST re-sends the upload). docs_url/redoc_url=None: install_docs serves them without a CDN.
     app = FastAPI(title="unroll gateway", version=API_VERSION, description=DESCRIPTION, lifespan=lifespan,
-                  openapi_tags=TAGS)
+                  openapi_tags=TAGS, redirect_slashes=False, docs_url=None, redoc_url=None)
     errors.install(app)
     _install_triton_errors(app, settings.retry_after_s)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     for module in (classify, denoise, info, ops):  # /v1 routers (each behind the API key), then /healthz, ...
         app.include_router(module.router)
+    install_docs(app)
     return app
 
 

@@ -4,7 +4,15 @@ The limit is enforced twice: a declared ``Content-Length`` over it is refused be
 and the streamed bytes are counted chunk by chunk (chunked uploads, lying headers, multipart), so the
 gateway stops buffering the moment the limit is crossed instead of after reading the whole body.
 Multipart bodies are parsed while streaming (Starlette's parser on the counted stream), never
-buffered whole first. Reading is bounded in time too, so a trickling client cannot hold a slot forever.
+buffered whole first.
+
+Reading is bounded in time twice as well: each piece must come within ``idle_s`` of the previous one (a
+client that declares a body and sends nothing is cut off in seconds) and the whole body within
+``timeout_s`` (a steady trickle). Both answer 408 with ``Connection: close``. Reading happens *before*
+the request takes an inference slot (:meth:`.state.Gateway.read_image`), so slow uploaders cannot
+starve inference; how many bodies are read at once is bounded separately (``max_uploads``). A client
+that goes away mid-upload surfaces as Starlette's ``ClientDisconnect``, which the metrics middleware
+counts as 499 (not an error).
 """
 
 from __future__ import annotations
@@ -45,36 +53,51 @@ def check_declared_length(request: Request, limit: int) -> None:
         raise too_large(limit, n)
 
 
-async def _counted(request: Request, limit: int) -> AsyncGenerator[bytes, None]:
+def _timed_out(message: str) -> ApiError:
+    # Connection: close, so uvicorn drops the connection instead of waiting for the rest of the body.
+    return ApiError(408, "request_timeout", message, {"Connection": "close"})
+
+
+async def _counted(request: Request, limit: int, idle_s: float | None) -> AsyncGenerator[bytes, None]:
+    """The body's chunks, at most ``limit`` bytes in all, each within ``idle_s`` of the previous one."""
     n = 0
-    async for chunk in request.stream():
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            async with asyncio.timeout(idle_s):
+                chunk = await anext(chunks)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise _timed_out(f"the upload stalled: no data for {idle_s:g} s ({n} bytes received)") from None
         n += len(chunk)
         if n > limit:
             raise too_large(limit)
         yield chunk
 
 
-async def read_image_bytes(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The uploaded file's bytes; 413 over ``limit``, 415 for other media types, 400 for bad multipart."""
+async def read_image_bytes(request: Request, limit: int, timeout_s: float, idle_s: float | None = None) -> bytes:
+    """The uploaded file's bytes; 413 over ``limit``, 415 for other media types, 400 for bad multipart,
+    408 when the whole body takes over ``timeout_s`` or a pause between two pieces over ``idle_s``."""
     check_declared_length(request, limit)
     ctype = media_type(request.headers.get("content-type"))
     try:
         async with asyncio.timeout(timeout_s):
             if ctype == "multipart/form-data":
-                return await _multipart(request, limit)
+                return await _multipart(request, limit, idle_s)
             if ctype in CONTENT_TYPES:
                 buf = bytearray()
-                async for chunk in _counted(request, limit):
+                async for chunk in _counted(request, limit, idle_s):
                     buf += chunk
                 return bytes(buf)
     except TimeoutError:
-        raise ApiError(408, "request_timeout", f"the upload did not finish within {timeout_s:g} s") from None
+        raise _timed_out(f"the upload did not finish within {timeout_s:g} s") from None
     what = f"Content-Type {ctype!r}" if ctype else "a request without Content-Type"
     raise ApiError(415, "unsupported_media_type", f"{what} is not accepted; send {_ACCEPTED}")
 
 
-async def _multipart(request: Request, limit: int) -> bytes:
-    parser = MultiPartParser(request.headers, _counted(request, limit), max_files=1, max_fields=16,
+async def _multipart(request: Request, limit: int, idle_s: float | None) -> bytes:
+    parser = MultiPartParser(request.headers, _counted(request, limit, idle_s), max_files=1, max_fields=16,
                              max_part_size=64 * 1024)
     try:
         form = await parser.parse()

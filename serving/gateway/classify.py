@@ -2,14 +2,15 @@
 
 Request flow: API key (401) → model (404) → parameters, checked against the card (422) → declared size
 (413) → concurrency slot (429) → streamed body (413/415/400) → decode and fit to the card's input
-(400/413/422) → [λ rule for ``lam=auto``] → Triton (503/504/502). Cheap refusals come first.
+(400/413/422; the aspect ratio is checked from the header, and ``invert`` is resolved from the image's border
+for ``invert=auto``) → [λ rule for ``lam=auto``] → Triton (503/504/502). Cheap refusals come first.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Annotated
+from typing import Annotated, Literal
 
 import numpy as np
 from fastapi import Depends, Query, Request
@@ -18,7 +19,7 @@ from PIL import Image
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 from unroll.serving.gateway import images
-from unroll.serving.gateway.body import check_declared_length, read_image_bytes
+from unroll.serving.gateway.body import check_declared_length
 from unroll.serving.gateway.catalog import Entry
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.openapi import IMAGE_BODY, errors
@@ -43,9 +44,11 @@ class ClassifyResponse(BaseModel):
     lam: float | None = Field(None, description="λ of the model's sparse-coding front end used for this image (the "
                                                 "card's default when `lam` was omitted); absent for models without "
                                                 "a λ input", examples=[0.1])
+    inverted: bool = Field(description="whether the image was inverted (`1 - x`) before classification, as "
+                                       "`invert` asked or `invert=auto` decided", examples=[False])
 
     model_config = {"json_schema_extra": {"examples": [{
-        "model": "my-classifier", "lam": 0.1, "latency_ms": 6.4,
+        "model": "my-classifier", "lam": 0.1, "latency_ms": 6.4, "inverted": False,
         "predictions": [{"label": "cat", "index": 3, "score": 0.9931}, {"label": "dog", "index": 5, "score": 0.004}]}]}}
 
 
@@ -72,6 +75,17 @@ def parse_lam(raw: str | None) -> float | str | None:
     if not math.isfinite(v):
         raise ApiError(422, "invalid_parameter", f"lam: must be a finite number or 'auto' (got {raw!r})")
     return v
+
+
+def check_invert(card: InputCard, invert: images.Invert | None) -> images.Invert:
+    """``invert`` for this model: the default is ``auto`` where the card declares a polarity, else ``false``;
+    ``auto`` for a card without one is a client error (there is nothing to decide from)."""
+    if invert is None:
+        return "auto" if card.polarity is not None else "false"
+    if invert == "auto" and card.polarity is None:
+        raise ApiError(422, "invalid_parameter", "invert=auto: the model's card declares no polarity "
+                                                 "(input.polarity); pass invert=true or invert=false")
+    return invert
 
 
 def check_lam(card: ModelCard, lam: float | str | None) -> float | str | None:
@@ -108,6 +122,12 @@ async def classify(
                                                  "declares one: a number within the card's bounds, or `auto` to "
                                                  "pick it from the image with the card's λ rule; omit for the "
                                                  "card's (trained) λ", examples=["0.3", "auto"])] = None,
+    invert: Annotated[Literal["auto", "true", "false"] | None, Query(
+        description="Invert the image (`1 - x`) before classifying: `true`, `false`, or `auto` — for models whose "
+                    "card declares the training images' polarity (`input.polarity`, e.g. light strokes on a dark "
+                    "background), invert when the median brightness of the image's outermost pixel frame is on the "
+                    "other side of mid-grey (0.5) from the card's background. Default: `auto` when the card "
+                    "declares a polarity, else `false`.", examples=["auto"])] = None,
 ) -> JSONResponse:
     t0 = time.perf_counter()
     card, info = entry.card, entry.info
@@ -116,30 +136,34 @@ async def classify(
     if top_k > n_classes:
         raise ApiError(422, "invalid_parameter", f"top_k: {entry.name} has {n_classes} classes (got {top_k})")
     lam_v = check_lam(card, parse_lam(lam))
+    inv = check_invert(card.input, invert)
     rule = await gw.catalog.companion(card.lam.auto, entry.name, "lambda-rule") if lam_v == "auto" else None
     settings = gw.settings
     check_declared_length(request, settings.max_body_bytes)
+    data = await gw.read_image(request)  # before the slot: a slow upload never holds an inference slot
     async with gw.admission.slot():
-        data = await read_image_bytes(request, settings.max_body_bytes, settings.request_timeout_s)
-        img = await run_in_threadpool(images.decode, data, settings.max_pixels)
-        x = await run_in_threadpool(images.classifier_input, img, card.input)
-        inputs = {card.input.name: x}
+        img = await run_in_threadpool(images.decode, data, settings.max_pixels, settings.max_aspect_ratio)
+        fitted = await run_in_threadpool(images.classifier_input, img, card.input, inv)
+        inputs = {card.input.name: fitted.x}
         if rule is not None:
-            lam_v = await _auto_lam(gw, rule, img, x, card.input)
+            lam_v = await _auto_lam(gw, rule, img, fitted, card.input)
         if card.lam is not None:
             inputs[card.lam.input] = fit_shape(np.array([lam_v], np.float32), info.inputs[card.lam.input])
         res = await gw.backend.infer(entry.name, inputs, [card.output], class_count=n_classes)
     preds = _classes(res[card.output][0], top_k)
     latency = round((time.perf_counter() - t0) * 1000.0, 2)
     body = ClassifyResponse(model=entry.name, predictions=preds, latency_ms=latency,
-                            lam=round(float(lam_v), 6) if card.lam is not None else None)
+                            lam=round(float(lam_v), 6) if card.lam is not None else None, inverted=fitted.inverted)
     return JSONResponse(body.model_dump(exclude_none=True), headers={"X-Latency-Ms": str(latency)})
 
 
-async def _auto_lam(gw: Gateway, rule: Entry, img: Image.Image, x: np.ndarray, fitted_for: InputCard) -> float:
-    """λ picked by the classifier's λ rule (a Triton model with its own card) from the same image."""
+async def _auto_lam(gw: Gateway, rule: Entry, img: Image.Image, fitted: images.Fitted, fitted_for: InputCard) -> float:
+    """λ picked by the classifier's λ rule (a Triton model with its own card) from the same image, inverted or not
+    as the classifier's input was."""
     assert rule.card is not None
-    rx = x if rule.card.input == fitted_for else await run_in_threadpool(images.classifier_input, img, rule.card.input)
+    same = "true" if fitted.inverted else "false"
+    rx = fitted.x if rule.card.input == fitted_for else (
+        await run_in_threadpool(images.classifier_input, img, rule.card.input, same)).x
     out = await gw.backend.infer(rule.name, {rule.card.input.name: rx}, [rule.card.output])
     lam = float(np.asarray(out[rule.card.output], dtype=np.float32).reshape(-1)[0])
     if not math.isfinite(lam):

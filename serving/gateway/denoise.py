@@ -1,8 +1,8 @@
 """``POST /v1/denoise``: a PNG of the same size and mode, with tensor names, σ scale and minimum size from the card.
 
 Request flow: API key (401) → model (404) → σ (422) → declared size (413) → concurrency slot (429) →
-streamed body (413/415/400) → decode, size check against ``card.input.min_size`` (400/413/422) → Triton
-(503/504/502), one call per ``max_batch_size`` items.
+streamed body (413/415/400) → decode (pixel limit and aspect ratio from the header: 413/422), size check
+against ``card.input.min_size`` (400/413/422) → Triton (503/504/502), one call per ``max_batch_size`` items.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from fastapi import Depends, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 from unroll.serving.gateway import images
-from unroll.serving.gateway.body import check_declared_length, read_image_bytes
+from unroll.serving.gateway.body import check_declared_length
 from unroll.serving.gateway.catalog import Entry
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.openapi import IMAGE_BODY, errors
@@ -57,9 +57,10 @@ async def denoise(
     assert card is not None and card.sigma is not None and info is not None  # served denoisers (catalog)
     settings = gw.settings
     check_declared_length(request, settings.max_body_bytes)
+    data = await gw.read_image(request)  # before the slot: a slow upload never holds an inference slot
     async with gw.admission.slot():
-        data = await read_image_bytes(request, settings.max_body_bytes, settings.request_timeout_s)
-        planes, sigma255 = await run_in_threadpool(_planes, data, settings.max_pixels, sigma, card.input.min_size)
+        planes, sigma255 = await run_in_threadpool(_planes, data, settings.max_pixels, sigma, card.input.min_size,
+                                                   settings.max_aspect_ratio)
         batch = images.to_graph(_batch(planes.data, card.input), card.input)
         sig = fit_shape(np.full(len(batch), sigma255 / card.sigma.scale, np.float32), info.inputs[card.sigma.input])
         step = info.max_batch_size if info.max_batch_size > 0 else 1
@@ -79,9 +80,10 @@ async def denoise(
         "X-Latency-Ms": str(latency), "X-Model": entry.name})
 
 
-def _planes(data: bytes, max_pixels: int, sigma: float | None, min_side: int) -> tuple[images.Planes, float]:
+def _planes(data: bytes, max_pixels: int, sigma: float | None, min_side: int,
+            max_aspect_ratio: float = float("inf")) -> tuple[images.Planes, float]:
     """Decoded planes and σ on the 0–255 scale (given, or estimated from the image)."""
-    planes = images.to_planes(images.decode(data, max_pixels))
+    planes = images.to_planes(images.decode(data, max_pixels, max_aspect_ratio))
     h, w = planes.data.shape[1:]
     if min(h, w) < min_side:
         raise ApiError(422, "image_too_small", f"image is {w}×{h}; the denoiser needs both sides ≥ {min_side} pixels")

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 log = logging.getLogger("unroll.gateway")
 
@@ -69,10 +70,24 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(422, "invalid_parameter", "; ".join(msgs) or "invalid request")
 
 
-async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     code = _DEFAULT_CODES.get(exc.status_code, "error")
-    return error_response(exc.status_code, code, str(exc.detail), dict(exc.headers or {}))
+    message = str(exc.detail)
+    if exc.status_code == 404 and message == "Not Found":  # Starlette's "no such route": say which, and hint
+        path = request.url.path
+        message = f"no route {request.method} {path}"
+        bare = path.rstrip("/")
+        if bare != path and _routed(request, bare):
+            message += f" (routes have no trailing slash: {bare})"
+        message += "; see /docs"
+    return error_response(exc.status_code, code, message, dict(exc.headers or {}))
+
+
+def _routed(request: Request, path: str) -> bool:
+    """Whether some route (any method) answers ``path``: asked of the routes themselves, as the router does."""
+    scope = {**request.scope, "path": path}
+    return any(route.matches(scope)[0] != Match.NONE for route in request.app.router.routes)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

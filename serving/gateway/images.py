@@ -4,14 +4,26 @@ Rules (documented in the README and the OpenAPI description):
 
 * Accepted formats: PNG, JPEG, WebP, TIFF, BMP (Pillow is restricted to these, so no other decoder ever
   runs on client bytes). Multi-frame files (TIFF, animated WebP) use their first frame.
-* The pixel count comes from the header and is checked *before* any pixel is decoded; Pillow's own
-  decompression-bomb guard (``Image.MAX_IMAGE_PIXELS``) is set to the same limit as a second line.
+* The pixel count and the aspect ratio come from the header and are checked *before* any pixel is decoded
+  (``max_pixels``: 413; ``max_aspect_ratio``, longer side ÷ shorter side: 422); Pillow's own
+  decompression-bomb guard (``Image.MAX_IMAGE_PIXELS``) is set to the same pixel limit as a second line, and
+  its refusals quote the configured limit too.
+* Memory: every array this module allocates is bounded by the pixel limit or the model's input size, never by
+  the image's longer side squared: a classifier's padding is never materialised (``pad-square`` resizes the
+  image as if it sat on a black square — the same Lanczos weights as Pillow's on the padded square — without
+  allocating the square), colour planes are made one at a time, and the two resampling passes run in the
+  order that keeps the intermediate smaller. :func:`work_bytes_bound` states the bound.
 * Classification, driven by the model's card (``card.input``): EXIF orientation applied; alpha flattened
   onto **black**; colour converted to the card's (``gray``: RGB → luma, ITU-R 601-2 as Pillow's ``L``;
-  ``rgb``: three planes, a gray image repeated); fitted to the card's fixed H×W by its ``resize`` policy
-  (``pad-square``: padded with black to a centred square, then resized; ``stretch``: resized; Lanczos,
-  clipped to [0, 1]); scaled to the card's value range and normalised per channel, ``(x - mean) / std``.
-  Images are never inverted automatically (digit classifiers trained white on black need such input).
+  ``rgb``: three planes, a gray image repeated); inverted when asked (``invert``, below); fitted to the card's
+  fixed H×W by its ``resize`` policy (``pad-square``: padded with black to a centred square, then resized;
+  ``stretch``: resized; Lanczos, clipped to [0, 1]); scaled to the card's value range and normalised per
+  channel, ``(x - mean) / std``.
+* Polarity (``invert``): ``true`` inverts (``1 - x``) before fitting, ``false`` never does, ``auto`` needs a
+  card that declares ``input.polarity`` and inverts when the median brightness (luma after alpha flattening,
+  0–1) of the image's outermost pixel frame is on the other side of mid-grey (0.5) from the card's background:
+  above 0.5 for ``light-on-dark`` (a digit drawn dark on white, sent to a model trained on white-on-black),
+  below 0.5 for ``dark-on-light``; exactly 0.5 never inverts.
 * Denoising: the stored pixel grid is kept (no EXIF rotation, no resize). Gray, RGB, gray+alpha and
   RGBA keep their mode (for a single-channel denoiser each colour channel is one item of a batch
   ``[C,1,H,W]``; alpha is copied); 16-bit gray stays 16-bit. PNG cannot hold palette, 1-bit, CMYK, YCbCr,
@@ -21,8 +33,11 @@ Rules (documented in the README and the OpenAPI description):
 from __future__ import annotations
 
 import io
+import math
+import re
 import warnings
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -39,6 +54,12 @@ _16BIT = {"I;16", "I;16L", "I;16B", "I;16N"}
 #: Magic bytes of common image formats that are deliberately not decoded (→ 415 rather than "not an image").
 _UNSUPPORTED_MAGIC = {b"GIF87a": "GIF", b"GIF89a": "GIF", b"\x00\x00\x00\x0cjP  ": "JPEG 2000", b"%PDF": "PDF",
                       b"\x00\x00\x01\x00": "ICO", b"8BPS": "PSD", b"%!PS": "PostScript"}
+#: Resampling weights are evaluated this many at a time (bounded temporaries however long a side is).
+_CHUNK = 16384
+#: ITU-R 601-2 luma weights (Pillow's ``L``).
+_LUMA = (0.299, 0.587, 0.114)
+
+Invert = Literal["auto", "true", "false"]
 
 
 def set_pillow_limit(max_pixels: int) -> None:
@@ -51,14 +72,27 @@ def set_pillow_limit(max_pixels: int) -> None:
     warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
-def decode(data: bytes, max_pixels: int) -> Image.Image:
-    """Decode an uploaded image, refusing bombs before decoding and mapping every failure to a 4xx."""
+def _bomb(e: Exception, max_pixels: int) -> ApiError:
+    """Pillow's bomb refusal quotes its own threshold (2× ``MAX_IMAGE_PIXELS``); the client needs ours."""
+    m = re.search(r"\((\d+) pixels\)", str(e))
+    claimed = f"its header claims {int(m.group(1))} pixels" if m else "its header claims over twice the limit"
+    return ApiError(413, "image_too_large",
+                    f"image rejected as a decompression bomb: {claimed}; the limit is {max_pixels} pixels")
+
+
+def _num(v: float) -> str:
+    """``50000``, ``2.5``, ``33.33``: a ratio as people write it (no exponent)."""
+    return f"{v:.2f}".rstrip("0").rstrip(".")
+
+
+def decode(data: bytes, max_pixels: int, max_aspect_ratio: float = math.inf) -> Image.Image:
+    """Decode an uploaded image, refusing bombs and absurd shapes before decoding; every failure is a 4xx."""
     if not data:
         raise ApiError(400, "invalid_image", "empty body: send an image (PNG, JPEG, WebP, TIFF or BMP)")
     try:
         img = Image.open(io.BytesIO(data), formats=FORMATS)
     except Image.DecompressionBombError as e:
-        raise ApiError(413, "image_too_large", f"image rejected as a decompression bomb: {e}") from None
+        raise _bomb(e, max_pixels) from None
     except UnidentifiedImageError:
         for magic, fmt in _UNSUPPORTED_MAGIC.items():
             if data.startswith(magic):
@@ -72,10 +106,14 @@ def decode(data: bytes, max_pixels: int) -> Image.Image:
         raise ApiError(413, "image_too_large", f"image is {w}×{h} = {w * h} pixels; the limit is {max_pixels}")
     if w < 1 or h < 1:
         raise ApiError(400, "invalid_image", f"image has no pixels ({w}×{h})")
+    ratio = max(w, h) / min(w, h)
+    if ratio > max_aspect_ratio:
+        raise ApiError(422, "aspect_ratio_too_large", f"image is {w}×{h}, an aspect ratio of {_num(ratio)}:1; "
+                                                      f"the limit is {_num(max_aspect_ratio)}:1")
     try:
         img.load()
     except Image.DecompressionBombError as e:
-        raise ApiError(413, "image_too_large", f"image rejected as a decompression bomb: {e}") from None
+        raise _bomb(e, max_pixels) from None
     except MemoryError:
         raise ApiError(413, "image_too_large", "image too large to decode") from None
     except Exception as e:
@@ -96,8 +134,18 @@ class Planes:
         return 16 if self.mode == "I;16" else 8
 
 
-def to_planes(img: Image.Image) -> Planes:
-    """Split any supported mode into float channels (+ alpha); refuse modes PNG cannot round-trip."""
+@dataclass
+class Pixels:
+    """An image's stored values in a PNG-writable mode, unscaled: what both pipelines start from."""
+
+    color: np.ndarray  # [H, W, C] uint8, uint16 or int32 (a view: no copy beyond Pillow's export)
+    alpha: np.ndarray | None  # [H, W] uint8
+    mode: str  # L, LA, RGB, RGBA or I;16
+    top: float  # the value that means full brightness (255 or 65535)
+
+
+def pixels(img: Image.Image) -> Pixels:
+    """Bring any supported mode to L/LA/RGB/RGBA/16-bit gray and export it once; refuse what PNG cannot hold."""
     mode = img.mode
     if mode == "1":
         img, mode = img.convert("L"), "L"
@@ -111,29 +159,38 @@ def to_planes(img: Image.Image) -> Planes:
         img = img.convert(mode.upper())
         mode = img.mode
     if mode in _16BIT:
-        arr = np.asarray(img, dtype=np.float32) / 65535.0
-        return Planes(arr[None], None, "I;16")
+        return Pixels(np.asarray(img)[..., None], None, "I;16", 65535.0)
     if mode == "I":
         raw = np.asarray(img)
         if raw.size and (raw.min() < 0 or raw.max() > 65535):
             raise ApiError(415, "unsupported_image_mode",
                            "32-bit integer image with values outside 0..65535 (only 8- and 16-bit are supported)")
-        return Planes((raw.astype(np.float32) / 65535.0)[None], None, "I;16")
+        return Pixels(raw[..., None], None, "I;16", 65535.0)
     if mode not in ("L", "LA", "RGB", "RGBA"):
         raise ApiError(415, "unsupported_image_mode",
                        f"image mode {img.mode!r} is not supported (8/16-bit gray, RGB(A), palette, CMYK are)")
     arr = np.asarray(img)
     if arr.ndim == 2:
         arr = arr[..., None]
-    alpha = arr[..., -1].copy() if mode in ("LA", "RGBA") else None
-    color = arr[..., :-1] if alpha is not None else arr
-    return Planes(np.ascontiguousarray(color.transpose(2, 0, 1), dtype=np.float32) / 255.0, alpha, mode)
+    alpha = arr[..., -1] if mode in ("LA", "RGBA") else None
+    return Pixels(arr[..., :-1] if alpha is not None else arr, alpha, mode, 255.0)
+
+
+def to_planes(img: Image.Image) -> Planes:
+    """Split any supported mode into float channels (+ alpha); refuse modes PNG cannot round-trip."""
+    px = pixels(img)
+    data = np.empty((px.color.shape[2], *px.color.shape[:2]), np.float32)
+    for c in range(len(data)):  # one channel at a time: no [H, W, C] float temporary
+        np.divide(px.color[..., c], np.float32(px.top), out=data[c], dtype=np.float32)
+    return Planes(data, None if px.alpha is None else px.alpha.copy(), px.mode)
 
 
 def from_planes(data: np.ndarray, like: Planes) -> Image.Image:
     """Float channels ``[C,H,W]`` → a PIL image in ``like``'s mode (rounded, clipped, alpha re-attached)."""
     top = 65535 if like.bits == 16 else 255
-    q = np.rint(np.clip(data, 0.0, 1.0) * top).astype(np.uint16 if like.bits == 16 else np.uint8)
+    q = np.clip(data, 0.0, 1.0)  # one full-size float copy, scaled and rounded in place
+    q *= np.float32(top)
+    q = np.rint(q, out=q).astype(np.uint16 if like.bits == 16 else np.uint8)
     if like.mode == "I;16":
         return Image.fromarray(q[0])
     bands = [Image.fromarray(c) for c in q]
@@ -148,38 +205,66 @@ def encode_png(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-def classifier_input(img: Image.Image, card: InputCard) -> np.ndarray:
+@dataclass
+class Fitted:
+    """A classifier's input and what was decided on the way (reported to the client)."""
+
+    x: np.ndarray  # [1, C, H, W] float32, ready for the graph
+    inverted: bool
+
+
+def classifier_input(img: Image.Image, card: InputCard, invert: Invert = "false") -> Fitted:
     """``[1, C, H, W]`` float32 for a classifier, following the rules in the module docstring and its card.
 
     Alpha is flattened onto black; colour is converted to the card's (``gray`` → luma, ``rgb`` → three planes,
-    a gray image repeated); the image is fitted to the card's fixed H×W by its ``resize`` policy (``pad-square``,
-    ``stretch``; ``none`` needs the exact size, a dynamic input keeps the image's); then scaled to the card's
-    value range and normalised per channel with its ``mean`` / ``std``.
+    a gray image repeated); inverted per ``invert``; fitted to the card's fixed H×W by its ``resize`` policy
+    (``pad-square``, ``stretch``; ``none`` needs the exact size, a dynamic input keeps the image's); then scaled
+    to the card's value range and normalised per channel with its ``mean`` / ``std``. EXIF orientation is
+    applied to ``img`` in place (so a second call, e.g. for a λ rule, does not rotate twice).
     """
-    img = ImageOps.exif_transpose(img)
-    planes = to_planes(img)
-    x = planes.data
-    if planes.alpha is not None:
-        x = x * (planes.alpha.astype(np.float32) / 255.0)
-    x = _colour(x, card.colour)
+    if card.colour not in ("gray", "rgb"):
+        raise ApiError(422, "unsupported_model_input",
+                       f"the model's input is not an image (card colour {card.colour!r})")
+    ImageOps.exif_transpose(img, in_place=True)
+    px = pixels(img)
+    inverted = _should_invert(px, card, invert)
     size = card.fixed_hw
-    if size is not None and x.shape[1:] != size:
-        x = np.stack([_fit(c, size, card.resize) for c in x])
-    return to_graph(x[None], card)
+    n_in = px.color.shape[2]
+    want = 1 if card.colour == "gray" else 3
+    planes: list[np.ndarray] = []
+    for c in range(want):
+        if c > 0 and n_in == 1:  # a gray image repeated to the card's three planes: fitted once
+            planes.append(planes[0])
+            continue
+        plane = _plane(px, c, card.colour)
+        if inverted:
+            np.subtract(np.float32(1.0), plane, out=plane)
+        if size is not None and plane.shape != size:
+            plane = _fit(plane, size, card.resize)
+        planes.append(plane)
+    return Fitted(to_graph(np.stack(planes)[None], card), inverted)
 
 
 def to_graph(x: np.ndarray, card: InputCard) -> np.ndarray:
     """``[N, C, H, W]`` in [0, 1] → the card's value range, normalised per channel: ``(x - mean) / std``."""
     lo, hi = card.value_range
     mean, std = _stats(card)
-    return np.ascontiguousarray((lo + x * (hi - lo) - mean) / std, dtype=np.float32)
+    out = np.multiply(x, np.float32(hi - lo), dtype=np.float32)  # the one full-size array; the rest is in place
+    out += np.float32(lo)
+    out -= mean
+    out /= std
+    return out
 
 
 def from_graph(y: np.ndarray, card: InputCard) -> np.ndarray:
     """The inverse of :func:`to_graph`, for a graph whose output is an image like its input (denoisers)."""
     lo, hi = card.value_range
     mean, std = _stats(card)
-    return ((y * std + mean) - lo) / (hi - lo)
+    out = np.multiply(y, std, dtype=np.float32)  # in place from here: one full-size array
+    out += mean
+    out -= np.float32(lo)
+    out /= np.float32(hi - lo)
+    return out
 
 
 def _stats(card: InputCard) -> tuple[np.ndarray, np.ndarray]:
@@ -187,31 +272,143 @@ def _stats(card: InputCard) -> tuple[np.ndarray, np.ndarray]:
             np.asarray(card.std, np.float32).reshape(-1, 1, 1))
 
 
-def _colour(x: np.ndarray, colour: str | None) -> np.ndarray:
-    """``[C, H, W]`` planes in the card's colour: luma (ITU-R 601-2, as Pillow's ``L``) or RGB."""
-    if colour == "gray":
-        return x if len(x) == 1 else (0.299 * x[0] + 0.587 * x[1] + 0.114 * x[2])[None]
-    if colour == "rgb":
-        return x if len(x) == 3 else np.repeat(x, 3, axis=0)
-    raise ApiError(422, "unsupported_model_input", f"the model's input is not an image (card colour {colour!r})")
+def _plane(px: Pixels, c: int, colour: str) -> np.ndarray:
+    """Plane ``c`` of the card's colour as ``[H, W]`` float32 in [0, 1], alpha-flattened onto black.
+
+    Built in one float buffer (plus one for luma's terms): the peak is two planes, whatever the image's mode.
+    """
+    col = px.color
+    out = np.empty(col.shape[:2], np.float32)
+    if colour == "gray" and col.shape[2] == 3:
+        tmp = np.empty_like(out)
+        np.multiply(col[..., 0], np.float32(_LUMA[0]), out=out, dtype=np.float32)
+        for k in (1, 2):
+            np.multiply(col[..., k], np.float32(_LUMA[k]), out=tmp, dtype=np.float32)
+            out += tmp
+        del tmp
+    else:
+        np.copyto(out, col[..., c if col.shape[2] > 1 else 0], casting="unsafe")
+    out *= np.float32(1.0 / px.top)
+    if px.alpha is not None:
+        out *= px.alpha  # uint8 → float32 in numpy's small cast buffers, not a full-size copy
+        out *= np.float32(1.0 / 255.0)
+    return out
+
+
+def _frame(a: np.ndarray, per_side: int = 1024) -> np.ndarray:
+    """The outermost pixel frame of ``[H, W, ...]``, at most ``per_side`` evenly spaced pixels of each side (so
+    it stays small for a 1-pixel-thin image, whose frame is all of it; the median hardly notices)."""
+    h, w = a.shape[:2]
+    sw, sh = -(-w // per_side), -(-h // per_side)
+    return np.concatenate([a[0, ::sw], a[-1, ::sw], a[::sh, 0], a[::sh, -1]])
+
+
+def border_brightness(px: Pixels) -> float:
+    """Median luma (0–1, alpha-flattened onto black) of the image's outermost pixel frame: its background
+    (sampled, see :func:`_frame`)."""
+    col = _frame(px.color).astype(np.float64) / px.top
+    luma = col @ np.asarray(_LUMA) if col.shape[-1] == 3 else col[..., 0]
+    if px.alpha is not None:
+        luma = luma * (_frame(px.alpha) / 255.0)
+    return float(np.median(luma))
+
+
+def _should_invert(px: Pixels, card: InputCard, invert: Invert) -> bool:
+    """``invert`` resolved for this image (rule in the module docstring); ``auto`` needs ``card.polarity``."""
+    if invert == "auto":
+        if card.polarity is None:
+            raise ApiError(422, "invalid_parameter", "invert=auto: the model's card declares no polarity "
+                                                     "(input.polarity); pass invert=true or invert=false")
+        bright = border_brightness(px)
+        return bright > 0.5 if card.polarity == "light-on-dark" else bright < 0.5
+    return invert == "true"
 
 
 def _fit(plane: np.ndarray, size: tuple[int, int], resize: str) -> np.ndarray:
-    """One ``[H, W]`` plane fitted to ``size``: centred black padding to a square first for ``pad-square``."""
+    """One ``[H, W]`` plane fitted to ``size``, clipped to [0, 1].
+
+    ``pad-square`` gives what Pillow's Lanczos resize of the plane padded with black to a centred square gives,
+    without building the square (a 50000×1 image would need a 50000² one): the padding only adds zero terms to
+    each output's sum, so each pass weighs the image's own rows or columns with Pillow's weights for the
+    square's. The two separable passes run in the order with the smaller intermediate, so the work arrays are
+    bounded by the plane plus ``min(H·tw, th·W)`` floats (at most ``max(th, tw)·√(H·W)``).
+    """
     th, tw = size
+    h, w = plane.shape
     if resize == "none":
-        h, w = plane.shape
         raise ApiError(422, "invalid_image_size", f"image is {w}×{h}; the model takes exactly {tw}×{th} "
                                                   "(its card allows no resizing)")
     if resize == "pad-square":
-        h, w = plane.shape
         side = max(h, w)
-        square = np.zeros((side, side), np.float32)
-        top, left = (side - h) // 2, (side - w) // 2
-        square[top:top + h, left:left + w] = plane
-        plane = square
-    out = np.asarray(Image.fromarray(plane.astype(np.float32)).resize((tw, th), Image.Resampling.LANCZOS))
-    return np.clip(out, 0.0, 1.0)
+        canvas, offset = (side, side), ((side - h) // 2, (side - w) // 2)
+    else:
+        canvas, offset = (h, w), (0, 0)
+    if h * tw <= th * w:  # columns first (Pillow's order), or rows first when that intermediate is smaller
+        out = _resample(_resample(plane, 1, canvas[1], offset[1], tw), 0, canvas[0], offset[0], th)
+    else:
+        out = _resample(_resample(plane, 0, canvas[0], offset[0], th), 1, canvas[1], offset[1], tw)
+    return np.clip(out, 0.0, 1.0, out=out)
+
+
+def _resample(a: np.ndarray, axis: int, canvas: int, offset: int, n_out: int) -> np.ndarray:
+    """Resize ``a`` along ``axis`` as if it sat at ``offset`` on a black line of ``canvas`` pixels, to ``n_out``."""
+    n = a.shape[axis]
+    shape = (n_out, a.shape[1]) if axis == 0 else (a.shape[0], n_out)
+    out = np.zeros(shape, np.float32)
+    if canvas == n_out:  # no resampling along this axis (Pillow skips the pass): padding only
+        if axis == 0:
+            out[offset:offset + n] = a
+        else:
+            out[:, offset:offset + n] = a
+        return out
+    scale = canvas / n_out
+    support = 3.0 * max(scale, 1.0)
+    for i in range(n_out):
+        lo, hi = _window(i, scale, support, canvas)
+        a0, a1 = max(lo, offset), min(hi, offset + n)  # the part of the window on the image
+        if a0 >= a1:
+            continue  # all padding: stays 0
+        kk = _lanczos(i, scale, lo, hi, a0, a1)
+        if axis == 0:
+            out[i] = kk @ a[a0 - offset:a1 - offset]
+        else:
+            out[:, i] = a[:, a0 - offset:a1 - offset] @ kk
+    return out
+
+
+def _window(i: int, scale: float, support: float, n_in: int) -> tuple[int, int]:
+    """Input range ``[lo, hi)`` of output ``i`` (Pillow's ``Resample.c``, ``precompute_coeffs``)."""
+    center = (i + 0.5) * scale
+    return max(int(center - support + 0.5), 0), min(int(center + support + 0.5), n_in)
+
+
+def _lanczos(i: int, scale: float, lo: int, hi: int, a0: int, a1: int) -> np.ndarray:
+    """Pillow's Lanczos-3 weights of output ``i`` for inputs ``[a0, a1)``, normalised over its whole window
+    ``[lo, hi)`` (padding included), as float32. Evaluated in chunks: a window can span most of a long side."""
+    center = (i + 0.5) * scale
+    inv = 1.0 / max(scale, 1.0)
+
+    def kernel(x0: int, x1: int) -> np.ndarray:
+        t = (np.arange(x0, x1, dtype=np.float64) - center + 0.5) * inv
+        return np.where((t >= -3.0) & (t < 3.0), np.sinc(t) * np.sinc(t / 3.0), 0.0)
+
+    total = sum(float(kernel(x, min(x + _CHUNK, hi)).sum()) for x in range(lo, hi, _CHUNK))
+    out = np.empty(a1 - a0, np.float32)
+    for x in range(a0, a1, _CHUNK):
+        k = kernel(x, min(x + _CHUNK, a1))
+        out[x - a0:x - a0 + len(k)] = k / total if total != 0.0 else k
+    return out
+
+
+def work_bytes_bound(max_pixels: int, model_hw: tuple[int, int]) -> int:
+    """Upper bound on the bytes of the numpy/Python arrays :func:`classifier_input` allocates for a decoded image
+    of at most ``max_pixels`` pixels and a model input of ``model_hw`` (the tests hold it to this, measured with
+    ``tracemalloc``): Pillow's export of the pixels (≤ 4 B/px, twice while it joins its chunks), two float32
+    planes, the fit's intermediates (≤ ``max(th, tw)·√max_pixels`` floats each) and the model input with its
+    normalisation temporaries. Pillow's own decoded image (≤ 4 B/px, plus 4 when a mode is converted, e.g.
+    palette → RGBA) lives outside Python's allocator and comes on top (see the README's memory table)."""
+    th, tw = model_hw
+    return 16 * max_pixels + 8 * max(th, tw) * (math.isqrt(max_pixels) + 1) + 48 * th * tw
 
 
 def estimate_sigma(planes: Planes) -> float:

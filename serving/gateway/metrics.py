@@ -1,15 +1,35 @@
 """Prometheus metrics for the gateway, on a registry of its own (one per app, so tests can run several).
 
 Route labels are the route *templates* (``/v1/classify``), never raw paths, so a scan of random URLs
-cannot blow up the number of time series; unmatched paths are counted as ``unmatched``.
+cannot blow up the number of time series; unmatched paths are counted as ``unmatched``. A request whose
+client went away before the answer (mid-upload, or while its inference ran) is counted with status
+``499`` (nginx's "client closed request"), not as a server error, and is not logged as one. The registry
+also carries the standard ``process_*`` (CPU, memory, file descriptors), ``python_info`` and
+``python_gc_*`` collectors.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger("unroll.gateway")
+
+#: Status recorded for a request whose client disconnected before its response was sent.
+CLIENT_CLOSED = 499
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -27,6 +47,12 @@ class Metrics:
                                registry=self.registry)
         self.queued = Gauge("unroll_gateway_queue_depth", "Inference requests waiting for a concurrency slot",
                             registry=self.registry)
+        self.uploads = Gauge("unroll_gateway_uploads_in_progress", "Request bodies being read now",
+                             registry=self.registry)
+        # Process and runtime metrics, on this registry (the default one is not served).
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         self.triton = Histogram("unroll_gateway_triton_request_duration_seconds",
                                 "Round trip of one Triton inference call, by model and outcome",
                                 ["model", "outcome"], buckets=LATENCY_BUCKETS, registry=self.registry)
@@ -47,21 +73,49 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         status = 500  # if the app raises before answering, Starlette's error middleware sends a 500
+        gone = False
+        # Once the body has been read, the server's next receive message is http.disconnect, sent when the
+        # client leaves (or when the response is complete): a task waits for it, as Starlette's streaming
+        # responses do. Waiting also keeps the socket read, so a close is noticed at once.
+        listener: asyncio.Future[Message] | None = None
+
+        async def receive_wrapper() -> Message:
+            nonlocal listener
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False) and listener is None:
+                listener = asyncio.ensure_future(receive())
+            return message
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status
+            nonlocal status, gone
             if message["type"] == "http.response.start":
                 status = message["status"]
-            await send(message)
+                gone = listener is not None and listener.done() and not listener.cancelled() \
+                    and listener.result().get("type") == "http.disconnect"
+            if not gone:
+                await send(message)
 
         m = self.metrics
         m.in_flight.inc()
         t0 = time.perf_counter()
         try:
-            await self.app(scope, receive, send_wrapper)
+            await self.app(scope, receive_wrapper, send_wrapper)
+        except ClientDisconnect:  # the client left mid-upload: nobody to answer, nothing to log as an error
+            gone = True
         finally:
+            if listener is not None and not listener.done():
+                listener.cancel()
+            if gone:
+                status = CLIENT_CLOSED
+                log.info("client %s closed the connection before the response to %s %s", _client(scope),
+                         scope.get("method", ""), scope.get("path", ""))
             m.in_flight.dec()
             route = getattr(scope.get("route"), "path", None) or "unmatched"
             method = scope.get("method", "")
             m.requests.labels(route, method, str(status)).inc()
             m.latency.labels(route, method).observe(time.perf_counter() - t0)
+
+
+def _client(scope: Scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "?"

@@ -1,4 +1,5 @@
-"""OpenAPI text shared by the routers: the API description, the image request body, documented errors.
+"""OpenAPI text shared by the routers (the API description, the image request body, documented errors), and the
+interactive docs, served from the package so that ``/docs`` works on a server with no internet access.
 
 Examples use generic names (``my-classifier``): the gateway serves whatever models Triton has, so no
 shipped model's name belongs in the API's documentation.
@@ -6,8 +7,13 @@ shipped model's name belongs in the API's documentation.
 
 from __future__ import annotations
 
+from importlib.resources import files
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
 from unroll.serving.gateway.errors import ErrorBody
 
 API_VERSION = "1"
@@ -26,12 +32,18 @@ and BMP are accepted; the body and the pixel count are limited (413 beyond them)
 **Classification input rules** (from the model's card). EXIF orientation applied; alpha flattened onto
 black; colour converted to the card's (gray: luma; rgb: three planes); fitted to the card's input size by its
 resize policy (`pad-square`: padded with black to a centred square, then resized; `stretch`: resized;
-Lanczos); normalised with the card's mean/std. Images are *not* inverted automatically.
+Lanczos); normalised with the card's mean/std. Inverted only as `invert` says (below).
 
 **Denoising.** Keeps size and mode (gray, RGB, RGBA, gray+alpha, 16-bit gray; palette/CMYK come back
 as RGB); for a single-channel denoiser colour channels are denoised as one batch `[C,1,H,W]`; sides
 must be at least the card's `input.min_size`. `sigma` is on the 0–255 scale; omit it to estimate it
 (wavelet MAD); the value used is returned in `X-Sigma-Used`.
+
+**Parameters.** `invert` (`auto`, `true`, `false`) inverts the image before classifying; `auto` (the default
+for models whose card declares the training images' polarity) inverts when the median brightness of the
+image's outermost pixel frame is on the other side of mid-grey from the card's background, so a digit drawn
+dark on white reaches a model trained on white-on-black digits the right way round. Images whose longer side
+is more than the server's aspect-ratio limit times the shorter are refused (422).
 
 **Errors** are always `{"error": {"code", "message"}}`. **Auth**: when the server has an API key,
 send `X-API-Key: KEY` or `Authorization: Bearer KEY` on `/v1/*` (health, readiness, metrics are open).
@@ -66,7 +78,8 @@ COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
     415: error_doc("unsupported_media_type", "Content-Type 'text/plain' is not accepted",
                    "Not an accepted image type"),
     422: error_doc("invalid_parameter", "top_k: Input should be greater than or equal to 1 (got '0')",
-                   "Bad query parameter (e.g. outside the bounds in the model's card)"),
+                   "Bad query parameter (e.g. outside the bounds in the model's card), or an image the model "
+                   "cannot take (aspect ratio over the limit: `aspect_ratio_too_large`; too small for a denoiser)"),
     429: error_doc("too_many_requests", "server busy: 8 requests running and 32 queued; retry later",
                    "Over the concurrency limit and queue bound (see Retry-After)"),
     502: error_doc("triton_error", "Triton rejected inference on my-classifier: …", "Triton answered with an error"),
@@ -78,3 +91,36 @@ COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
 
 def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {k: COMMON_ERRORS[k] for k in codes}
+
+
+#: Where the docs pages load Swagger UI / ReDoc from: the gateway itself (never a CDN).
+DOCS_STATIC = "/docs/static"
+
+
+def install_docs(app: FastAPI) -> None:
+    """``/docs`` (Swagger UI) and ``/redoc`` with their JavaScript, CSS and icon served by the gateway.
+
+    FastAPI's own pages load these from a CDN, so they are blank on an offline server. The assets come from
+    the ``fastapi-offline`` package (Swagger UI 5, which renders the OpenAPI 3.1 that FastAPI writes); its
+    ``static`` folder is mounted, and Swagger UI's online validator badge is switched off.
+    """
+    static = files("fastapi_offline") / "static"
+    app.mount(DOCS_STATIC, StaticFiles(directory=str(static)), name="docs-static")
+    title = app.title
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "")
+        return get_swagger_ui_html(
+            openapi_url=f"{root}{app.openapi_url}", title=f"{title} — API docs",
+            swagger_js_url=f"{root}{DOCS_STATIC}/swagger-ui-bundle.js",
+            swagger_css_url=f"{root}{DOCS_STATIC}/swagger-ui.css",
+            swagger_favicon_url=f"{root}{DOCS_STATIC}/favicon.png",
+            swagger_ui_parameters={"validatorUrl": None})
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "")
+        return get_redoc_html(openapi_url=f"{root}{app.openapi_url}", title=f"{title} — API reference",
+                              redoc_js_url=f"{root}{DOCS_STATIC}/redoc.standalone.js",
+                              redoc_favicon_url=f"{root}{DOCS_STATIC}/favicon.png", with_google_fonts=False)

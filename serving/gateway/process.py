@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from unroll.serving.gateway.http_settings import HttpSettings
 from unroll.serving.gateway.settings import ENV_PREFIX, Settings
 from unroll.serving.triton import free_ports
 
@@ -27,12 +28,15 @@ class GatewayStartError(RuntimeError):
 
 @contextlib.contextmanager
 def gateway_process(settings: Settings, log: Path, ready_path: str = "/readyz",
-                    timeout_s: float = 90.0) -> Iterator[str]:
-    """Start the gateway with ``settings``, logging to ``log``; yield its base URL once ``ready_path``
-    answers 200, and always stop it (SIGTERM, then SIGKILL after 15 s)."""
+                    timeout_s: float = 90.0, http: HttpSettings | None = None) -> Iterator[str]:
+    """Start the gateway with ``settings`` (and the HTTP layer's ``http`` limits, else their defaults), logging
+    to ``log``; yield its base URL once ``ready_path`` answers 200, and always stop it (SIGTERM, then SIGKILL
+    after 15 s)."""
     port = free_ports(1)[0]
     env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
     env.update(settings.env())
+    if http is not None:
+        env.update(http.env())
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "unroll.serving.gateway", "--port", str(port), "--log-level",
                                  "warning"], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=_REPO_ROOT)

@@ -45,7 +45,8 @@ class Settings(BaseSettings):
     api_key: str | None = None
     """When set, every ``/v1/*`` call needs ``X-API-Key: KEY`` or ``Authorization: Bearer KEY``."""
     request_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
-    """Deadline of each Triton call (past it: 504, Triton is slow, not down) and of reading one upload (408)."""
+    """Deadline of each Triton call (past it: 504, Triton is slow, not down); uploads have their own limits
+    (``body_idle_timeout_s`` / ``body_timeout_s`` in :mod:`.http_settings`)."""
     ready_timeout_s: float = Field(2.0, gt=0, allow_inf_nan=False)
     """Readiness probes are short so ``/readyz`` answers quickly when Triton hangs."""
     max_body_bytes: int = Field(20 * 1024 * 1024, ge=1)
@@ -53,6 +54,10 @@ class Settings(BaseSettings):
     max_pixels: int = Field(2048 * 2048, ge=1)
     """Decoded image limit (width × height), checked from the header before any pixel is decoded. The default
     (2048², 4.2 Mpx) keeps a colour float32 batch (≈50 MB) under Triton's default 64 MB HTTP input limit."""
+    max_aspect_ratio: float = Field(32.0, ge=1.0)
+    """Longest side ÷ shortest side an image may have (checked from the header; beyond it: 422). 32 admits
+    stitched panoramas and long receipts and refuses 1-pixel lines, which no classifier or denoiser can use;
+    ``inf`` disables the check (memory stays bounded by ``max_pixels`` either way)."""
     max_concurrency: int = Field(8, ge=1)
     """Requests doing work at once (decoding, Triton calls); more wait in the queue."""
     max_queue: int = Field(32, ge=0)

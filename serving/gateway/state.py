@@ -1,7 +1,7 @@
 """The per-process state the routes share, handed to them as FastAPI dependencies.
 
 One :class:`Gateway` is built in the app's lifespan (settings, Triton client, model catalog, metrics,
-admission control). Routes declare what they need (``gw: GatewayDep``, ``settings: SettingsDep``) instead
+upload and admission control). Routes declare what they need (``gw: GatewayDep``, ``settings: SettingsDep``) instead
 of reaching into ``request.app.state``, so the wiring is visible in each signature and tests can override
 a dependency (``app.dependency_overrides[get_gateway]``).
 """
@@ -17,8 +17,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from unroll.serving.gateway.body import check_declared_length, read_image_bytes
 from unroll.serving.gateway.catalog import Catalog
 from unroll.serving.gateway.errors import ApiError
+from unroll.serving.gateway.http_settings import HttpSettings
 from unroll.serving.gateway.metrics import Metrics
 from unroll.serving.gateway.openapi import COMMON_ERRORS
 from unroll.serving.gateway.settings import Settings
@@ -54,6 +56,33 @@ class Admission:
             self._admitted -= 1
 
 
+class Uploads:
+    """At most ``limit`` request bodies being read at once; beyond that, 429 at once.
+
+    Separate from :class:`Admission` on purpose: a body is read *before* the request asks for an inference
+    slot, so clients that upload slowly (or not at all, until ``body_idle_timeout_s`` cuts them off) hold
+    an upload permit, never a slot, and inference goes on. This bounds body memory: ``limit`` × the body limit.
+    """
+
+    def __init__(self, limit: int, retry_after_s: int, metrics: Metrics) -> None:
+        self.limit, self.retry_after_s = limit, retry_after_s
+        self._active = 0
+        self._metrics = metrics
+
+    @asynccontextmanager
+    async def permit(self) -> AsyncIterator[None]:
+        if self._active >= self.limit:
+            raise ApiError(429, "too_many_requests", f"server busy: {self.limit} uploads in progress; retry later",
+                           {"Retry-After": str(self.retry_after_s)})
+        self._active += 1
+        self._metrics.uploads.inc()
+        try:
+            yield
+        finally:
+            self._active -= 1
+            self._metrics.uploads.dec()
+
+
 @dataclass
 class Gateway:
     """Per-process state shared by the routes."""
@@ -63,13 +92,26 @@ class Gateway:
     catalog: Catalog
     metrics: Metrics
     admission: Admission
+    http: HttpSettings
+    uploads: Uploads
 
     @classmethod
-    def create(cls, settings: Settings, metrics: Metrics) -> Gateway:
+    def create(cls, settings: Settings, metrics: Metrics, http: HttpSettings | None = None) -> Gateway:
+        """``http`` defaults to :class:`HttpSettings` from the ``UNROLL_*`` variables."""
+        http = http or HttpSettings()
         backend = TritonBackend(settings.triton_url, settings.triton_protocol, settings.request_timeout_s,
                                 observe=metrics.observe_triton)
         return cls(settings, backend, Catalog(backend, settings), metrics,
-                   Admission(settings.max_concurrency, settings.max_queue, settings.busy_retry_after_s, metrics))
+                   Admission(settings.max_concurrency, settings.max_queue, settings.busy_retry_after_s, metrics),
+                   http, Uploads(http.max_uploads, settings.busy_retry_after_s, metrics))
+
+    async def read_image(self, request: Request) -> bytes:
+        """The request's image bytes (see :mod:`.body`), read under an upload permit and *outside* any inference
+        slot: call it before ``admission.slot()``. 413 (declared or streamed size), 415, 400, 408, 429."""
+        limit = self.settings.max_body_bytes
+        check_declared_length(request, limit)  # before taking a permit: refusing costs nothing
+        async with self.uploads.permit():
+            return await read_image_bytes(request, limit, self.http.body_timeout_s, self.http.body_idle_timeout_s)
 
 
 def get_gateway(request: Request) -> Gateway:

@@ -5,6 +5,11 @@ reused. Every call runs under a deadline; failures are translated into three kin
 status codes: :class:`TritonUnavailable` (connection refused/reset, server or model not ready → 503),
 :class:`TritonTimeout` (deadline passed → 504) and :class:`TritonRejected` (Triton answered with an
 error for this request → 502, its message kept).
+
+A locked-down Triton (``unroll serve`` starts it so: every API but health needs a key, see
+:func:`unroll.serving.triton.restricted_api_args`) gets the key in the header
+:data:`~unroll.serving.triton.RESTRICTED_HEADER` on every call; the key comes from ``api_key`` or the
+environment variable :data:`TRITON_API_KEY_ENV` (set by ``unroll serve`` for its gateway).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +30,12 @@ log = logging.getLogger("unroll.gateway")
 
 #: gRPC reconnect back-off cap: the default (120 s) would keep a restarted Triton unreachable for minutes.
 GRPC_MAX_RECONNECT_BACKOFF_MS = 1000
+#: Where the key of a locked-down Triton comes from when ``TritonBackend`` is not given one.
+TRITON_API_KEY_ENV = "UNROLL_TRITON_API_KEY"
+#: Header Triton checks for the key over HTTP (``unroll.serving.triton.RESTRICTED_HEADER``); over gRPC Triton
+#: expects it with the prefix ``triton-grpc-protocol-`` (``--grpc-restricted-protocol``).
+TRITON_KEY_HEADER = "unroll-triton-key"
+TRITON_GRPC_KEY_HEADER = "triton-grpc-protocol-" + TRITON_KEY_HEADER
 
 
 class TritonError(Exception):
@@ -75,8 +87,12 @@ class TritonBackend:
     """Async Triton client with deadlines, error translation and round-trip metrics."""
 
     def __init__(self, url: str, protocol: str, timeout_s: float,
-                 observe: Callable[[str, str, float], None] | None = None) -> None:
+                 observe: Callable[[str, str, float], None] | None = None, api_key: str | None = None) -> None:
         self.url, self.protocol, self.timeout_s = url, protocol, timeout_s
+        key = api_key if api_key is not None else os.environ.get(TRITON_API_KEY_ENV) or None
+        #: Sent with every call (Triton ignores a header it does not restrict on).
+        header = TRITON_GRPC_KEY_HEADER if protocol == "grpc" else TRITON_KEY_HEADER
+        self._headers: dict[str, str] | None = {header: key} if key else None
         self._observe = observe or (lambda model, outcome, seconds: None)
         #: How many calls found Triton unavailable: the model catalog re-discovers when this moves, since
         #: the server may come back with another repository.
@@ -128,13 +144,15 @@ class TritonBackend:
     async def server_ready(self, timeout_s: float) -> bool:
         """``True`` when Triton answers ready; ``False`` when it is down, not ready or slow."""
         try:
-            return bool(await self._call("a readiness probe", self._client.is_server_ready(), timeout_s))
+            return bool(await self._call("a readiness probe", self._client.is_server_ready(headers=self._headers),
+                                         timeout_s))
         except TritonError:
             return False
 
     async def model_ready(self, name: str, timeout_s: float) -> bool:
         try:
-            return bool(await self._call("a readiness probe", self._client.is_model_ready(name), timeout_s))
+            return bool(await self._call("a readiness probe", self._client.is_model_ready(name, headers=self._headers),
+                                         timeout_s))
         except TritonError:
             return False
 
@@ -142,23 +160,27 @@ class TritonBackend:
         """Every model in Triton's repository: ``{"name", "version", "state", "reason"}`` (state ``READY`` when
         loaded; a model that failed to load is listed with its reason)."""
         if self.protocol == "grpc":
-            raw = await self._call("the repository index", self._client.get_model_repository_index(as_json=True),
-                                   self.timeout_s)
+            raw = await self._call("the repository index", self._client.get_model_repository_index(
+                headers=self._headers, as_json=True), self.timeout_s)
             raw = raw.get("models", [])
         else:
-            raw = await self._call("the repository index", self._client.get_model_repository_index(), self.timeout_s)
+            raw = await self._call("the repository index",
+                                   self._client.get_model_repository_index(headers=self._headers), self.timeout_s)
         return [{k: str(m.get(k, "")) for k in ("name", "version", "state", "reason")} for m in raw]
 
     async def model_metadata(self, name: str) -> dict[str, Any]:
         kw = {"as_json": True} if self.protocol == "grpc" else {}
-        return await self._call(f"metadata of {name}", self._client.get_model_metadata(name, **kw), self.timeout_s)
+        return await self._call(f"metadata of {name}",
+                                self._client.get_model_metadata(name, headers=self._headers, **kw), self.timeout_s)
 
     async def model_config(self, name: str) -> dict[str, Any]:
         if self.protocol == "grpc":
-            cfg = await self._call(f"config of {name}", self._client.get_model_config(name, as_json=True),
+            cfg = await self._call(f"config of {name}", self._client.get_model_config(name, headers=self._headers,
+                                                                                    as_json=True),
                                    self.timeout_s)
             return cfg["config"]
-        return await self._call(f"config of {name}", self._client.get_model_config(name), self.timeout_s)
+        return await self._call(f"config of {name}", self._client.get_model_config(name, headers=self._headers),
+                                self.timeout_s)
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str],
                     class_count: int | None = None) -> dict[str, np.ndarray]:
@@ -181,7 +203,8 @@ class TritonBackend:
         t0 = time.perf_counter()
         outcome = "error"
         try:
-            res = await self._call(f"inference on {model}", self._client.infer(model, reqs, outputs=outs),
+            res = await self._call(f"inference on {model}", self._client.infer(model, reqs, outputs=outs,
+                                                                                    headers=self._headers),
                                    self.timeout_s)
             outcome = "ok"
         except TritonTimeout:

@@ -81,7 +81,7 @@ class MNISTSDNet(nn.Module):
     card=dict(
         task="classification",
         description="SDNet-style MNIST classifier: CSC front end (FISTA K=2, λ=0.1) + residual CNN (trained demo)",
-        input=InputCard(name="image", shape=(1, 28, 28), colour="gray", resize="pad-square"),
+        input=InputCard(name="image", shape=(1, 28, 28), colour="gray", resize="pad-square", polarity="light-on-dark"),
         output="logits", labels=tuple(str(i) for i in range(10)),
         lam=LamCard(default=None, max=10.0, auto="sdnet-mnist-autolam"),
         data=dict(train="mnist-train", test="mnist-test"),

@@ -1,0 +1,198 @@
+"""Keep a tritonserver running for ``unroll serve``: notice when it dies or hangs, clean up, restart it.
+
+Without this, a ``kill -9`` of tritonserver (or an abort while Triton restarts a dead Python-backend stub)
+left the gateway answering 503 for good, the server a zombie, its stubs running under PID 1 and their
+``/dev/shm`` regions behind. :class:`TritonSupervisor` owns the server from a thread of its own:
+
+* it launches the server (the first time too) from that thread, which lives as long as the server must:
+  Triton's parent-death signal follows the thread that forked it (see :mod:`unroll.serving.triton`);
+* it polls the server: an exit is reaped at once; a server that is alive but not ready for
+  ``unready_restart_s`` (a model that never comes back) is stopped;
+* :meth:`TritonHandle.stop` then kills what is left of the server's process group (its stubs), reaps
+  them (this process is made a child subreaper, so orphaned stubs are re-parented to us, not to PID 1)
+  and unlinks the shared-memory regions of that server's stubs only;
+* it starts a new server on the same ports after a back-off (``backoff_s``, longer after each crash in a
+  row, reset once a server stayed up ``stable_s``), and gives up after ``max_restarts`` restarts within
+  ``window_s`` — then ``on_give_up`` is called (``unroll serve`` exits with the reason) rather than
+  serving 503 forever. Every step is logged.
+
+The gateway needs no signal: its gRPC channel reconnects within a second and its catalog re-discovers
+the models after Triton was unavailable (:mod:`unroll.serving.gateway.triton_client`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from unroll.serving.triton import STOP_GRACE_S, TritonHandle, TritonStartError
+
+log = logging.getLogger("unroll.serve")
+
+#: ``prctl`` option (linux/prctl.h): orphaned descendants are re-parented to this process, not PID 1.
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (a crashed Triton's stubs); ``False`` if refused."""
+    with contextlib.suppress(OSError, AttributeError):
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    return False
+
+
+def describe_exit(code: int | None) -> str:
+    """``exited with code 1`` / ``was killed by SIGKILL`` for a ``Popen.returncode``."""
+    if code is None:
+        return "is still running"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class TritonSupervisor:
+    """Runs ``launch()`` (which returns a ready :class:`TritonHandle`) and keeps its server alive; see the module doc.
+
+    ``launch`` must accept being called from the supervisor's thread (``triton.start(..., any_thread=True)``).
+    """
+
+    def __init__(self, launch: Callable[[], TritonHandle], *, backoff_s: Sequence[float] = (0.5, 1, 2, 4, 8, 15, 30),
+                 max_restarts: int = 10, window_s: float = 600.0, stable_s: float = 60.0,
+                 probe_every_s: float = 0.5, unready_restart_s: float = 20.0,
+                 on_give_up: Callable[[str], None] | None = None) -> None:
+        if not backoff_s or min(backoff_s) < 0 or max_restarts < 0:
+            raise ValueError("backoff_s must be non-empty and non-negative, max_restarts >= 0")
+        self._launch = launch
+        self.backoff_s, self.max_restarts, self.window_s = tuple(backoff_s), max_restarts, window_s
+        self.stable_s, self.probe_every_s, self.unready_restart_s = stable_s, probe_every_s, unready_restart_s
+        self._on_give_up = on_give_up
+        self._stop = threading.Event()
+        self._started = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._handle: TritonHandle | None = None
+        self._first_error: BaseException | None = None
+        #: Restarts done so far (successful launches after the first).
+        self.restarts = 0
+        #: Why the supervisor gave up, once it has.
+        self.gave_up: str | None = None
+
+    @property
+    def handle(self) -> TritonHandle | None:
+        """The server running now (``None`` between a crash and its restart)."""
+        return self._handle
+
+    def start(self) -> TritonHandle:
+        """Launch the first server (errors raise here, as from ``launch``) and start watching it."""
+        if self._thread is not None:
+            raise RuntimeError("the supervisor is already running")
+        become_subreaper()
+        self._thread = threading.Thread(target=self._run, name="triton-supervisor", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._first_error is not None:
+            self._thread.join()
+            raise self._first_error
+        assert self._handle is not None
+        return self._handle
+
+    def stop(self) -> None:
+        """Stop watching and stop the server (from the supervisor's thread, which started it); idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(STOP_GRACE_S + 30)
+
+    def __enter__(self) -> TritonSupervisor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---------------------------------------------------------------- the supervisor's thread
+
+    def _run(self) -> None:
+        try:
+            self._handle = self._launch()
+        except BaseException as e:  # reported by start() in the caller's thread
+            self._first_error = e
+            self._started.set()
+            return
+        self._started.set()
+        handle: TritonHandle | None = self._handle
+        crashes: deque[float] = deque()
+        in_a_row = 0
+        try:
+            while not self._stop.is_set():
+                if handle is not None:
+                    up_since = time.monotonic()
+                    reason = self._watch(handle)
+                    if reason is None:  # asked to stop
+                        break
+                    self._handle = None
+                    log.warning("tritonserver (pid %d) %s; last lines of its log %s:\n%s", handle.pid, reason,
+                                handle.log_path, handle.log_tail(15))
+                    handle.stop(grace_s=5)
+                    log.warning("tritonserver (pid %d): stopped what was left of its process group and removed its "
+                                "shared memory (%d regions)", handle.pid, len(handle.regions))
+                    handle = None
+                    if time.monotonic() - up_since >= self.stable_s:
+                        in_a_row = 0
+                now = time.monotonic()
+                crashes.append(now)
+                while crashes and now - crashes[0] > self.window_s:
+                    crashes.popleft()
+                if len(crashes) > self.max_restarts:
+                    self._give_up(f"tritonserver failed {len(crashes)} times within {self.window_s:g} s; "
+                                  "not restarting it again")
+                    break
+                delay = self.backoff_s[min(in_a_row, len(self.backoff_s) - 1)]
+                in_a_row += 1
+                log.warning("restarting tritonserver in %g s (restart %d; at most %d within %g s)", delay,
+                            len(crashes), self.max_restarts, self.window_s)
+                if self._stop.wait(delay):
+                    break
+                t0 = time.monotonic()
+                try:
+                    handle = self._launch()
+                except TritonStartError as e:
+                    log.error("tritonserver did not restart: %s", e.reason)
+                    continue
+                self._handle = handle
+                self.restarts += 1
+                log.warning("tritonserver restarted (pid %d) and ready in %.1f s", handle.pid, time.monotonic() - t0)
+        except BaseException:
+            log.exception("the Triton supervisor failed")
+            self._give_up("the Triton supervisor failed (see the traceback above)")
+        finally:
+            if handle is not None:
+                handle.stop()
+            self._handle = None
+
+    def _watch(self, handle: TritonHandle) -> str | None:
+        """Block until the server exits (reaped here) or stays unready too long; ``None`` once asked to stop."""
+        unready_since: float | None = None
+        while not self._stop.wait(self.probe_every_s):
+            code = handle.poll()
+            if code is not None:
+                return describe_exit(code)
+            handle.snapshot()
+            if handle.ready():
+                unready_since = None
+                continue
+            now = time.monotonic()
+            unready_since = unready_since if unready_since is not None else now
+            if now - unready_since >= self.unready_restart_s:
+                return f"has not been ready for {now - unready_since:.0f} s"
+        return None
+
+    def _give_up(self, why: str) -> None:
+        self.gave_up = why
+        log.error("%s", why)
+        if self._on_give_up is not None:
+            self._on_give_up(why)

@@ -1,0 +1,421 @@
+"""``unroll serve`` survives Triton crashes, locks Triton's own ports, keeps a clean log, prints usable curls.
+
+One real ``unroll serve`` (subprocess: Triton under its supervisor + the gateway, the demo models, spare
+ports, everything under a temporary folder) for the module. The crash test kills tritonserver (-9),
+then one of the new server's Python-backend stubs (-9), and requires the gateway to answer 200 again
+within 15 s each time, the killed server reaped, its stubs gone and its ``/dev/shm`` regions removed.
+The supervisor itself is also driven directly: a hung (SIGSTOPped) server is replaced, and a server that
+cannot start any more makes it give up. Banner and log rotation checks need no server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+from unroll.serving import triton
+from unroll.serving.triton import (
+    GRPC_HEADER_PREFIX,
+    RESTRICTED_HEADER,
+    SHM_DIR,
+    free_ports,
+    group_members,
+    rotate_log,
+    shm_regions,
+)
+
+RECOVERY_S = 15.0
+MODEL = "sdnet-mnist"
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def processes_of(marker: str) -> dict[int, str]:
+    """Processes whose command line contains ``marker``: ``{pid: cmd}`` (a zombie's is empty: see :func:`exists`)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = next(ln for ln in (proc / "status").read_text().splitlines() if ln.startswith("State:"))
+        except (OSError, StopIteration):
+            continue
+        if marker in cmd:
+            found[int(proc.name)] = cmd + (" <zombie>" if "zombie" in state else "")
+    return found
+
+
+_KILLED: set[int] = set()  # pids of the killed servers and their stubs: none may be left, zombie or not
+
+
+def tritonserver_pid(repo: Path) -> int | None:
+    pids = [p for p, c in processes_of(f"--model-repository={repo}").items()
+            if "tritonserver" in c and "<zombie>" not in c]
+    return pids[0] if len(pids) == 1 else None
+
+
+def stubs_of(server_pid: int) -> dict[int, list[str]]:
+    return {p: argv for p, argv in group_members(server_pid).items() if p != server_pid}
+
+
+def exists(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
+@dataclass
+class Serve:
+    proc: subprocess.Popen
+    base: str
+    repo: Path
+    root: Path
+    ports: tuple[int, int, int]
+    output: list[str] = field(default_factory=list)
+    regions: set[str] = field(default_factory=set)  # every region any of its stubs named
+
+    def text(self) -> str:
+        return "".join(self.output)
+
+    def record_regions(self) -> None:
+        pid = tritonserver_pid(self.repo)
+        if pid is not None:
+            self.regions |= shm_regions(list(group_members(pid).values()))
+
+    def classify(self, client: httpx.Client) -> httpx.Response:
+        sample = self.root / "build" / "samples" / f"{MODEL}.png"
+        return client.post(f"{self.base}/v1/classify?model={MODEL}&top_k=1", content=sample.read_bytes(),
+                           headers={"Content-Type": "image/png"})
+
+
+def wait_for_200(s: Serve, client: httpx.Client, within_s: float) -> float:
+    """Seconds until a classification through the gateway succeeds again; fails after ``within_s``."""
+    t0 = time.monotonic()
+    last = None
+    while time.monotonic() - t0 < within_s:
+        with contextlib.suppress(httpx.HTTPError):
+            last = s.classify(client)
+            if last.status_code == 200:
+                return time.monotonic() - t0
+        time.sleep(0.2)
+    pytest.fail(f"no 200 within {within_s:g} s (last: {last.status_code if last else None} "
+                f"{last.text[:300] if last else ''})\n--- serve output ---\n{s.text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def serve(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    """``unroll serve`` of the demo models on spare ports, run from a temporary folder (its build/ goes there)."""
+    root = tmp_path_factory.mktemp("serve").resolve()
+    shutil.copytree(demo_onnx_dir, root / "onnx", copy_function=shutil.copy2)
+    repo = root / "model_repository"
+    port, *tports = free_ports(4)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UNROLL_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    proc = subprocess.Popen([sys.executable, "-m", "unroll.serving.serve", "--port", str(port),
+                             "--triton-http-port", str(tports[0]), "--triton-grpc-port", str(tports[1]),
+                             "--triton-metrics-port", str(tports[2]), "--repo", str(repo), "--onnx-dir",
+                             str(root / "onnx"), "--log-level", "warning"],
+                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    s = Serve(proc, f"http://127.0.0.1:{port}", repo, root, tuple(tports))
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            s.output.append(line)
+            if "unroll gateway ready" in line:
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        assert ready.wait(240) and proc.poll() is None, s.text()[-4000:]
+        s.record_regions()
+        yield s
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for pid in processes_of(str(repo)):  # only after a failure: never leave them to the next test
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- Triton's own ports: locked down
+
+
+def _triton_key(s: Serve) -> str:
+    pid = tritonserver_pid(s.repo)
+    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    spec = next(a.decode() for a in cmd if a.startswith(b"--http-restricted-api="))
+    return spec.rsplit("=", 1)[1]
+
+
+def _http(method: str, url: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> int:
+    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+@pytest.mark.triton
+def test_tritons_ports_need_the_gateways_key_except_health(serve: Serve) -> None:
+    key = _triton_key(serve)
+    assert len(key) >= 24
+    http = f"http://127.0.0.1:{serve.ports[0]}"
+    x = np.zeros((1, 1, 28, 28), np.float32).tolist()
+    infer = (b'{"inputs":[{"name":"image","shape":[1,1,28,28],"datatype":"FP32","data":%s}]}'
+             % str(x).encode())
+    calls = {  # one call per API group Triton can restrict
+        "metadata": ("GET", f"{http}/v2", None),
+        "model metadata": ("GET", f"{http}/v2/models/{MODEL}", None),
+        "model config": ("GET", f"{http}/v2/models/{MODEL}/config", None),
+        "repository index": ("POST", f"{http}/v2/repository/index", b"{}"),
+        "repository unload": ("POST", f"{http}/v2/repository/models/{MODEL}/unload", b"{}"),
+        "shared memory": ("GET", f"{http}/v2/systemsharedmemory/status", None),
+        "statistics": ("GET", f"{http}/v2/models/stats", None),
+        "trace": ("GET", f"{http}/v2/trace/setting", None),
+        "logging": ("GET", f"{http}/v2/logging", None),
+        "inference": ("POST", f"{http}/v2/models/{MODEL}/infer", infer),
+    }
+    for what, (method, url, body) in calls.items():
+        assert _http(method, url, body) == 403, f"{what} is open without the key"
+        assert _http(method, url, body, {RESTRICTED_HEADER: "wrong"}) == 403, f"{what} accepts a wrong key"
+    for what in ("metadata", "model config", "repository index", "statistics", "logging", "inference"):
+        method, url, body = calls[what]
+        assert _http(method, url, body, {RESTRICTED_HEADER: key}) == 200, f"{what} refuses the right key"
+    assert _http("GET", f"{http}/v2/health/ready") == 200  # health stays open (probes, readiness)
+    assert _http("GET", f"{http}/v2/models/{MODEL}/ready") == 200
+
+    g = grpcclient.InferenceServerClient(f"127.0.0.1:{serve.ports[1]}")
+    try:
+        assert g.is_server_ready()
+        for call in (lambda h: g.get_model_repository_index(headers=h), lambda h: g.get_log_settings(headers=h),
+                     lambda h: g.get_system_shared_memory_status(headers=h),
+                     lambda h: g.get_model_config(MODEL, headers=h)):
+            with pytest.raises(InferenceServerException, match="restricted"):
+                call(None)
+            with pytest.raises(InferenceServerException, match="restricted"):
+                call({RESTRICTED_HEADER: key})  # over gRPC Triton wants the header name prefixed
+            call({GRPC_HEADER_PREFIX + RESTRICTED_HEADER: key})
+        inp = grpcclient.InferInput("image", [1, 1, 28, 28], "FP32")
+        inp.set_data_from_numpy(np.zeros((1, 1, 28, 28), np.float32))
+        with pytest.raises(InferenceServerException, match="restricted"):
+            g.infer(MODEL, [inp])
+        got = g.infer(MODEL, [inp], headers={GRPC_HEADER_PREFIX + RESTRICTED_HEADER: key}).as_numpy("logits")
+        assert got.shape == (1, 10)
+    finally:
+        g.close()
+    with httpx.Client(timeout=30) as client:  # the gateway holds the key
+        assert serve.classify(client).status_code == 200
+        assert client.get(f"{serve.base}/readyz").status_code == 200
+
+
+# ---------------------------------------------------------------- Triton's log: no traceback per inference
+
+
+@pytest.mark.triton
+def test_inference_writes_nothing_to_tritons_log(serve: Serve) -> None:
+    log = serve.root / "triton.log"
+    with httpx.Client(timeout=30) as client:
+        assert serve.classify(client).status_code == 200
+        size = log.stat().st_size
+        for _ in range(30):
+            assert serve.classify(client).status_code == 200
+            r = client.post(f"{serve.base}/v1/denoise?model=csc-denoiser&sigma=25",
+                            content=(serve.root / "build" / "samples" / "csc-denoiser.png").read_bytes(),
+                            headers={"Content-Type": "image/png"})
+            assert r.status_code == 200, r.text
+    text = log.read_text(errors="replace")
+    assert "Traceback" not in text and "PyCapsule" not in text, text[-2000:]
+    assert log.stat().st_size == size, text[size:][:2000]  # 60 inferences, not one line
+
+
+# ---------------------------------------------------------------- crashes: kill -9 Triton, then a stub
+
+
+@pytest.mark.triton
+@pytest.mark.slow
+def test_serve_recovers_from_killed_triton_and_killed_stub_and_leaves_nothing(serve: Serve) -> None:
+    with httpx.Client(timeout=30) as client:
+        assert serve.classify(client).status_code == 200
+        first = tritonserver_pid(serve.repo)
+        assert first is not None
+        stubs = stubs_of(first)
+        assert len(stubs) >= 3, stubs  # sdnet-mnist, its λ rule, csc-denoiser
+        serve.record_regions()
+        old_regions = shm_regions(list(stubs.values()))
+        assert old_regions and all((SHM_DIR / r).exists() for r in old_regions)
+
+        # 1. tritonserver -9: restarted, the old one reaped, its stubs killed, their shared memory removed
+        _KILLED.update([first, *stubs])
+        os.kill(first, signal.SIGKILL)
+        took = wait_for_200(serve, client, RECOVERY_S)
+        second = tritonserver_pid(serve.repo)
+        assert second is not None and second != first
+        deadline = time.monotonic() + 5
+        while any(exists(p) for p in (first, *stubs)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not exists(first), "the killed tritonserver was not reaped (zombie)"
+        assert not [p for p in stubs if exists(p)], f"stubs of the killed server left: {stubs}"
+        assert not [r for r in old_regions if (SHM_DIR / r).exists()], "its /dev/shm regions leaked"
+        print(f"200 again {took:.1f} s after kill -9 of tritonserver")
+
+        # 2. one stub -9 (Triton restarts it, or aborts and is restarted in turn)
+        serve.record_regions()
+        new_stubs = stubs_of(second)
+        victim = next(p for p, argv in new_stubs.items() if any(f"/{MODEL}/1/model.py" in a for a in argv))
+        _KILLED.update([second, *new_stubs])
+        os.kill(victim, signal.SIGKILL)
+        time.sleep(0.5)
+        took = wait_for_200(serve, client, RECOVERY_S)
+        print(f"200 again {took:.1f} s after kill -9 of a stub")
+        for _ in range(5):
+            assert serve.classify(client).status_code == 200
+        serve.record_regions()
+        assert "restart" in serve.text() and "tritonserver (pid" in serve.text()
+
+    # 3. stop: nothing of any of the servers is left, no process and no shared memory
+    serve.proc.send_signal(signal.SIGINT)
+    serve.proc.wait(60)
+    assert serve.proc.returncode == 0, serve.text()[-3000:]
+    left = {p: c for p, c in processes_of(str(serve.repo)).items()}
+    assert not left, left
+    assert not [p for p in _KILLED if exists(p)], "processes of the killed servers are left"
+    assert serve.regions and not [r for r in serve.regions if (SHM_DIR / r).exists()], "leaked /dev/shm regions"
+    assert "tritonserver stopped" in serve.text()
+
+
+# ---------------------------------------------------------------- the supervisor on its own
+
+
+@pytest.mark.triton
+@pytest.mark.slow
+def test_supervisor_replaces_a_hung_server_and_gives_up_on_one_that_cannot_start(
+        demo_onnx_dir: Path, tmp_path: Path) -> None:
+    from unroll.serving.repository import write_repository
+    from unroll.serving.supervisor import TritonSupervisor
+
+    repo = tmp_path / "repo"
+    write_repository("cpu", ["sdnet-mnist-autolam"], repo, onnx_dir=demo_onnx_dir)
+    ports = free_ports(3)
+    log = tmp_path / "triton.log"
+    gave_up: list[str] = []
+
+    def launch() -> triton.TritonHandle:
+        return triton.start(repo, *ports, log_file=log, timeout_s=60, any_thread=True, api_key=triton.new_api_key())
+
+    sup = TritonSupervisor(launch, backoff_s=(0.2,), max_restarts=3, window_s=600, unready_restart_s=3,
+                           on_give_up=gave_up.append)
+    try:
+        first = sup.start()
+        regions = first.snapshot()
+        assert regions and first.ready()
+        os.kill(first.pid, signal.SIGSTOP)  # hung: alive, answers nothing
+        deadline = time.monotonic() + 60
+        while (sup.handle is None or sup.handle.pid == first.pid or not sup.handle.ready()) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        second = sup.handle
+        assert second is not None and second.pid != first.pid and sup.restarts == 1
+        assert not exists(first.pid) and not [r for r in regions if (SHM_DIR / r).exists()]
+        assert log.exists() and Path(f"{log}.1").exists()  # one log per start
+
+        (repo / "sdnet-mnist-autolam" / "1" / "model.onnx").write_bytes(b"not onnx")  # no later start can work
+        os.kill(second.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not gave_up and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert gave_up and "not restarting" in gave_up[0], gave_up
+        assert sup.handle is None and not processes_of(str(repo))
+    finally:
+        sup.stop()
+        for pid in processes_of(str(repo)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- no server needed
+
+
+def test_log_rotation_keeps_the_last_n(tmp_path: Path) -> None:
+    log = tmp_path / "triton.log"
+    for i in range(8):
+        log.write_text(f"run {i}\n")
+        rotate_log(log, keep=3)
+        assert not log.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["triton.log.1", "triton.log.2", "triton.log.3"]
+    assert (tmp_path / "triton.log.1").read_text() == "run 7\n" and (tmp_path / "triton.log.3").read_text() == "run 5\n"
+    log.write_text("")
+    rotate_log(log, keep=3)  # an empty log is not worth a slot
+    assert (tmp_path / "triton.log.1").read_text() == "run 7\n"
+
+
+def test_restricted_api_flags_cover_everything_but_health() -> None:
+    args = triton.restricted_api_args("k_1-x")
+    assert args == [f"--http-restricted-api={','.join(triton.RESTRICTED_APIS)}:{RESTRICTED_HEADER}=k_1-x",
+                    f"--grpc-restricted-protocol={','.join(triton.RESTRICTED_APIS)}:{RESTRICTED_HEADER}=k_1-x"]
+    assert "health" not in triton.RESTRICTED_APIS and "inference" in triton.RESTRICTED_APIS
+    with pytest.raises(triton.TritonStartError):
+        triton.restricted_api_args("a,b:c=d")
+    assert re.fullmatch(r"[A-Za-z0-9_\-]{24,}", triton.new_api_key())
+
+
+def test_banner_curls_work_when_pasted_into_a_shell_anywhere(tmp_path: Path, monkeypatch) -> None:
+    from unroll.serving.serve import banner, default_models
+
+    from unroll.registry import get_spec
+
+    cards = [get_spec(m).card for m in default_models()]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my samples").mkdir()
+    samples = {}
+    for c in cards:
+        (tmp_path / "my samples" / f"{c.name}.png").write_bytes(b"png")
+        samples[c.name] = Path("my samples") / f"{c.name}.png"  # relative, with a space
+    text = banner("http://127.0.0.1:8080", cards, samples, api_key=True, triton="grpc://127.0.0.1:8001")
+    curls = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("curl") and "X-API-Key" in ln]
+    assert len([c for c in curls if "@" in c]) >= 3 and "'X-API-Key: $UNROLL_API_KEY'" not in text
+    for line in curls:  # run each as the shell would, with printf in place of curl, from another folder
+        out = subprocess.run(["bash", "-c", "printf '%s\\n' " + line.split(" ", 1)[1].split("   #")[0]],
+                             capture_output=True, text=True, cwd="/", env={"UNROLL_API_KEY": "k3y", "PATH": "/bin"})
+        args = out.stdout.splitlines()
+        assert out.returncode == 0 and "X-API-Key: k3y" in args, (line, out)
+        files = [a.split("@", 1)[1] for a in args if "@" in a and not a.startswith("http")]
+        assert files or "/v1/models" in line, (line, args)
+        assert all(Path(f).is_absolute() and Path(f).exists() for f in files), (line, args)
+
+
+def test_an_outdated_model_py_in_the_repository_is_rewritten(demo_onnx_dir: Path, tmp_path: Path) -> None:
+    from unroll.serving.repository import BACKEND_MODEL
+    from unroll.serving.serve import ensure_repository
+
+    repo = tmp_path / "repo"
+    assert ensure_repository(repo, demo_onnx_dir, "cpu", ["sdnet-mnist-autolam"]) == ["sdnet-mnist-autolam"]
+    assert ensure_repository(repo, demo_onnx_dir, "cpu", ["sdnet-mnist-autolam"]) == []
+    model_py = repo / "sdnet-mnist-autolam" / "1" / "model.py"
+    model_py.write_text(model_py.read_text() + "\n# an older unroll's backend\n")
+    assert ensure_repository(repo, demo_onnx_dir, "cpu", ["sdnet-mnist-autolam"]) == ["sdnet-mnist-autolam"]
+    assert model_py.read_bytes() == BACKEND_MODEL.read_bytes()
