@@ -36,6 +36,8 @@ from unroll.benchmarks.common import demo_model, machine_info
 from unroll.serving.triton import SHM_DIR, free_ports, group_members, shm_regions
 
 READY_TIMEOUT_S = 300.0
+#: How long processes of the stopped server may take to disappear before they count as left behind.
+LEFTOVER_GRACE_S = 10.0
 REQUEST_TIMEOUT_S = 60.0
 #: A client's pause after a 503 before its next request (the gateway advises Retry-After: 5 s; a short pause
 #: keeps the soak going through the outage instead of burning the remaining requests in a second).
@@ -69,6 +71,26 @@ class ServeProcess:
             members = group_members(pid)
             self.server_pids |= set(members)
             self.regions |= shm_regions(list(members.values()))
+
+
+def _still_there(pids: set[int], grace_s: float) -> dict[str, str]:
+    """Which of ``pids`` still exist after ``grace_s`` (a process may take a moment to exit): ``{pid: state cmd}``."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        left = {}
+        for pid in pids:
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "zombie" not in status and "triton" not in cmd:
+                continue  # the pid went to an unrelated new process
+            state = next((ln.split(":", 1)[1].strip() for ln in status.splitlines() if ln.startswith("State:")), "?")
+            left[str(pid)] = f"{state} {cmd[:160]}"
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def _processes() -> dict[int, list[str]]:
@@ -209,8 +231,7 @@ def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = Pa
         serve_log = "".join(s.output)
     finally:
         stop_serve(s)
-    time.sleep(1.0)
-    left = {p for p in s.server_pids if Path(f"/proc/{p}").exists()}
+    left = _still_there(s.server_pids, LEFTOVER_GRACE_S)
     leaked = sorted(r for r in s.regions if (SHM_DIR / r).exists())
     orphans = {p: argv for p, argv in _processes().items() if any(str(root) in a for a in argv)}
     shutil.rmtree(root, ignore_errors=True)
@@ -236,7 +257,7 @@ def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = Pa
         "recovery_s": None if killed_at is None else round(recovered_at - killed_at, 2),
         "requests_after_recovery": len(after_recovery),
         "backoff_on_503_s": BACKOFF_ON_503_S,
-        "left_processes": sorted(left), "orphans": {str(p): " ".join(a)[:200] for p, a in orphans.items()},
+        "left_processes": left, "orphans": {str(p): " ".join(a)[:200] for p, a in orphans.items()},
         "leaked_shm": leaked, "shm_regions_seen": len(s.regions),
         "restart_logged": "restart" in serve_log,
         "seconds": round(time.perf_counter() - t_start, 1),
