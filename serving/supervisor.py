@@ -30,8 +30,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-from unroll.serving.triton import STOP_GRACE_S, TritonHandle, TritonStartError
+from unroll.serving.triton import STOP_GRACE_S, TritonHandle, TritonStartError, group_members, reap_children
 
 log = logging.getLogger("unroll.serve")
 
@@ -77,6 +78,8 @@ class TritonSupervisor:
         self._started = threading.Event()
         self._thread: threading.Thread | None = None
         self._handle: TritonHandle | None = None
+        #: Processes of stopped servers not yet seen gone (a stub can outlive its server's stop by a moment).
+        self._leftovers: set[int] = set()
         self._first_error: BaseException | None = None
         #: Restarts done so far (successful launches after the first).
         self.restarts = 0
@@ -138,6 +141,7 @@ class TritonSupervisor:
                     log.warning("tritonserver (pid %d) %s; last lines of its log %s:\n%s", handle.pid, reason,
                                 handle.log_path, handle.log_tail(15))
                     handle.stop(grace_s=5)
+                    self._leftovers |= set(group_members(handle.pid, zombies=True))
                     log.warning("tritonserver (pid %d): stopped what was left of its process group and removed its "
                                 "shared memory (%d regions)", handle.pid, len(handle.regions))
                     handle = None
@@ -178,6 +182,7 @@ class TritonSupervisor:
         """Block until the server exits (reaped here) or stays unready too long; ``None`` once asked to stop."""
         unready_since: float | None = None
         while not self._stop.wait(self.probe_every_s):
+            self._reap_leftovers(keep=handle.pid)
             code = handle.poll()
             if code is not None:
                 return describe_exit(code)
@@ -190,6 +195,14 @@ class TritonSupervisor:
             if now - unready_since >= self.unready_restart_s:
                 return f"has not been ready for {now - unready_since:.0f} s"
         return None
+
+    def _reap_leftovers(self, keep: int) -> None:
+        """Reap (we are their subreaper) what stopped servers left that has exited since; forget what is gone.
+        ``keep``: the running server's pid, never waited for here (a reused pid must not steal its exit status)."""
+        self._leftovers.discard(keep)
+        if self._leftovers:
+            reap_children(self._leftovers)
+            self._leftovers = {p for p in self._leftovers if Path(f"/proc/{p}").exists()}
 
     def _give_up(self, why: str) -> None:
         self.gave_up = why

@@ -79,7 +79,7 @@ import urllib.error
 import urllib.request
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, TracebackType
@@ -353,11 +353,11 @@ class TritonHandle:
         _signal_group(self._proc.pid, signal.SIGKILL)  # stubs left in the group after tritonserver exited
         deadline = time.monotonic() + 10.0
         while True:
-            _reap(group_members(self._proc.pid, zombies=True))
+            reap_children(group_members(self._proc.pid, zombies=True))
             if not group_members(self._proc.pid) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        _reap(group_members(self._proc.pid, zombies=True))
+        reap_children(group_members(self._proc.pid, zombies=True))
         for name in self.regions:  # a clean shutdown removed them already; after a crash nobody else will
             with contextlib.suppress(FileNotFoundError, IsADirectoryError, PermissionError):
                 (SHM_DIR / name).unlink()
@@ -395,7 +395,7 @@ def _stop_forgotten_servers() -> None:
         handle.stop(grace_s=5)
 
 
-def _reap(pids: dict[int, list[str]]) -> None:
+def reap_children(pids: Iterable[int]) -> None:
     """Reap those of ``pids`` that are our children: orphaned stubs re-parented to a child subreaper."""
     for pid in pids:
         with contextlib.suppress(ChildProcessError, OSError):
