@@ -47,11 +47,22 @@ def fit_images(x: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
 
 def image_batch(spec: ModelSpec, batch: int, offset: int = 0) -> torch.Tensor:
     """A batch of real inputs for a fixed-size image model, at its own resolution (cycling the dataset)."""
-    card = spec.card
-    ds = card.data.test or card.data.train or "photos"
-    x, _ = data.dataset(ds).load()
+    return _image_batch(spec.card, spec.input_shape, batch, offset)
+
+
+def _image_batch(card: ModelCard, shape: tuple[int, ...], batch: int, offset: int = 0) -> torch.Tensor:
+    ds = data.dataset(card.data.test or card.data.train or "photos")
+    if ds.kind == "images":  # {name: grayscale [H, W]} of various sizes: each fitted on its own
+        imgs = list(ds.load().values())
+        return torch.cat([fit_images(imgs[(offset + i) % len(imgs)][None, None], shape) for i in range(batch)])
+    x, _ = ds.load()
     idx = [(offset + i) % len(x) for i in range(batch)]
-    return fit_images(x[idx], spec.input_shape)
+    return fit_images(x[idx], shape)
+
+
+def trace_shape(card: ModelCard) -> tuple[int, ...]:
+    """A concrete per-sample shape for the card's input: each dynamic (-1) axis at ``max(min_size, 32)``."""
+    return tuple(d if d > 0 else max(card.input.min_size, 32) for d in card.input.shape)
 
 
 def _lam_values(card: ModelCard, n: int) -> torch.Tensor:
@@ -59,25 +70,46 @@ def _lam_values(card: ModelCard, n: int) -> torch.Tensor:
     return torch.tensor([base * f for f in (1.0, 0.5, 3.0, 10.0)][:n], dtype=torch.float32)
 
 
-def cases(spec: ModelSpec, lam_input: bool) -> list[Case]:
-    """Batch-1 and batch>1 cases on real data plus a random one; λ/σ inputs at several values."""
-    card = spec.card
+def cases(spec: ModelSpec | ModelCard, lam_input: bool, input_shape: tuple[int, ...] | None = None) -> list[Case]:
+    """Batch-1 and batch>1 cases on real data plus a random one; λ/σ inputs at several values.
+
+    ``spec`` is a registered model's spec (traced at its ``input_shape``) or just a card (a user's own
+    module): then ``input_shape`` is the concrete sample shape, by default :func:`trace_shape`. A
+    classifier or image block with dynamic H×W also gets a random case at a second size.
+    """
+    if isinstance(spec, ModelCard):
+        card, shape = spec, tuple(input_shape or trace_shape(spec))
+    else:
+        card, shape = spec.card, tuple(input_shape or spec.input_shape)
+    out = _cases(card, shape, lam_input)
+    dynamic_hw = len(card.input.shape) == 3 and min(card.input.shape[1:]) < 0
+    if isinstance(spec, ModelCard) and dynamic_hw and card.task in ("classification", "block"):
+        gen = torch.Generator().manual_seed(1)
+        c, h, w = shape
+        other = {card.input.name: torch.rand(2, c, h + 16, w + 8, generator=gen)}
+        if card.task == "classification" and lam_input and card.lam is not None:
+            other[card.lam.input] = _lam_values(card, 2)
+        out.append(Case(f"random batch 2 at {h + 16}×{w + 8} (dynamic H×W)", other))
+    return out
+
+
+def _cases(card: ModelCard, input_shape: tuple[int, ...], lam_input: bool) -> list[Case]:
     gen = torch.Generator().manual_seed(0)
     name = card.input.name
     out: list[Case] = []
     if card.task == "classification":
         lam = card.lam.input if card.lam else "lam"
         for b in (1, 4):
-            c = Case(f"real batch {b}", {name: image_batch(spec, b)})
+            c = Case(f"real batch {b}", {name: _image_batch(card, input_shape, b)})
             if lam_input:
                 c.inputs[lam] = _lam_values(card, b)
             out.append(c)
-        x = torch.rand(2, *spec.input_shape, generator=gen)
+        x = torch.rand(2, *input_shape, generator=gen)
         out.append(Case("random batch 2", {name: x, **({lam: torch.tensor([0.2, 0.5])} if lam_input else {})}))
     elif card.task == "denoising":
         sig = card.sigma.input
         scale = card.sigma.scale
-        c = spec.input_shape[0]
+        c = input_shape[0]
         cam = torch.from_numpy(data.bundled_image("camera"))[None, None].expand(1, c, -1, -1)
         coins = torch.from_numpy(data.bundled_image("coins"))[None, None].expand(1, c, -1, -1)
 
@@ -97,17 +129,21 @@ def cases(spec: ModelSpec, lam_input: bool) -> list[Case]:
                         {name: torch.rand(3, c, side, side - 1 if side - 1 >= card.input.min_size else side,
                                           generator=gen),
                          sig: torch.tensor([0.0, 25.5 / scale, 51 / scale])}))
-    elif len(spec.input_shape) == 3:  # image-like blocks (photos) or feature maps (patch features on a grid)
-        c, h, w = spec.input_shape
+    elif len(input_shape) == 3:  # image-like blocks (photos) or feature maps (patch features on a grid)
+        c, h, w = input_shape
         if card.input.colour is not None:
-            real = image_batch(spec, 3)
+            real = _image_batch(card, input_shape, 3)
+        elif round(c**0.5) ** 2 != c:  # feature maps whose channels are no square patch: random features
+            real = torch.rand(3, c, h, w, generator=torch.Generator().manual_seed(2))
         else:
             real = torch.cat([_tokens(h * w, c, n).transpose(1, 2).reshape(1, c, h, w) for n in data.PHOTOS[:3]])
         out += [Case("real batch 1", {name: real[:1]}), Case("real batch 3", {name: real}),
                 Case("random batch 2", {name: torch.rand(2, c, h, w, generator=gen)})]
     else:  # token blocks [tokens, dim]
-        n, dim = spec.input_shape
-        real = torch.cat([_tokens(n, dim, p) for p in data.PHOTOS[:3]])
+        n, dim = input_shape
+        m = 49 if card.input.shape[0] < 0 else n  # a second token count when the card's is dynamic
+        real = (torch.cat([_tokens(n, dim, p) for p in data.PHOTOS[:3]]) if round(dim**0.5) ** 2 == dim
+                else torch.rand(3, n, dim, generator=torch.Generator().manual_seed(2)))
         out += [Case("real batch 1", {name: real[:1]}), Case("real batch 3", {name: real}),
-                Case("random batch 2, 49 tokens", {name: torch.rand(2, 49, dim, generator=gen)})]
+                Case(f"random batch 2, {m} tokens", {name: torch.rand(2, m, dim, generator=gen)})]
     return out

@@ -12,7 +12,12 @@ TensorRT and verified with ONNX Runtime on real inputs before anything is writte
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
+import hashlib
+import io
 import json
+import linecache
 import os
 import tempfile
 import time
@@ -26,6 +31,7 @@ import onnxruntime as ort
 import onnxslim
 import torch
 from torch import nn
+from unroll.export import inputs as _inputs  # (``export`` has a parameter named example_inputs)
 from unroll.export import inputs as example_inputs
 from unroll.export.trt_lint import lint
 
@@ -144,11 +150,81 @@ def solver_settings(model: nn.Module) -> list[dict]:
 
 
 def _torch_export(module: nn.Module, args: tuple, path: str, ins: list[str], outs: list[str],
-                  axes: dict, opset: int) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+                  axes: dict, opset: int) -> list[warnings.WarningMessage]:
+    """``torch.onnx.export`` (TorchScript tracer); returns the tracer's warnings (see :func:`static_graph_check`)."""
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(io.StringIO()), _quiet_stderr():
+        warnings.simplefilter("always")  # (the exporter dumps its IR graph on failure: kept out of the output)
         torch.onnx.export(module, args, path, input_names=ins, output_names=outs, dynamic_axes=axes,
                           opset_version=opset, do_constant_folding=True, dynamo=False)
+    return [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence file descriptor 2 (C++ logging) for the duration; Python warnings are recorded separately."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    with tempfile.TemporaryFile() as sink:
+        try:
+            torch._C._jit_set_onnx_log_output_stream("stderr")  # its C++ log (default: buffered stdout)
+            os.dup2(sink.fileno(), 2)
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            torch._C._jit_set_onnx_log_output_stream("stdout")
+
+
+def _source(w: warnings.WarningMessage) -> str:
+    return linecache.getline(w.filename, w.lineno).strip()
+
+
+def _where(w: warnings.WarningMessage) -> str:
+    return f"{w.filename}:{w.lineno}" + (f" (`{_source(w)}`)" if _source(w) else "")
+
+
+def static_graph_check(tracer_warnings: list[warnings.WarningMessage]) -> None:
+    """Refuse a trace whose Python control flow read tensor values: a static graph cannot hold it.
+
+    How it is detected: tracing turns every Python ``bool(tensor)`` into a constant and says so with a
+    ``TracerWarning`` ("Converting a tensor to a Python boolean"), whose file and line are the user's
+    code. The line's source tells a loop from a branch: a ``while`` statement (or a line that converted
+    a tensor to a boolean more than once in one trace: a loop condition) is a data-dependent loop;
+    anything else (``if``, ``elif``, a conditional expression, ``assert``) is a Python-side branch on
+    tensor values. Tensor → Python number conversions (``.item()``, ``float(t)``) are not refused here:
+    they freeze a value, which verification on inputs other than the traced one catches, and the
+    failure message then names them (:func:`_frozen_values_hint`).
+    """
+    bools = [w for w in tracer_warnings if "Python boolean" in str(w.message)]
+    if not bools:
+        return
+    sites = collections.Counter((w.filename, w.lineno) for w in bools)
+    first = {(w.filename, w.lineno): w for w in reversed(bools)}
+    for (fn, ln), n in sites.items():
+        w = first[(fn, ln)]
+        src = _source(w)
+        if src.startswith("while") or (n > 1 and not src.startswith(("if", "elif", "assert"))):
+            raise ExportError(
+                f"data-dependent loop at {_where(w)}: how often it runs depends on tensor values (it ran {n}× "
+                f"while tracing), so a static graph would freeze that count for every input. Fix the iteration "
+                f"count: run a fixed K steps (`for _ in range(K):`), as unroll's solver layers do")
+    w = first[next(iter(sites))]
+    raise ExportError(
+        f"Python-side `if` on tensor values at {_where(w)}: a static graph keeps only the branch taken while "
+        "tracing. Fix: compute both branches and pick per element with torch.where(cond, a, b), or make the "
+        "condition a Python setting (a module attribute or constructor argument), not a tensor")
+
+
+def _frozen_values_hint(tracer_warnings: list[warnings.WarningMessage]) -> str:
+    """Where a tensor became a Python number while tracing (a likely cause when verification fails)."""
+    sites = {_where(w): None for w in tracer_warnings if "Converting a tensor to a Python" in str(w.message)}
+    if not sites:
+        return ""
+    return (". Likely cause: a tensor value turned into a Python number (frozen as a constant in the graph) at "
+            + ", ".join(sites) + "; keep it a tensor (no .item(), float(t), int(t) on input-dependent values)")
 
 
 def op_histogram(model: onnx.ModelProto) -> dict[str, int]:
@@ -156,16 +232,23 @@ def op_histogram(model: onnx.ModelProto) -> dict[str, int]:
 
 
 def _trace(module: nn.Module, case: example_inputs.Case, ins: list[str], outs: list[str], axes: dict,
-           opset: int, workdir: str, tag: str) -> tuple[onnx.ModelProto, int]:
+           opset: int, workdir: str, tag: str) -> tuple[onnx.ModelProto, int, list[warnings.WarningMessage]]:
     raw_path = os.path.join(workdir, f"{tag}.raw.onnx")
     args = tuple(case.inputs[k] for k in ins)
     try:
-        _torch_export(module, args, raw_path, ins, outs, axes, opset)
+        caught = _torch_export(module, args, raw_path, ins, outs, axes, opset)
     except Exception as e:  # the exporter's own message names the unsupported construct
-        raise ExportError(f"torch.onnx.export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+        fix = ("; fix: write that step with operators ONNX supports, or compute it outside the model"
+               if "Unsupported" in type(e).__name__ or "not supported" in str(e) else "")
+        raise ExportError(f"torch.onnx.export failed: {type(e).__name__}: {_first_line(e)}{fix}") from e
+    static_graph_check(caught)
     raw = onnx.load(raw_path)
     slim = onnxslim.slim(raw)
-    return slim, len(raw.graph.node)
+    return slim, len(raw.graph.node), caught
+
+
+def _first_line(e: BaseException) -> str:
+    return next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
 
 
 def verify(model_bytes: bytes, module: nn.Module, cases: list[example_inputs.Case], ins: list[str]) -> list[dict]:
@@ -176,7 +259,10 @@ def verify(model_bytes: bytes, module: nn.Module, cases: list[example_inputs.Cas
     rows = []
     for case in cases:
         feed = {k: case.inputs[k].numpy() for k in ins}
-        got = sess.run(None, feed)[0]
+        try:
+            got = sess.run(None, feed)[0]
+        except Exception as e:  # e.g. a shape frozen at the traced input's
+            raise ExportError(f"{case.label}: ONNX Runtime could not run the graph: {_first_line(e)}") from e
         with torch.no_grad():
             ref = module(*(case.inputs[k] for k in ins)).numpy()
         if got.shape != ref.shape:
@@ -203,7 +289,7 @@ def export_module(module: nn.Module, cases: list[example_inputs.Case], ins: list
     module = module.eval()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        fused, raw_nodes = _trace(module, cases[0], ins, outs, axes, opset, tmp, "fused")
+        fused, raw_nodes, caught = _trace(module, cases[0], ins, outs, axes, opset, tmp, "fused")
         try:
             onnx.checker.check_model(fused, full_check=True)
             fused = onnx.shape_inference.infer_shapes(fused, check_type=True, strict_mode=True)
@@ -215,16 +301,19 @@ def export_module(module: nn.Module, cases: list[example_inputs.Case], ins: list
         if card is not None:
             write_to_onnx(fused, card)
         blob = fused.SerializeToString()
-        parity = verify(blob, module, cases, ins)
+        try:
+            parity = verify(blob, module, cases, ins)
+        except ExportError as e:
+            raise ExportError(f"{e}{_frozen_values_hint(caught)}") from e
         bad = [r for r in parity if not r["ok"]]
         if bad:
             raise ExportError("ONNX Runtime output differs from PyTorch beyond max abs 1e-4 / rel 1e-5: " +
                               "; ".join(f"{r['case']}: abs {r['max_abs_err']:.2e}, rel {r['rel_err']:.2e}"
-                                        for r in bad))
+                                        for r in bad) + _frozen_values_hint(caught))
         naive_info = None
         if naive:
             with textbook_mode():
-                naive_model, naive_raw = _trace(module, cases[0], ins, outs, axes, opset, tmp, "naive")
+                naive_model, naive_raw, _ = _trace(module, cases[0], ins, outs, axes, opset, tmp, "naive")
             naive_info = {"node_count": len(naive_model.graph.node), "node_count_before_slim": naive_raw,
                           "op_histogram": op_histogram(naive_model)}
     hist = op_histogram(fused)
@@ -269,6 +358,22 @@ class _AutoLam(nn.Module):
         return self.model.auto_lam(image)
 
 
+def _export_auto_lam(card: ModelCard, model: nn.Module, cases: list[example_inputs.Case], out_dir: Path,
+                     opset: int) -> ExportResult:
+    """``out_dir/<card.lam.auto>.onnx``: the λ rule of the classifier ``card`` describes (see export_auto_lam)."""
+    if card.lam is None or card.lam.auto is None:
+        raise ExportError(f"{card.name}: its card declares no λ rule (lam.auto)")
+    if not hasattr(model, "auto_lam"):
+        raise ExportError(f"{card.name}: the card names a λ rule but the model has no auto_lam(image) method")
+    main = card.input.name
+    comp = card.companion("lambda-rule", card.lam.auto, f"λ rule (lam=auto) for {card.name}", "lam")
+    comp_cases = [example_inputs.Case(c.label, {main: c.inputs[main]}) for c in cases]
+    extra = {"model": comp.name, "task": comp.task, "rule": "lam = clamp(a * rms(x - D c(x)) + b, lam_min, lam_max)",
+             "coefficients": [float(v) for v in model.lam_auto]}
+    return export_module(_AutoLam(model), comp_cases, [main], ["lam"], {main: {0: "batch"}, "lam": {0: "batch"}},
+                         Path(out_dir) / f"{comp.name}.onnx", opset, extra, naive=False, card=comp)
+
+
 def export_auto_lam(name: str, out_dir: Path = Path("build/onnx"), opset: int = 17,
                     model: nn.Module | None = None) -> ExportResult:
     """``out_dir/<card.lam.auto>.onnx``: image → per-sample λ from the model's fitted rule (``lam=auto``).
@@ -281,46 +386,177 @@ def export_auto_lam(name: str, out_dir: Path = Path("build/onnx"), opset: int = 
     if spec.card.lam is None or spec.card.lam.auto is None:
         raise ExportError(f"{name}: its card declares no λ rule (lam.auto)")
     model = model if model is not None else unroll.load(name, pretrained=spec.has_weights)
-    if not hasattr(model, "auto_lam"):
-        raise ExportError(f"{name}: the card names a λ rule but the model has no auto_lam(image) method")
-    main = spec.card.input.name
-    card = spec.card.companion("lambda-rule", spec.card.lam.auto, f"λ rule (lam=auto) for {name}", "lam")
-    cases = [example_inputs.Case(c.label, {main: c.inputs[main]})
-             for c in example_inputs.cases(spec, lam_input=False)]
-    extra = {"model": card.name, "task": card.task,
-             "weights": "committed" if spec.has_weights else "seeded random init",
-             "rule": "lam = clamp(a * rms(x - D c(x)) + b, lam_min, lam_max)",
-             "coefficients": [float(v) for v in model.lam_auto]}
-    return export_module(_AutoLam(model), cases, [main], ["lam"], {main: {0: "batch"}, "lam": {0: "batch"}},
-                         Path(out_dir) / f"{card.name}.onnx", opset, extra, naive=False, card=card)
+    result = _export_auto_lam(spec.card, model, example_inputs.cases(spec, lam_input=False), out_dir, opset)
+    result.report["weights"] = "committed" if spec.has_weights else "seeded random init"
+    result.report_path.write_text(json.dumps(result.report, indent=2) + "\n")
+    return result
+
+
+Examples = (example_inputs.Case | list[example_inputs.Case] | dict[str, torch.Tensor] | torch.Tensor
+            | tuple[torch.Tensor, ...])
+
+
+def _as_cases(given: Examples, ins: list[str], card: ModelCard) -> list[example_inputs.Case]:
+    """The caller's example inputs as verification cases, keyed by the graph's input names.
+
+    A tensor or tuple is taken positionally (main input, then λ, then σ); a missing λ is filled with the
+    card's default. When every case has batch 1, a batch-2 case (the first one twice) is added so that the
+    dynamic batch axis is verified as well.
+    """
+    if isinstance(given, example_inputs.Case):
+        given = [given]
+    if isinstance(given, torch.Tensor):
+        given = (given,)
+    if isinstance(given, tuple):
+        given = dict(zip(ins, given, strict=False))
+    if isinstance(given, dict):
+        given = [example_inputs.Case("given example", dict(given))]
+    out = []
+    for case in given:
+        inputs = dict(case.inputs)
+        main = inputs.get(card.input.name)
+        if main is None:
+            raise ExportError(f"example inputs {sorted(inputs)} lack the card's main input {card.input.name!r}")
+        if card.lam is not None and card.lam.input in ins and card.lam.input not in inputs:
+            inputs[card.lam.input] = torch.full((main.shape[0],), float(card.lam.default))
+        missing = [k for k in ins if k not in inputs]
+        if missing:
+            raise ExportError(f"example inputs lack the graph inputs {missing} (the card's inputs are {ins})")
+        out.append(example_inputs.Case(case.label, {k: inputs[k].detach().float() for k in ins}))
+    if out and all(c.inputs[ins[0]].shape[0] == 1 for c in out):
+        first = out[0]
+        out.append(example_inputs.Case(f"{first.label} ×2 (batch 2)",
+                                       {k: torch.cat([v, v]) for k, v in first.inputs.items()}))
+    return out
+
+
+def _check_outputs(module: nn.Module, card: ModelCard, case: example_inputs.Case, ins: list[str]) -> None:
+    """The module runs on the first case, and a classifier's logits match its labels (before any trace)."""
+    try:
+        with torch.no_grad():
+            y = module(*(case.inputs[k] for k in ins))
+    except Exception as e:
+        raise ExportError(f"{card.name}: the module fails on its example input ({case.label}, shapes "
+                          f"{ {k: list(case.inputs[k].shape) for k in ins} }): {type(e).__name__}: "
+                          f"{_first_line(e)}") from e
+    if not isinstance(y, torch.Tensor):
+        raise ExportError(f"{card.name}: forward must return one tensor ({card.output!r}), got {type(y).__name__}")
+    if card.task == "classification":
+        if y.ndim != 2:
+            raise ExportError(f"{card.name}: a classifier returns logits [batch, classes], got shape {list(y.shape)}")
+        if card.labels is not None and len(card.labels) != y.shape[1]:
+            raise ExportError(f"{card.name}: the card has {len(card.labels)} labels but the model outputs "
+                              f"{y.shape[1]} logits; give one label per logit")
+
+
+def export(module: nn.Module, card: ModelCard | dict, example_inputs: Examples | None = None,
+           out_dir: str | Path = Path("build/onnx"), *, name: str | None = None, opset: int = 17,
+           lam_input: bool | None = None, naive: bool | None = None, companions: bool = True,
+           extra_report: dict | None = None) -> ExportResult:
+    """Export any ``nn.Module`` with its model card to ``out_dir/NAME.onnx`` + ``NAME.report.json``, verified.
+
+    The one export path: ``export_model`` (registered models) and ``unroll export --model FILE.py:factory``
+    both end here. The module is called with the card's inputs positionally (main input, then λ when
+    ``lam_input``, then σ) and returns one tensor. ``example_inputs`` (a tensor, a tuple, a
+    ``{name: tensor}`` dict or a list of :class:`~unroll.export.inputs.Case`) are what the graph is traced
+    with and verified on; when omitted they are built from the card (its datasets, sizes, λ/σ values) as
+    for registered models. ``name`` overrides the card's name (the file stem and the served name).
+
+    Raises :class:`ExportError` (nothing written) when the model cannot become a static graph (a
+    data-dependent loop or ``if``, an unsupported op), fails a check, or differs from PyTorch.
+    """
+    from unroll.card import CardError
+
+    if isinstance(card, dict):
+        try:
+            card = ModelCard.model_validate(card)
+        except Exception as e:
+            raise CardError(f"invalid model card: {e}") from None
+    if name is not None and name != card.name:
+        card = card.model_copy(update={"name": name})
+    has_lam = card.lam is not None
+    lam_input = has_lam if lam_input is None else lam_input
+    if lam_input and not has_lam:
+        raise ExportError(f"{card.name} has no first-layer λ to expose (its card declares no lam input)")
+    module = module.eval()
+    card = resolve_card(card, module, lam_input)
+    ins, outs, axes = io_names(card, lam_input)
+    cases = (_inputs.cases(card, lam_input) if example_inputs is None
+             else _as_cases(example_inputs, ins, card))
+    _check_outputs(module, card, cases[0], ins)
+    solvers = solver_settings(module)
+    naive = bool(solvers) if naive is None else naive  # textbook_mode only changes unroll's own solver layers
+    fixed = None
+    if card.task == "classification" and card.input.fixed_hw is not None:
+        fixed = (f"fixed {card.input.fixed_hw[0]}×{card.input.fixed_hw[1]} input: the model was built and trained "
+                 "for this resolution")
+    extra = {"model": card.name, "task": card.task, "weights": "given module", **(extra_report or {}),
+             "lam_input": lam_input, "fixed_resolution": fixed, "solvers": solvers}
+    out_path = Path(out_dir) / f"{card.name}.onnx"
+    result = export_module(module, cases, ins, outs, axes, out_path, opset, extra, naive, card=card)
+    inner = module.model if isinstance(module, _Classifier) else module
+    if companions and lam_input and card.lam.auto is not None and hasattr(inner, "auto_lam"):
+        try:
+            result.companions.append(_export_auto_lam(card, inner, cases, Path(out_dir), opset))
+        except BaseException:  # all or nothing: the classifier without its λ rule is not served half-way
+            result.onnx_path.unlink(missing_ok=True)
+            result.report_path.unlink(missing_ok=True)
+            raise
+    return result
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def export_model(name: str, out_dir: Path = Path("build/onnx"), iters: int | None = None, opset: int = 17,
-                 lam_input: bool | None = None, naive: bool = True, companions: bool = True) -> ExportResult:
+                 lam_input: bool | None = None, naive: bool = True, companions: bool = True,
+                 checkpoint: str | Path | None = None, card_updates: dict | None = None,
+                 export_name: str | None = None) -> ExportResult:
     """Export a registered model to ``out_dir/NAME.onnx`` + ``NAME.report.json`` (verified, card inside).
 
-    With ``companions``, the graphs its card names are exported too (its λ rule for ``lam=auto``); their
-    results are in ``ExportResult.companions``.
+    ``checkpoint=PATH`` loads that checkpoint with the architecture's own loader (official SDNet
+    ``model_best.pth.tar`` / ``checkpoint.pth.tar``) instead of the committed weights; the report names it
+    (path and sha256). ``card_updates`` changes card fields (e.g. ``{"labels": [...]}``, or
+    ``{"input": {"mean": [...]}}``; validated, see :func:`unroll.export.user_model.update_card`),
+    ``export_name`` the name the graph is written and served under. With ``companions``, the graphs its
+    card names are exported too (its λ rule for ``lam=auto``); they are in ``ExportResult.companions``.
     """
+    from unroll.export.user_model import update_card
+
     spec = get_spec(name)
-    model = unroll.load(name, pretrained=spec.has_weights)
+    card = update_card(spec.card, card_updates or {})
+    weights = "committed" if spec.has_weights else "seeded random init"
+    extra: dict = {}
+    if checkpoint is not None:
+        path = Path(checkpoint)
+        if not path.is_file():
+            raise ExportError(f"checkpoint {path} does not exist")
+        try:
+            model = unroll.load(name, pretrained=False, checkpoint=path)
+        except ValueError as e:  # the architecture's loader: names missing / unexpected / mis-shaped keys
+            raise ExportError(_first_line(e)) from None
+        except Exception as e:  # torch.load: not a checkpoint at all (truncated, corrupt, another format)
+            raise ExportError(f"{path}: not a readable PyTorch checkpoint ({type(e).__name__}: {_first_line(e)})"
+                              ) from None
+        weights = f"checkpoint {path}"
+        extra["checkpoint"] = {"path": str(path.resolve()), "sha256": file_sha256(path), "bytes": path.stat().st_size}
+    else:
+        model = unroll.load(name, pretrained=spec.has_weights)
     if iters is not None:
         set_iterations(model, iters)
-    has_lam = spec.card.lam is not None
+    has_lam = card.lam is not None
     lam_input = has_lam if lam_input is None else lam_input
     if lam_input and not has_lam:
         raise ExportError(f"{name} has no first-layer λ to expose (its card declares no lam input)")
-    card = resolve_card(spec.card, model, lam_input)
-    module = _Classifier(model) if has_lam else model
-    ins, outs, axes = io_names(card, lam_input)
-    fixed = None
-    if card.input.fixed_hw is not None:
-        fixed = (f"fixed {card.input.fixed_hw[0]}×{card.input.fixed_hw[1]} input: the model was built and trained "
-                 "for this resolution")
-    extra = {"model": name, "task": card.task, "weights": "committed" if spec.has_weights else "seeded random init",
-             "lam_input": lam_input, "fixed_resolution": fixed, "solvers": solver_settings(model)}
-    result = export_module(module, example_inputs.cases(spec, lam_input), ins, outs, axes,
-                           Path(out_dir) / f"{name}.onnx", opset, extra, naive, card=card)
-    if companions and lam_input and card.lam.auto is not None:
-        result.companions.append(export_auto_lam(name, out_dir, opset, model=model))
-    return result
+    module = _Classifier(model) if has_lam and lam_input else model
+    card_for_cases = card if card.name == spec.name else card.model_copy(update={"name": spec.name})
+    cases = example_inputs.cases(dataclasses.replace(spec, card=resolve_card(card_for_cases, model, lam_input)),
+                                 lam_input)
+    return export(module, card, cases, out_dir, name=export_name, opset=opset, lam_input=lam_input, naive=naive,
+                  companions=companions, extra_report={"model": export_name or name, "weights": weights,
+                                                       **({"architecture": name} if export_name else {}), **extra})

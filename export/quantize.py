@@ -39,7 +39,7 @@ import onnx
 import onnxruntime as ort
 from unroll.export import gates as gate
 
-from unroll.card import ModelCard, from_onnx, write_to_onnx
+from unroll.card import CardError, ModelCard, from_onnx, write_to_onnx
 
 FP16_KEEP_FP32 = ["Div", "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "ReduceMean", "ReduceSum", "ReduceMax",
                   "ReduceL2", "Softmax", "TopK", "Min", "Max", "Range", "CumSum"]
@@ -164,11 +164,20 @@ def to_int8(model_path: Path, feeds: list[dict[str, np.ndarray]], exclude: list[
 # ----------------------------------------------------------------------------- entry point
 
 
-def _source(name: str, onnx_dir: Path) -> tuple[Path, ModelCard]:
+def _source(name: str, onnx_dir: Path, card: str | Path | None = None) -> tuple[Path, ModelCard]:
     src = Path(onnx_dir) / f"{name}.onnx"
     if not src.exists():
         raise FileNotFoundError(f"{src} not found: run `unroll export {name}` first")
-    return src, from_onnx(src)
+    if card is not None:  # a third-party graph: its card comes from the command line (validated, name = NAME)
+        from unroll.export.fuse import attach_card
+
+        return src, attach_card(src, card, name)
+    try:
+        return src, from_onnx(src)
+    except CardError as e:
+        from unroll.export.fuse import NO_CARD_HINT
+
+        raise CardError(f"{e}, {NO_CARD_HINT}") from None
 
 
 def _try(desc: str, res: gate.GateResult, **extra) -> dict:
@@ -178,7 +187,8 @@ def _try(desc: str, res: gate.GateResult, **extra) -> dict:
 
 
 def quantize(name: str, precision: str, onnx_dir: Path = Path("build/onnx"), calib: int = 256,
-             gates: dict | None = None, progress=None, safety: float = DEFAULT_SAFETY) -> dict:
+             gates: dict | None = None, progress=None, safety: float = DEFAULT_SAFETY,
+             card: str | Path | None = None) -> dict:
     """Write ``NAME.<precision>.onnx`` + report if the gate passes; raise :class:`GateFailed` otherwise.
 
     Everything model-specific comes from the card in ``onnx_dir/NAME.onnx``: the gate data and
@@ -186,12 +196,14 @@ def quantize(name: str, precision: str, onnx_dir: Path = Path("build/onnx"), cal
     of :data:`unroll.export.gates.METRICS`), and the calibration data (``card.data.train``).
     ``safety``: for INT8, the fraction of every tolerance a placement must leave unused to be taken
     without trying more FP32 (0 takes the first that passes at all).
+    ``card``: a card JSON file attached to ``NAME.onnx`` first (a third-party graph that has none, or to
+    replace the one it has; see :func:`unroll.export.fuse.attach_card`).
     """
     if not 0.0 <= safety < 1.0:
         raise ValueError(f"safety must be in [0, 1), not {safety}")
     if precision not in ("fp16", "int8"):
         raise ValueError(f"precision must be fp16 or int8, not {precision!r}")
-    src, card = _source(name, onnx_dir)
+    src, card = _source(name, onnx_dir, card)
     tol = gate.tolerances(card, precision, gates)
     t0 = time.perf_counter()
     cases = gate.gate_cases(card)

@@ -106,6 +106,9 @@ def build(
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Check the engine against ONNX Runtime "
                                                                       "FP32 on the model card's gate data; the "
                                                                       "plan is kept only if it passes.")] = True,
+    card_file: Annotated[Path | None, typer.Option("--card", help="JSON of an unroll ModelCard to attach to "
+                                                                  "NAME's ONNX first (a third-party graph, e.g. "
+                                                                  "from `unroll fuse`).")] = None,
     tf32: Annotated[bool, typer.Option("--tf32/--no-tf32", help="Let FP32 layers use TF32 tensor cores "
                                                                 "(off: IEEE FP32, as the gate assumes).")] = False,
 ) -> None:
@@ -130,11 +133,19 @@ def build(
 
     prec = Precision(precision).value
     try:
-        src, _ = tb.require_onnx(name, prec, onnx_dir, verify)
+        src, ref = tb.require_onnx(name, prec, onnx_dir, verify)
+        if card_file is not None:
+            from unroll.export.fuse import attach_card_where_present
+
+            attach_card_where_present([ref, src], card_file, name)
         card = tb.read_card(src)
     except tb.MissingOnnxError as e:
         raise _fail(f"{str(e).rstrip('.')} (NAME is a model name, see `unroll models`).") from None
     except tb.TrtBuildError as e:
+        from unroll.export.fuse import NO_CARD_HINT
+
+        raise _fail(f"{e}, {NO_CARD_HINT}" if "carries no unroll model card" in str(e) else str(e)) from None
+    except ValueError as e:  # CardError from --card: unreadable, invalid, or not this graph's
         raise _fail(str(e)) from None
     batch = _merge(batch_given, card.trt_profile.batch, "trt_profile.batch", "--batch-min/--batch-opt/--batch-max")
     _ordered(batch, "batch", "--batch-min/--batch-opt/--batch-max")

@@ -71,7 +71,9 @@ def _ensure_exports(names: list[str], onnx_dir: Path, autolam: bool) -> list[str
             try:
                 card = from_onnx(path)
             except CardError as e:
-                raise _fail(f"{e}; delete it to re-export") from None
+                from unroll.export.fuse import NO_CARD_HINT
+
+                raise _fail(f"{e}; delete it to re-export, {NO_CARD_HINT}") from None
             served.append(name)
             companion = card.lam.auto if card.lam is not None else None
             if companion is None or not autolam:
@@ -108,6 +110,10 @@ def repo(
              "with `unroll bench serve`)")] = DEFAULT_QUEUE_DELAY_US,
     autolam: Annotated[bool, typer.Option(
         "--autolam/--no-autolam", help="Also serve the λ-rule graph a classifier's card names (lam=auto)")] = True,
+    card: Annotated[list[str] | None, typer.Option(
+        help="Attach a card to a graph in --onnx-dir that has none (a third-party graph, e.g. from `unroll fuse`) "
+             "or replace its card: NAME=FILE, or FILE when --models names one model; FILE is the JSON of an "
+             "unroll ModelCard. Repeatable")] = None,
 ) -> None:
     """Write a Triton model repository (config.pbtxt, version 1, labels) for the exported models and validate it.
 
@@ -127,6 +133,7 @@ def repo(
     if not names:
         raise _fail("--models names no model" if models is not None else
                     "no registered model has committed weights; name the models with --models")
+    _attach_cards(card or [], names, onnx_dir, precision)
     served = _ensure_exports(names, onnx_dir, autolam)
     try:
         written = write_repository(target, served, out, precision=precision, onnx_dir=onnx_dir, plan_dir=plan_dir,
@@ -155,6 +162,29 @@ def repo(
                      f"Serve them in the NGC container: docker run --gpus all --rm -p 8000-8002:8000-8002 "
                      f"-v {Path(out).resolve()}:/models nvcr.io/nvidia/tritonserver:<yy.mm>-py3 tritonserver "
                      f"--model-repository=/models"))
+
+
+def _attach_cards(items: list[str], names: list[str], onnx_dir: Path, precision: str) -> None:
+    """``--card NAME=FILE`` / ``--card FILE``: the card goes into NAME.onnx and NAME.PRECISION.onnx (if there)."""
+    from unroll.export.fuse import attach_card_where_present
+
+    from unroll.card import CardError
+
+    for item in items:
+        name, sep, file = item.partition("=")
+        if not sep:
+            if len(names) != 1:
+                raise _fail(f"--card {item}: give it as NAME=FILE when --models names more than one model")
+            name, file = names[0], item
+        if name not in names:
+            raise _fail(f"--card {item}: {name!r} is not one of the models written ({', '.join(names)})")
+        paths = [onnx_dir / f"{name}.onnx", onnx_dir / f"{name}.{precision}.onnx"]
+        if not paths[0].exists():
+            raise _fail(f"--card {item}: {paths[0]} does not exist (put the graph there, e.g. with `unroll fuse`)")
+        try:
+            attach_card_where_present(paths, file, name)
+        except CardError as e:
+            raise _fail(str(e)) from None
 
 
 def _reference_onnx(model_dir: Path, onnx_dir: Path) -> Path | None:

@@ -50,10 +50,22 @@ class InputCard(_Strict):
     #: Per-channel normalisation applied *by the client* before the graph: ``(x - mean) / std``.
     mean: tuple[float, ...] = (0.0,)
     std: tuple[float, ...] = (1.0,)
-    #: How a classifier's image of another size is fitted: ``pad-square`` (centred black padding to a
-    #: square, then Lanczos resize: keeps the aspect, as MNIST digits are), ``stretch`` (resize only) or
-    #: ``none`` (the model takes any H×W, as denoisers do).
-    resize: Literal["pad-square", "stretch", "none"] = "none"
+    #: Order of the three planes of an ``rgb`` input: ``rgb``, or ``bgr`` for a model trained on OpenCV/Caffe-style
+    #: BGR images (``mean``/``std`` are then in B, G, R order too). Must be ``rgb`` for other inputs.
+    channel_order: Literal["rgb", "bgr"] = "rgb"
+    #: How a classifier's image of another size is fitted to a fixed H×W: ``pad-square`` (centred black padding
+    #: to a square, then resize: keeps the aspect, as MNIST digits are), ``stretch`` (resize only),
+    #: ``shorter-side-crop`` (ImageNet evaluation: scale the image, keeping its aspect, so that it just covers
+    #: H×W ÷ ``crop_ratio``, i.e. the shorter side becomes ``int(H / crop_ratio)`` for a square input, then
+    #: take the centred H×W; torchvision's ``Resize(256)`` + ``CenterCrop(224)``) or ``none`` (no fitting:
+    #: the model takes the image's own H×W, as denoisers and dynamic-size classifiers do; a fixed-size
+    #: model then needs the exact size).
+    resize: Literal["pad-square", "stretch", "shorter-side-crop", "none"] = "none"
+    #: ``shorter-side-crop`` only: crop side ÷ resized side (torchvision's 224/256 = 0.875, timm's ``crop_pct``).
+    crop_ratio: float = Field(0.875, gt=0.0, le=1.0)
+    #: Resampling filter of the fit, as Pillow computes it (antialiased when shrinking): ``lanczos``
+    #: (Lanczos-3), ``bilinear`` (torchvision's ``Resize`` default) or ``bicubic``.
+    interpolation: Literal["lanczos", "bilinear", "bicubic"] = "lanczos"
     #: What the training images look like: ``light-on-dark`` (MNIST: white strokes on black) or
     #: ``dark-on-light``; ``None``: not a drawing of strokes on a plain background. The gateway's
     #: ``invert=auto`` needs it to decide whether a user's image is the other way round.
@@ -76,6 +88,10 @@ class InputCard(_Strict):
                 raise ValueError(f"mean/std take 1 value or one per channel, got {list(what)}")
         if any(s == 0 for s in self.std):
             raise ValueError("std must not be 0")
+        if self.channel_order == "bgr" and self.colour != "rgb":
+            raise ValueError("channel_order bgr needs a colour (rgb) image input")
+        if self.resize != "none" and self.colour is not None and self.fixed_hw is None:
+            raise ValueError(f"resize {self.resize!r} needs a fixed H×W; a dynamic-size input takes resize 'none'")
         return self
 
 

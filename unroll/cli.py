@@ -194,17 +194,106 @@ def export_cmd(
     lam: Annotated[bool | None, typer.Option("--lam/--no-lam",
                                              help="Models whose card declares a λ input: λ as a graph input "
                                                   "[B] (default) or baked in")] = None,
+    checkpoint: Annotated[Path | None, typer.Option(
+        help="NAME: a checkpoint for the architecture's own loader (official SDNet model_best.pth.tar / "
+             "checkpoint.pth.tar, with or without `module.`); --model: a state_dict file for the module")] = None,
+    model: Annotated[str | None, typer.Option(
+        "--model", help="Your own nn.Module instead of NAME: path/to/file.py:factory or package.module:factory "
+                        "(factory() returns the module)")] = None,
+    export_name: Annotated[str | None, typer.Option(
+        "--name", help="Name of the graph (OUT/NAME.onnx) and of the served model; --model: default the factory's")]
+    = None,
+    input_shape: Annotated[str | None, typer.Option(
+        help="--model: one sample's shape C,H,W (or TOKENS,DIM); -1 marks a dynamic axis, e.g. 1,-1,-1")] = None,
+    task: Annotated[str, typer.Option(help="--model: classification, denoising or block")] = "classification",
+    labels: Annotated[Path | None, typer.Option(help="Class names, one per line; as many as the logits")] = None,
+    mean: Annotated[str | None, typer.Option(help="Per-channel mean the client subtracts, e.g. 0.49,0.48,0.45")]
+    = None,
+    std: Annotated[str | None, typer.Option(help="Per-channel std the client divides by, e.g. 0.25,0.24,0.26")]
+    = None,
+    colour: Annotated[str | None, typer.Option(help="gray or rgb (channel order of C)")] = None,
+    resize: Annotated[str | None, typer.Option(help="How a classifier's image is fitted: pad-square, stretch, none")]
+    = None,
+    min_size: Annotated[int | None, typer.Option(help="Smallest size of a dynamic H/W axis")] = None,
+    lam_input: Annotated[str | None, typer.Option(help="Graph input name of a per-sample λ (forward(x, lam))")]
+    = None,
+    lam_default: Annotated[float | None, typer.Option(help="λ used when a request gives none")] = None,
+    sigma_input: Annotated[str | None, typer.Option(help="Graph input name of the noise level σ (denoisers)")]
+    = None,
+    sigma_scale: Annotated[float | None, typer.Option(help="The graph takes σ/scale (255: σ on the [0,1] scale)")]
+    = None,
+    input_name: Annotated[str | None, typer.Option(help="Graph input name of the image/tensor")] = None,
+    output_name: Annotated[str | None, typer.Option(help="Graph output name")] = None,
+    data_train: Annotated[str | None, typer.Option(help="Dataset id of the training data (INT8 calibration)")]
+    = None,
+    data_test: Annotated[str | None, typer.Option(help="Dataset id of the test data (export inputs, gates)")]
+    = None,
+    description: Annotated[str | None, typer.Option(help="One line describing the model (on the card)")] = None,
 ) -> None:
     """Unroll a model's solvers into a static, fused ONNX graph; verify it against PyTorch.
 
-    Writes OUT/NAME.onnx and OUT/NAME.report.json (op histogram beside the naive export's, parity
-    errors on real inputs, solver settings, TensorRT lint). Nothing is written when a check fails.
+    NAME exports a registered model (committed weights, or --checkpoint); --model exports your own
+    nn.Module with a card built from the options. Writes OUT/NAME.onnx and OUT/NAME.report.json (op
+    histogram, parity errors on real inputs, solver settings, TensorRT lint, the checkpoint's sha256).
+    Nothing is written when a check fails.
     """
-    from unroll.export.onnx_export import ExportError, export_model
+    from unroll.card import CardError
+    from unroll.export.onnx_export import ExportError, export, export_model, file_sha256
+    from unroll.export.user_model import (
+        build_module,
+        card_from_options,
+        card_updates,
+        parse_numbers,
+        read_labels,
+    )
     from unroll.registry import list_models
 
-    if all_models == (name is not None):
-        raise fail("give one model NAME or --all")
+    if sum([all_models, name is not None, model is not None]) != 1:
+        raise fail("give one model NAME, --model FILE.py:FACTORY, or --all")
+    try:
+        updates = card_updates(
+            labels=read_labels(labels) if labels is not None else None, mean=parse_numbers(mean, float, "--mean"),
+            std=parse_numbers(std, float, "--std"), colour=colour, resize=resize, input_name=input_name,
+            output_name=output_name, lam_input=lam_input, lam_default=lam_default, sigma_input=sigma_input,
+            sigma_scale=sigma_scale, data_train=data_train, data_test=data_test, min_size=min_size,
+            description=description)
+    except CardError as e:
+        raise fail(str(e)) from None
+    if all_models and (updates or checkpoint or export_name):
+        raise fail("card options, --checkpoint and --name apply to one model: give NAME, not --all")
+    if model is not None:
+        if input_shape is None:
+            raise fail("--model needs --input-shape (one sample, e.g. 1,28,28; -1 for a dynamic axis)")
+        if iters is not None:
+            raise fail("--iters changes unroll's own solver layers; set your module's iteration count in its factory")
+        try:
+            shape = tuple(parse_numbers(input_shape, int, "--input-shape"))
+            card = card_from_options(export_name or model.rpartition(":")[2].replace("_", "-"), task, shape, updates)
+            module = build_module(model)
+            extra = {"source": model}
+            if checkpoint is not None:
+                from unroll.models.sdnet import load_official_checkpoint  # strict, `module.` stripped, keys named
+
+                if not checkpoint.is_file():
+                    raise ExportError(f"checkpoint {checkpoint} does not exist")
+                try:
+                    load_official_checkpoint(module, checkpoint)
+                except ValueError as e:
+                    raise ExportError(str(e).splitlines()[0]) from None
+                except Exception as e:
+                    raise ExportError(f"{checkpoint}: not a readable PyTorch checkpoint ({type(e).__name__})"
+                                      ) from None
+                extra.update(weights=f"checkpoint {checkpoint}", checkpoint={
+                    "path": str(checkpoint.resolve()), "sha256": file_sha256(checkpoint)})
+            with console.status(f"exporting {card.name}"):
+                result = export(module, card, None, out, opset=opset, lam_input=lam, extra_report=extra)
+        except (ExportError, CardError) as e:
+            raise fail(f"{model}: export failed — {e}") from None
+        _print_export(result)
+        _print_checkpoint(result)
+        return
+    if name is not None and (input_shape is not None or task != "classification"):
+        raise fail("--input-shape and --task describe a --model; a registered model's are fixed by its architecture")
     names = list_models() if all_models else [name]
     for n in names:
         _spec(n)
@@ -212,17 +301,27 @@ def export_cmd(
     with progress_bar("exporting", len(names)) as upd:
         for i, n in enumerate(names):
             try:
-                result = export_model(n, out, iters=iters, opset=opset, lam_input=lam)
-            except ExportError as e:
-                err.print(f"[bold red]{n}: export failed[/] — {e}")
+                result = export_model(n, out, iters=iters, opset=opset, lam_input=lam, checkpoint=checkpoint,
+                                      card_updates=updates, export_name=export_name)
+            except (ExportError, CardError) as e:
+                if not all_models:  # one model: its error is the one line
+                    raise fail(f"{n}: export failed — {e}") from None
+                err.print(f"[bold red]{escape(n)}: export failed[/] — {escape(str(e))}")
                 failed.append(n)
                 continue
             _print_export(result)
+            _print_checkpoint(result)
             for companion in result.companions:  # graphs its card names (its λ rule for lam=auto)
                 _print_export(companion, f"  companion of {n}: ")
             upd(i + 1, len(names))
     if failed:
         raise fail(f"{len(failed)} of {len(names)} exports failed: {', '.join(failed)}")
+
+
+def _print_checkpoint(result) -> None:
+    ck = result.report.get("checkpoint")
+    if ck:
+        console.print(f"  weights: checkpoint {escape(ck['path'])} (sha256 {ck['sha256']})")
 
 
 #: ``unroll quantize`` option → card gate metric (``unroll.card.DEFAULT_GATES``, units in ``unroll.export.gates``).
@@ -244,6 +343,8 @@ def quantize(
     max_rel_err: Annotated[float | None, typer.Option(help="Blocks, λ rules: norm-wise relative error gate")] = None,
     safety: Annotated[float, typer.Option(help="INT8: fraction of each gate tolerance a layer placement must leave "
                                                "unused to be taken (0: the first that passes at all)")] = 0.2,
+    card: Annotated[Path | None, typer.Option(help="JSON of an unroll ModelCard to attach to OUT/NAME.onnx first "
+                                                   "(a third-party graph, e.g. from `unroll fuse`)")] = None,
 ) -> None:
     """FP16 or INT8 (explicit Q/DQ) ONNX behind the accuracy gate its card declares, evaluated with ONNX Runtime.
 
@@ -258,7 +359,8 @@ def quantize(
 
     if precision not in ("fp16", "int8"):
         raise fail(f"--precision must be fp16 or int8, not {precision!r}")
-    _spec(name)
+    if card is None and not (out / f"{name}.onnx").exists():
+        _spec(name)  # not exported yet: a registered model is exported first
     given = {"min_agreement": min_agreement, "max_accuracy_loss": max_accuracy_loss, "max_psnr_loss": max_psnr_loss,
              "max_rel_err": max_rel_err}
     gates = {GATE_OPTIONS[k]: v for k, v in given.items() if v is not None}
@@ -268,7 +370,7 @@ def quantize(
     try:
         with console.status(f"quantizing {name} to {precision}") as status:
             r = run_quantize(name, precision, out, calib=calib, gates=gates or None,
-                             progress=lambda m: status.update(m), safety=safety)
+                             progress=lambda m: status.update(m), safety=safety, card=card)
     except (GateFailed, ValueError, FileNotFoundError) as e:
         raise fail(str(e)) from None
     console.print(f"[green]✓[/] {name} {precision}: gate passed ({_gate_summary(r['metrics'])}); {r['chosen']} → "
@@ -285,6 +387,48 @@ def _gate_summary(m: dict) -> str:
     if "per_sigma" in m:
         return ", ".join(f"σ={s}: −{v['psnr_loss_db']:.3f} dB" for s, v in m["per_sigma"].items())
     return ", ".join(f"{k} {v:.4g}" for k, v in m.items() if isinstance(v, int | float)) or "no metrics reported"
+
+
+@app.command()
+def fuse(
+    src: Annotated[Path, typer.Argument(help="An ONNX graph written by other code (e.g. plain torch.onnx.export)")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Where the fused graph goes; OUT.report.json beside it. "
+                                                          "Its file stem is the model's name")],
+    card: Annotated[Path | None, typer.Option(help="JSON of an unroll ModelCard to attach (its name is OUT's stem); "
+                                                   "without it a card already in SRC is kept")] = None,
+    input_shape: Annotated[list[str] | None, typer.Option(
+        help="Sizes for the parity check's inputs, NAME=1,3,32,32 (repeatable); dynamic axes default to 1 for the "
+             "batch and 16 otherwise")] = None,
+) -> None:
+    """Rewrite textbook shrinkage and step-size forms of a third-party graph into unroll's fused forms.
+
+    sign(v)·relu(|v|−θ), sign(v)·max(|v|−θ, 0), where(|v|>θ, v−sign(v)·θ, 0) and relu(v−θ)−relu(−v−θ) become
+    v − clip(v, −θ, θ) (or v − min(max(v, −θ), θ) for a tensor θ); max(v−θ, 0) becomes relu(v−θ); constant
+    η·W is folded. Verified with ONNX Runtime against SRC on random inputs (max abs 1e-4, rel 1e-5) before
+    anything is written; forms no rule knows are left alone and listed in the report.
+    """
+    from unroll.card import CardError
+    from unroll.export.fuse import FuseError, parse_input_shapes
+    from unroll.export.fuse import fuse as run_fuse
+
+    try:
+        with console.status(f"fusing {src}"):
+            result = run_fuse(src, out, card=card, input_shapes=parse_input_shapes(input_shape))
+    except (FuseError, CardError) as e:
+        raise fail(str(e)) from None
+    r = result.report
+    for row in r["rewrites"]:
+        if row["count"]:
+            console.print(f"  {escape(row['form'])} → {escape(row['into'])}: {row['count']}")
+    for row in r["kept"]:
+        if row["count"]:
+            console.print(f"  {escape(row['form'])}: {row['count']} (already fused, kept)")
+    if r["left_alone"]:
+        left = ", ".join(f"{n['op']} {n['node']}" for n in r["left_alone"])
+        console.print(f"[yellow]note:[/] left alone (no rule matched): {escape(left)}")
+    console.print(f"[green]✓[/] {r['nodes_before']} → {r['nodes_after']} nodes, max |fused − input| "
+                  f"{r['parity']['max_abs_err']:.1e}" + (f", card {r['card']['name']!r}" if r["card"] else "")
+                  + f" → {result.onnx_path} (report {result.report_path})")
 
 
 bench_app = typer.Typer(help="Measure speed and quality; results go to benchmarks/results/ (JSON, Markdown, PNG).",

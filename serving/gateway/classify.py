@@ -132,8 +132,8 @@ async def classify(
     t0 = time.perf_counter()
     card, info = entry.card, entry.info
     assert card is not None and info is not None  # served entries have both (catalog)
-    n_classes = len(card.labels) if card.labels else info.outputs[card.output].shape[-1]
-    if top_k > n_classes:
+    n_classes = class_count(card, info)
+    if n_classes is not None and top_k > n_classes:
         raise ApiError(422, "invalid_parameter", f"top_k: {entry.name} has {n_classes} classes (got {top_k})")
     lam_v = check_lam(card, parse_lam(lam))
     inv = check_invert(card.input, invert)
@@ -150,11 +150,37 @@ async def classify(
         if card.lam is not None:
             inputs[card.lam.input] = fit_shape(np.array([lam_v], np.float32), info.inputs[card.lam.input])
         res = await gw.backend.infer(entry.name, inputs, [card.output], class_count=n_classes)
-    preds = _classes(res[card.output][0], top_k)
+    if n_classes is None:  # a class axis only known once the model answers: logits, bounded now
+        preds = _from_logits(np.asarray(res[card.output], np.float32)[0], top_k, card, entry.name)
+    else:
+        preds = _classes(res[card.output][0], top_k)
     latency = round((time.perf_counter() - t0) * 1000.0, 2)
     body = ClassifyResponse(model=entry.name, predictions=preds, latency_ms=latency,
                             lam=round(float(lam_v), 6) if card.lam is not None else None, inverted=fitted.inverted)
     return JSONResponse(body.model_dump(exclude_none=True), headers={"X-Latency-Ms": str(latency)})
+
+
+def class_count(card: ModelCard, info) -> int | None:
+    """The model's real number of classes: the served output's last axis where it is static, else the card's
+    labels; ``None`` where neither says (then ``top_k`` is checked against the logits Triton returns)."""
+    out = info.outputs.get(card.output)
+    dim = out.shape[-1] if out is not None and out.shape else -1
+    if dim > 0:
+        return int(dim)
+    return len(card.labels) if card.labels else None
+
+
+def _from_logits(logits: np.ndarray, top_k: int, card: ModelCard, name: str) -> list[Prediction]:
+    """Top-k from raw logits (a model whose class axis is dynamic), labels from the card where it has them."""
+    logits = logits.reshape(-1).astype(np.float64)
+    if top_k > logits.size:
+        raise ApiError(422, "invalid_parameter", f"top_k: {name} has {logits.size} classes (got {top_k})")
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")[:top_k]
+    labels = card.labels if card.labels and len(card.labels) == logits.size else None
+    return [Prediction(label=labels[i] if labels else str(int(i)), index=int(i), score=round(float(probs[i]), 6))
+            for i in order]
 
 
 async def _auto_lam(gw: Gateway, rule: Entry, img: Image.Image, fitted: images.Fitted, fitted_for: InputCard) -> float:

@@ -3,6 +3,11 @@
 Request flow: API key (401) → model (404) → σ (422) → declared size (413) → concurrency slot (429) →
 streamed body (413/415/400) → decode (pixel limit and aspect ratio from the header: 413/422), size check
 against ``card.input.min_size`` (400/413/422) → Triton (503/504/502), one call per ``max_batch_size`` items.
+
+Colour follows the card's ``input.shape[0]``: a single-channel denoiser gets each colour channel of an RGB(A)
+image as one batch item ``[C, 1, H, W]``; a 3-channel denoiser gets an RGB(A) image natively as ``[1, 3, H, W]``
+(in the card's ``channel_order``), and a gray image repeated to three planes, the three outputs averaged back to
+one gray plane (so the PNG keeps the input's size and mode either way; alpha is copied).
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ async def denoise(
         out = np.concatenate([p[card.output] for p in parts])
         if out.shape != batch.shape:
             raise TritonRejected(f"{entry.name} returned shape {out.shape} for input {batch.shape}")
-        den = _unbatch(images.from_graph(out, card.input), planes.data.shape[0])
+        den = _unbatch(images.from_graph(out, card.input), planes.data.shape[0], card.input)
         png = await run_in_threadpool(lambda: images.encode_png(images.from_planes(den, planes)))
     latency = round((time.perf_counter() - t0) * 1000.0, 2)
     return Response(png, media_type="image/png", headers={
@@ -92,20 +97,24 @@ def _planes(data: bytes, max_pixels: int, sigma: float | None, min_side: int,
 
 
 def _batch(planes: np.ndarray, card: InputCard) -> np.ndarray:
-    """``[C, H, W]`` image planes → the graph's ``[N, C', H, W]``: a single-channel denoiser takes the colour
-    channels as a batch; a colour one takes the image as one item (a gray image repeated to its channels)."""
+    """``[C, H, W]`` image planes (RGB order) → the graph's ``[N, C', H, W]``: a single-channel denoiser takes
+    the colour channels as a batch; a colour one takes the image natively as one item ``[1, 3, H, W]`` in its
+    ``channel_order`` (a gray image repeated to the three planes)."""
     c, want = planes.shape[0], card.shape[0]
     if want == 1:
         return planes[:, None]
-    if c == want:
-        return planes[None]
     if c == 1:
         return np.repeat(planes, want, axis=0)[None]
+    if c == want:
+        return (planes[::-1] if card.channel_order == "bgr" else planes)[None]
     raise ApiError(422, "unsupported_image_mode", f"a {c}-channel image cannot be fed to a {want}-channel denoiser")
 
 
-def _unbatch(out: np.ndarray, channels: int) -> np.ndarray:
-    """The inverse of :func:`_batch`: back to ``[C, H, W]`` (a repeated gray image averaged back)."""
+def _unbatch(out: np.ndarray, channels: int, card: InputCard) -> np.ndarray:
+    """The inverse of :func:`_batch`: back to ``[C, H, W]`` in RGB order (a repeated gray image's outputs averaged
+    back to one plane, so a gray image comes back gray)."""
     if out.shape[1] == 1:
         return out[:, 0]
-    return out[0] if channels == out.shape[1] else out[0].mean(axis=0, keepdims=True)
+    if channels == 1:
+        return out[0].mean(axis=0, keepdims=True)
+    return out[0, ::-1] if card.channel_order == "bgr" else out[0]

@@ -15,19 +15,27 @@ Rules (documented in the README and the OpenAPI description):
   order that keeps the intermediate smaller. :func:`work_bytes_bound` states the bound.
 * Classification, driven by the model's card (``card.input``): EXIF orientation applied; alpha flattened
   onto **black**; colour converted to the card's (``gray``: RGB → luma, ITU-R 601-2 as Pillow's ``L``;
-  ``rgb``: three planes, a gray image repeated); inverted when asked (``invert``, below); fitted to the card's
-  fixed H×W by its ``resize`` policy (``pad-square``: padded with black to a centred square, then resized;
-  ``stretch``: resized; Lanczos, clipped to [0, 1]); scaled to the card's value range and normalised per
-  channel, ``(x - mean) / std``.
+  ``rgb``: three planes in the card's ``channel_order``, RGB or BGR; a gray image repeated); inverted when asked
+  (``invert``, below); fitted to the card's fixed H×W by its ``resize`` policy (``pad-square``: padded with black
+  to a centred square, then resized; ``stretch``: resized; ``shorter-side-crop``: resized keeping the aspect so
+  that it just covers H×W ÷ ``crop_ratio`` — a square input's shorter side becomes ``floor(side / crop_ratio)``,
+  224 → 256 — then the centred H×W is taken, as torchvision's ``Resize`` + ``CenterCrop``; ``none``: the exact
+  size is required), with the card's ``interpolation`` computed as Pillow's float resize does (Lanczos-3,
+  bilinear or bicubic, antialiased), clipped to [0, 1]; a dynamic-size input (``-1`` in the card's shape) takes
+  the image as it is, both sides ≥ ``min_size`` (422 otherwise); then scaled to the card's value range and
+  normalised per channel, ``(x - mean) / std``.
 * Polarity (``invert``): ``true`` inverts (``1 - x``) before fitting, ``false`` never does, ``auto`` needs a
   card that declares ``input.polarity`` and inverts when the median brightness (luma after alpha flattening,
   0–1) of the image's outermost pixel frame is on the other side of mid-grey (0.5) from the card's background:
   above 0.5 for ``light-on-dark`` (a digit drawn dark on white, sent to a model trained on white-on-black),
   below 0.5 for ``dark-on-light``; exactly 0.5 never inverts.
 * Denoising: the stored pixel grid is kept (no EXIF rotation, no resize). Gray, RGB, gray+alpha and
-  RGBA keep their mode (for a single-channel denoiser each colour channel is one item of a batch
-  ``[C,1,H,W]``; alpha is copied); 16-bit gray stays 16-bit. PNG cannot hold palette, 1-bit, CMYK, YCbCr,
-  LAB or HSV images: those come back as RGB(A) or 8-bit gray. Float images are refused (415). Metadata is not copied.
+  RGBA keep their mode; alpha is copied; 16-bit gray stays 16-bit. A single-channel denoiser (card ``shape[0]``
+  1) takes each colour channel as one item of a batch ``[C,1,H,W]``; a colour one (``shape[0]`` 3) takes the
+  image natively as ``[1,3,H,W]`` in its ``channel_order``, and a gray image is repeated to three planes and the
+  three outputs averaged back to one (so the PNG is gray again). PNG cannot hold palette, 1-bit, CMYK, YCbCr,
+  LAB or HSV images: those come back as RGB(A) or 8-bit gray. Float images are refused (415). Metadata is not
+  copied.
 """
 
 from __future__ import annotations
@@ -216,9 +224,10 @@ class Fitted:
 def classifier_input(img: Image.Image, card: InputCard, invert: Invert = "false") -> Fitted:
     """``[1, C, H, W]`` float32 for a classifier, following the rules in the module docstring and its card.
 
-    Alpha is flattened onto black; colour is converted to the card's (``gray`` → luma, ``rgb`` → three planes,
-    a gray image repeated); inverted per ``invert``; fitted to the card's fixed H×W by its ``resize`` policy
-    (``pad-square``, ``stretch``; ``none`` needs the exact size, a dynamic input keeps the image's); then scaled
+    Alpha is flattened onto black; colour is converted to the card's (``gray`` → luma, ``rgb`` → three planes in
+    its ``channel_order``, a gray image repeated); inverted per ``invert``; fitted to the card's fixed H×W by its
+    ``resize`` policy and ``interpolation`` (``pad-square``, ``stretch``, ``shorter-side-crop``; ``none`` needs
+    the exact size; a dynamic input keeps the image's, within ``min_size``); then scaled
     to the card's value range and normalised per channel with its ``mean`` / ``std``. EXIF orientation is
     applied to ``img`` in place (so a second call, e.g. for a λ rule, does not rotate twice).
     """
@@ -226,23 +235,37 @@ def classifier_input(img: Image.Image, card: InputCard, invert: Invert = "false"
         raise ApiError(422, "unsupported_model_input",
                        f"the model's input is not an image (card colour {card.colour!r})")
     ImageOps.exif_transpose(img, in_place=True)
+    size = card.fixed_hw
+    if size is None:
+        _check_dynamic_size(img.size, card)
     px = pixels(img)
     inverted = _should_invert(px, card, invert)
-    size = card.fixed_hw
     n_in = px.color.shape[2]
-    want = 1 if card.colour == "gray" else 3
+    order = (0,) if card.colour == "gray" else (2, 1, 0) if card.channel_order == "bgr" else (0, 1, 2)
     planes: list[np.ndarray] = []
-    for c in range(want):
-        if c > 0 and n_in == 1:  # a gray image repeated to the card's three planes: fitted once
+    for c in order:
+        if planes and n_in == 1:  # a gray image repeated to the card's three planes: fitted once
             planes.append(planes[0])
             continue
         plane = _plane(px, c, card.colour)
         if inverted:
             np.subtract(np.float32(1.0), plane, out=plane)
-        if size is not None and plane.shape != size:
-            plane = _fit(plane, size, card.resize)
+        if size is not None and (plane.shape != size or card.resize == "shorter-side-crop"):  # crop: always
+            plane = _fit(plane, size, card)
         planes.append(plane)
     return Fitted(to_graph(np.stack(planes)[None], card), inverted)
+
+
+def _check_dynamic_size(wh: tuple[int, int], card: InputCard) -> None:
+    """A dynamic-size input takes the image as it is, within the card's ``min_size`` and any fixed axis."""
+    w, h = wh
+    if min(w, h) < card.min_size:
+        raise ApiError(422, "image_too_small", f"image is {w}×{h}; the model needs both sides ≥ {card.min_size} "
+                                               "pixels")
+    for axis, got in ((1, h), (2, w)):
+        if card.shape[axis] > 0 and card.shape[axis] != got:
+            raise ApiError(422, "invalid_image_size", f"image is {w}×{h}; the model takes "
+                                                      f"{'height' if axis == 1 else 'width'} {card.shape[axis]}")
 
 
 def to_graph(x: np.ndarray, card: InputCard) -> np.ndarray:
@@ -324,55 +347,83 @@ def _should_invert(px: Pixels, card: InputCard, invert: Invert) -> bool:
     return invert == "true"
 
 
-def _fit(plane: np.ndarray, size: tuple[int, int], resize: str) -> np.ndarray:
-    """One ``[H, W]`` plane fitted to ``size``, clipped to [0, 1].
+def _fit(plane: np.ndarray, size: tuple[int, int], card: InputCard) -> np.ndarray:
+    """One ``[H, W]`` plane fitted to ``size`` by the card's ``resize`` policy and filter, clipped to [0, 1].
 
-    ``pad-square`` gives what Pillow's Lanczos resize of the plane padded with black to a centred square gives,
-    without building the square (a 50000×1 image would need a 50000² one): the padding only adds zero terms to
-    each output's sum, so each pass weighs the image's own rows or columns with Pillow's weights for the
-    square's. The two separable passes run in the order with the smaller intermediate, so the work arrays are
-    bounded by the plane plus ``min(H·tw, th·W)`` floats (at most ``max(th, tw)·√(H·W)``).
+    ``pad-square`` gives what Pillow's resize of the plane padded with black to a centred square gives, without
+    building the square (a 50000×1 image would need a 50000² one): the padding only adds zero terms to each
+    output's sum, so each pass weighs the image's own rows or columns with Pillow's weights for the square's.
+    ``shorter-side-crop`` computes only the outputs inside the centred crop of the resized image (the resized
+    image itself is never built). The two separable passes run in the order with the smaller intermediate, so
+    the work arrays are bounded by the plane plus ``min(H·tw, th·W)`` floats (at most ``max(th, tw)·√(H·W)``).
     """
     th, tw = size
     h, w = plane.shape
-    if resize == "none":
+    kind = card.interpolation
+    if card.resize == "none":
         raise ApiError(422, "invalid_image_size", f"image is {w}×{h}; the model takes exactly {tw}×{th} "
                                                   "(its card allows no resizing)")
-    if resize == "pad-square":
+    first = (0, 0)
+    if card.resize == "pad-square":
         side = max(h, w)
-        canvas, offset = (side, side), ((side - h) // 2, (side - w) // 2)
-    else:
+        canvas, offset, scaled = (side, side), ((side - h) // 2, (side - w) // 2), (th, tw)
+    elif card.resize == "shorter-side-crop":
+        scaled = shorter_side_size((h, w), size, card.crop_ratio)
         canvas, offset = (h, w), (0, 0)
-    if h * tw <= th * w:  # columns first (Pillow's order), or rows first when that intermediate is smaller
-        out = _resample(_resample(plane, 1, canvas[1], offset[1], tw), 0, canvas[0], offset[0], th)
+        first = (int(round((scaled[0] - th) / 2.0)), int(round((scaled[1] - tw) / 2.0)))  # torchvision's centre
     else:
-        out = _resample(_resample(plane, 0, canvas[0], offset[0], th), 1, canvas[1], offset[1], tw)
+        canvas, offset, scaled = (h, w), (0, 0), (th, tw)
+    rows = (0, canvas[0], offset[0], scaled[0], kind, first[0], th)
+    cols = (1, canvas[1], offset[1], scaled[1], kind, first[1], tw)
+    if h * tw <= th * w:  # columns first (Pillow's order), or rows first when that intermediate is smaller
+        out = _resample(_resample(plane, *cols), *rows)
+    else:
+        out = _resample(_resample(plane, *rows), *cols)
     return np.clip(out, 0.0, 1.0, out=out)
 
 
-def _resample(a: np.ndarray, axis: int, canvas: int, offset: int, n_out: int) -> np.ndarray:
-    """Resize ``a`` along ``axis`` as if it sat at ``offset`` on a black line of ``canvas`` pixels, to ``n_out``."""
+def shorter_side_size(hw: tuple[int, int], size: tuple[int, int], crop_ratio: float) -> tuple[int, int]:
+    """Resized ``(H', W')`` of an ``hw`` image for ``shorter-side-crop`` to ``size``: the aspect kept, the image
+    just covering ``floor(size / crop_ratio)`` (for a square ``size``: the shorter side becomes
+    ``floor(side / crop_ratio)`` and the longer ``int(that · longer / shorter)``, as torchvision's ``Resize(int)``)."""
+    (h, w), (th, tw) = hw, size
+    sh, sw = (math.floor(t / crop_ratio + 1e-9) for t in (th, tw))
+    if sh * w >= sw * h:  # the height decides (sh / h ≥ sw / w)
+        return sh, max(int(sh * w / h), tw)
+    return max(int(sw * h / w), th), sw
+
+
+def _resample(a: np.ndarray, axis: int, canvas: int, offset: int, n_out: int, kind: str = "lanczos",
+              first: int = 0, count: int | None = None) -> np.ndarray:
+    """Resize ``a`` along ``axis`` as if it sat at ``offset`` on a black line of ``canvas`` pixels, to ``n_out``
+    (Pillow's filter ``kind``); only outputs ``first … first + count`` are computed (a centred crop)."""
     n = a.shape[axis]
-    shape = (n_out, a.shape[1]) if axis == 0 else (a.shape[0], n_out)
+    count = n_out - first if count is None else count
+    shape = (count, a.shape[1]) if axis == 0 else (a.shape[0], count)
     out = np.zeros(shape, np.float32)
-    if canvas == n_out:  # no resampling along this axis (Pillow skips the pass): padding only
-        if axis == 0:
-            out[offset:offset + n] = a
-        else:
-            out[:, offset:offset + n] = a
+    if canvas == n_out:  # no resampling along this axis (Pillow skips the pass): padding or cropping only
+        lo, hi = max(offset, first), min(offset + n, first + count)
+        if lo < hi:
+            src = slice(lo - offset, hi - offset)
+            dst = slice(lo - first, hi - first)
+            if axis == 0:
+                out[dst] = a[src]
+            else:
+                out[:, dst] = a[:, src]
         return out
     scale = canvas / n_out
-    support = 3.0 * max(scale, 1.0)
-    for i in range(n_out):
+    support = _SUPPORT[kind] * max(scale, 1.0)
+    for j in range(count):
+        i = first + j
         lo, hi = _window(i, scale, support, canvas)
         a0, a1 = max(lo, offset), min(hi, offset + n)  # the part of the window on the image
         if a0 >= a1:
             continue  # all padding: stays 0
-        kk = _lanczos(i, scale, lo, hi, a0, a1)
+        kk = _weights(kind, i, scale, lo, hi, a0, a1)
         if axis == 0:
-            out[i] = kk @ a[a0 - offset:a1 - offset]
+            out[j] = kk @ a[a0 - offset:a1 - offset]
         else:
-            out[:, i] = a[:, a0 - offset:a1 - offset] @ kk
+            out[:, j] = a[:, a0 - offset:a1 - offset] @ kk
     return out
 
 
@@ -382,15 +433,30 @@ def _window(i: int, scale: float, support: float, n_in: int) -> tuple[int, int]:
     return max(int(center - support + 0.5), 0), min(int(center + support + 0.5), n_in)
 
 
-def _lanczos(i: int, scale: float, lo: int, hi: int, a0: int, a1: int) -> np.ndarray:
-    """Pillow's Lanczos-3 weights of output ``i`` for inputs ``[a0, a1)``, normalised over its whole window
-    ``[lo, hi)`` (padding included), as float32. Evaluated in chunks: a window can span most of a long side."""
+def _kernel(kind: str, t: np.ndarray) -> np.ndarray:
+    """Pillow's filters (``Resample.c``): Lanczos-3, triangle (bilinear), Keys cubic with a = -0.5 (bicubic)."""
+    if kind == "lanczos":
+        return np.where((t >= -3.0) & (t < 3.0), np.sinc(t) * np.sinc(t / 3.0), 0.0)
+    x = np.abs(t)
+    if kind == "bilinear":
+        return np.where(x < 1.0, 1.0 - x, 0.0)
+    a = -0.5
+    return np.where(x < 1.0, ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0,
+                    np.where(x < 2.0, (((x - 5.0) * x + 8.0) * x - 4.0) * a, 0.0))
+
+
+#: Filter support (half-width in input pixels at scale 1) per interpolation, as Pillow's.
+_SUPPORT = {"lanczos": 3.0, "bilinear": 1.0, "bicubic": 2.0}
+
+
+def _weights(kind: str, i: int, scale: float, lo: int, hi: int, a0: int, a1: int) -> np.ndarray:
+    """Pillow's weights of output ``i`` for inputs ``[a0, a1)``, normalised over its whole window ``[lo, hi)``
+    (padding included), as float32. Evaluated in chunks: a window can span most of a long side."""
     center = (i + 0.5) * scale
     inv = 1.0 / max(scale, 1.0)
 
     def kernel(x0: int, x1: int) -> np.ndarray:
-        t = (np.arange(x0, x1, dtype=np.float64) - center + 0.5) * inv
-        return np.where((t >= -3.0) & (t < 3.0), np.sinc(t) * np.sinc(t / 3.0), 0.0)
+        return _kernel(kind, (np.arange(x0, x1, dtype=np.float64) - center + 0.5) * inv)
 
     total = sum(float(kernel(x, min(x + _CHUNK, hi)).sum()) for x in range(lo, hi, _CHUNK))
     out = np.empty(a1 - a0, np.float32)

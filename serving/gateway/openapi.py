@@ -30,12 +30,15 @@ content type (`curl --data-binary @noisy.png -H 'Content-Type: image/png' …`).
 and BMP are accepted; the body and the pixel count are limited (413 beyond them).
 
 **Classification input rules** (from the model's card). EXIF orientation applied; alpha flattened onto
-black; colour converted to the card's (gray: luma; rgb: three planes); fitted to the card's input size by its
-resize policy (`pad-square`: padded with black to a centred square, then resized; `stretch`: resized;
-Lanczos); normalised with the card's mean/std. Inverted only as `invert` says (below).
+black; colour converted to the card's (gray: luma; rgb: three planes in the card's channel order); fitted to
+the card's input size by its resize policy (`pad-square`: padded with black to a centred square, then resized;
+`stretch`: resized; `shorter-side-crop`: shorter side resized to size ÷ crop ratio, then the centred crop, as
+ImageNet evaluation does; `none`: the exact size) with the card's interpolation; normalised with the card's
+mean/std. Inverted only as `invert` says (below).
 
 **Denoising.** Keeps size and mode (gray, RGB, RGBA, gray+alpha, 16-bit gray; palette/CMYK come back
-as RGB); for a single-channel denoiser colour channels are denoised as one batch `[C,1,H,W]`; sides
+as RGB); a single-channel denoiser gets the colour channels as one batch `[C,1,H,W]`, a 3-channel denoiser
+the RGB image as `[1,3,H,W]`; sides
 must be at least the card's `input.min_size`. `sigma` is on the 0–255 scale; omit it to estimate it
 (wavelet MAD); the value used is returned in `X-Sigma-Used`.
 

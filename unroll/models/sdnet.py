@@ -268,9 +268,11 @@ def load_official_checkpoint(
 # ---------------------------------------------------------------------------------------------- registry
 CIFAR10_LABELS = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 #: CIFAR models: 32×32 RGB in [0, 1] (no normalisation is assumed; a checkpoint trained with one sets
-#: mean/std on its card). ImageNet models: the torchvision ImageNet normalisation, stretched to 224².
+#: mean/std on its card). ImageNet models: the official evaluation transform (torchvision's bilinear
+#: ``Resize(256)`` + ``CenterCrop(224)``) and the ImageNet normalisation.
 _CIFAR_INPUT = InputCard(name="image", shape=(3, 32, 32), colour="rgb", resize="stretch")
-_IMAGENET_INPUT = InputCard(name="image", shape=(3, 224, 224), colour="rgb", resize="stretch",
+_IMAGENET_INPUT = InputCard(name="image", shape=(3, 224, 224), colour="rgb", resize="shorter-side-crop",
+                            crop_ratio=224 / 256, interpolation="bilinear",
                             mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
 
 
