@@ -59,13 +59,28 @@ def default_models() -> list[str]:
     return [n for n in list_models() if get_spec(n).has_weights]
 
 
-def graphs_of(models: list[str]) -> list[str]:
-    """Triton model names to serve: each model, followed by the companions its card names (``lam.auto``)."""
+def is_registered(name: str) -> bool:
+    from unroll.registry import list_models
+
+    return name in list_models()
+
+
+def card_of(name: str, onnx_dir: Path | None = None) -> ModelCard:
+    """A served model's card: the registry's, or (a model exported with ``--model``/``--checkpoint --name`` or
+    fused from a third-party graph, not registered here) the one inside ``onnx_dir/NAME.onnx``."""
+    from unroll.card import from_onnx
     from unroll.registry import get_spec
 
+    if is_registered(name) or onnx_dir is None:
+        return get_spec(name).card  # KeyError lists the registered names
+    return from_onnx(onnx_dir / f"{name}.onnx")
+
+
+def graphs_of(models: list[str], onnx_dir: Path | None = None) -> list[str]:
+    """Triton model names to serve: each model, followed by the companions its card names (``lam.auto``)."""
     out: list[str] = []
     for m in models:
-        card = get_spec(m).card  # KeyError lists the registered names
+        card = card_of(m, onnx_dir)
         out += [m] + ([card.lam.auto] if card.lam is not None and card.lam.auto is not None else [])
     return list(dict.fromkeys(out))
 
@@ -88,6 +103,8 @@ def stale_reason(graph: str, onnx_dir: Path) -> str | None:
         card = from_onnx(path)
     except CardError:
         return "exported without a model card (an older export)"
+    if not is_registered(card.companion_of or card.name):
+        return None  # a user's graph: nothing here could rebuild it, and it carries its card
     spec = get_spec(card.companion_of or card.name)
     if spec.has_weights:
         if json.loads(report_path.read_text()).get("weights") != "committed":
@@ -105,6 +122,8 @@ def ensure_onnx(onnx_dir: Path, models: list[str], force: bool = False) -> list[
 
     done: list[str] = []
     for m in models:
+        if not is_registered(m):
+            continue  # an exported graph with its card (checked by resolve_models): served as it is
         reasons = {g: "--rebuild" if force else stale_reason(g, onnx_dir) for g in graphs_of([m])}
         why = "; ".join(f"{g}: {r}" for g, r in reasons.items() if r is not None)
         if not why:
@@ -138,15 +157,16 @@ def ensure_repository(repo: Path, onnx_dir: Path, target: str, graphs: list[str]
     return todo
 
 
-def _first_sample(card: ModelCard) -> tuple[np.ndarray, int | None]:
-    """The first sample of the card's test data (else validation, else training data) and its label, if any."""
+def _first_sample(card: ModelCard) -> tuple[np.ndarray, int | None] | None:
+    """The first sample of the card's test data (else validation, else training data) and its label, if any;
+    ``None`` when the card names no data (the banner then shows the curl with a placeholder image)."""
     import numpy as np
 
     from unroll.data import dataset
 
     ids = [d for d in (card.data.test, card.data.validation, card.data.train) if d is not None]
     if not ids:
-        raise ServeError(f"{card.name}: its card names no dataset (card.data) to take a sample input from")
+        return None
     loaded = dataset(ids[0]).load()
     if isinstance(loaded, dict):  # images: {name: gray [H, W]}
         return np.asarray(next(iter(loaded.values())))[None], None
@@ -183,7 +203,10 @@ def write_samples(out: Path, cards: list[ModelCard]) -> dict[str, Path]:
     for card in cards:
         if card.task not in GATEWAY_TASKS:
             continue
-        image, label = _first_sample(card)
+        sample = _first_sample(card)
+        if sample is None:
+            continue
+        image, label = sample
         path = out / f"{card.name}.png"
         if card.task == "denoising":
             image = add_noise(image, SAMPLE_SIGMA, noise_seed(card.name, SAMPLE_SIGMA))
@@ -215,15 +238,14 @@ def banner(base: str, cards: list[ModelCard], samples: dict[str, Path], api_key:
     tries = []
     for card in cards:
         sample = samples.get(card.name)
-        if sample is not None:
-            sample = Path(sample).resolve()
-        if card.task == "classification" and sample is not None:
+        sample = Path(sample).resolve() if sample is not None else Path("your-image.png")
+        if card.task == "classification":
             url = f"{base}/v1/classify?model={card.name}&top_k=3"
             form = shlex.quote(f"image=@{sample}")
             tries.append(f"  curl{auth} -F {form} '{url}'")
             if card.lam is not None and card.lam.auto is not None:
                 tries.append(f"  curl{auth} -F {form} '{url}&lam=auto'")
-        elif card.task == "denoising" and sample is not None:
+        elif card.task == "denoising":
             post = f"  curl{auth} --data-binary {shlex.quote(f'@{sample}')} -H 'Content-Type: image/png'"
             tries.append(f"{post} '{base}/v1/denoise?model={card.name}&sigma={SAMPLE_SIGMA:g}' -o denoised.png")
             tries.append(f"{post} '{base}/v1/denoise?model={card.name}' -D - -o denoised.png"
@@ -245,8 +267,10 @@ def banner(base: str, cards: list[ModelCard], samples: dict[str, Path], api_key:
     ])
 
 
-def resolve_models(models: list[str] | None) -> list[str]:
-    """The registry names to serve: ``models`` checked against the registry, else :func:`default_models`."""
+def resolve_models(models: list[str] | None, onnx_dir: Path | None = None) -> list[str]:
+    """The models to serve: ``models`` (registered names, or graphs in ``onnx_dir`` that carry a card), else
+    :func:`default_models`."""
+    from unroll.card import CardError, from_onnx
     from unroll.registry import list_models
 
     if models is None:
@@ -255,10 +279,21 @@ def resolve_models(models: list[str] | None) -> list[str]:
             raise ServeError("no registered model has committed weights; name the models to serve with --models")
         return chosen
     chosen = list(dict.fromkeys(m.strip() for m in models if m.strip()))
-    unknown = [m for m in chosen if m not in list_models()]
+    unknown = []
+    for m in chosen:
+        if m in list_models():
+            continue
+        path = onnx_dir / f"{m}.onnx" if onnx_dir is not None else None
+        try:
+            if path is None or not path.exists():
+                raise CardError("not exported")
+            from_onnx(path)
+        except CardError as e:
+            unknown.append(f"{m} ({e})" if path is not None and path.exists() else m)
     if not chosen or unknown:
+        where = f" or exported with a card in {onnx_dir}" if onnx_dir is not None else ""
         raise ServeError(f"--models: unknown model(s) {', '.join(unknown) or '(none named)'}; registered models: "
-                         f"{', '.join(list_models())}")
+                         f"{', '.join(list_models())}{where} (`unroll export --model …`, `unroll fuse --card …`)")
     return chosen
 
 
@@ -269,7 +304,7 @@ def served_cards(models: list[str], onnx_dir: Path | None) -> list[ModelCard]:
 
     if onnx_dir is None:
         return [get_spec(m).card for m in models]
-    return [from_onnx(onnx_dir / f"{m}.onnx") for m in models]
+    return [from_onnx(onnx_dir / f"{m}.onnx") for m in models]  # what is served, whoever registered it
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -312,7 +347,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
     if triton_url is None and target != "cpu":
         raise ServeError("the bundled tritonserver has only the Python backend, so it serves --target cpu; for "
                          "--target gpu run `unroll repo --target gpu` in the NGC container and pass --triton-url")
-    models = resolve_models(models)
+    models = resolve_models(models, None if triton_url else onnx_dir)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # finally-blocks run on SIGTERM during set-up
     supervisor = None
     server = None
@@ -325,7 +360,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
                 _check_port_free("127.0.0.1", p, what)
             onnx_dir.mkdir(parents=True, exist_ok=True)
             rebuilt = ensure_onnx(onnx_dir, models, force=rebuild)
-            ensure_repository(repo, onnx_dir, target, graphs_of(models), force=rebuild or bool(rebuilt))
+            ensure_repository(repo, onnx_dir, target, graphs_of(models, onnx_dir), force=rebuild or bool(rebuilt))
             log_file = (onnx_dir.parent / "triton.log").resolve()
             _say(f"start tritonserver on 127.0.0.1:{triton_http_port} (log: {log_file}, rotated at each start)")
             triton_key = new_api_key()  # this run's: Triton's APIs but health need it; only the gateway has it
@@ -382,8 +417,9 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
 
 def serve_command(
     models: Annotated[str | None, typer.Option(
-        help="Comma-separated registry names to serve (see `unroll models`), each with the companion graphs its "
-             "card names; default: every model with committed weights")] = None,
+        help="Comma-separated models to serve: registered names (see `unroll models`) or graphs exported into "
+             "--onnx-dir with a card (`unroll export --model`, `unroll fuse --card`), each with the companion "
+             "graphs its card names; default: every registered model with committed weights")] = None,
     host: Annotated[str, typer.Option(help="Gateway address (0.0.0.0 to expose it; Triton stays on 127.0.0.1)")]
     = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Gateway port")] = 8080,

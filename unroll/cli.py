@@ -212,7 +212,8 @@ def export_cmd(
     std: Annotated[str | None, typer.Option(help="Per-channel std the client divides by, e.g. 0.25,0.24,0.26")]
     = None,
     colour: Annotated[str | None, typer.Option(help="gray or rgb (channel order of C)")] = None,
-    resize: Annotated[str | None, typer.Option(help="How a classifier's image is fitted: pad-square, stretch, none")]
+    resize: Annotated[str | None, typer.Option(
+        help="How a classifier's image is fitted: pad-square, stretch, shorter-side-crop, none")]
     = None,
     min_size: Annotated[int | None, typer.Option(help="Smallest size of a dynamic H/W axis")] = None,
     lam_input: Annotated[str | None, typer.Option(help="Graph input name of a per-sample λ (forward(x, lam))")]
