@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 from unroll.benchmarks.common import demo_model, machine_info
-from unroll.serving.triton import SHM_DIR, free_ports, group_members, shm_regions
+from unroll.serving.triton import SHM_DIR, free_ports, group_members, processes_with, shm_regions
 
 READY_TIMEOUT_S = 300.0
 #: How long processes of the stopped server may take to disappear before they count as left behind.
@@ -58,9 +58,8 @@ class ServeProcess:
     server_pids: set[int] = field(default_factory=set)
 
     def triton_pid(self) -> int | None:
-        marker = f"--model-repository={self.repo}"
-        for pid, argv in _processes().items():
-            if any(a == marker for a in argv) and argv and argv[0].endswith("tritonserver"):
+        for pid, argv in processes_with(f"--model-repository={self.repo}").items():
+            if argv[0].endswith("tritonserver"):
                 return pid
         return None
 
@@ -92,17 +91,6 @@ def _still_there(pids: set[int], grace_s: float) -> dict[str, str]:
             return left
         time.sleep(0.2)
 
-
-def _processes() -> dict[int, list[str]]:
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            out[int(entry.name)] = [a.decode(errors="replace") for a in argv if a]
-    return out
 
 
 def start_serve(root: Path, models: list[str], log: Callable[[str], None]) -> ServeProcess:
@@ -233,7 +221,7 @@ def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = Pa
         stop_serve(s)
     left = _still_there(s.server_pids, LEFTOVER_GRACE_S)
     leaked = sorted(r for r in s.regions if (SHM_DIR / r).exists())
-    orphans = {p: argv for p, argv in _processes().items() if any(str(root) in a for a in argv)}
+    orphans = processes_with(str(root))
     shutil.rmtree(root, ignore_errors=True)
 
     ok = [r for r in results if r["status"] is not None and r["status"] < 400]

@@ -264,6 +264,25 @@ def group_members(pgid: int, zombies: bool = False) -> dict[int, list[str]]:
     return found
 
 
+def processes_with(marker: str) -> dict[int, list[str]]:
+    """Live processes (zombies and this one excluded) whose command line contains ``marker``: ``{pid: argv}``.
+
+    How the tests, the soak and a post-mortem find what a server left (by its repository path or ``--id``).
+    """
+    found: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = [a.decode(errors="replace") for a in (entry / "cmdline").read_bytes().split(b"\0") if a]
+            state = next(ln for ln in (entry / "status").read_text().splitlines() if ln.startswith("State:"))
+        except (OSError, StopIteration):
+            continue  # exited meanwhile
+        if "zombie" not in state and any(marker in a for a in argv):
+            found[int(entry.name)] = argv
+    return found
+
+
 def shm_regions(argvs: list[list[str]]) -> set[str]:
     """The Python-backend shared-memory regions named on these command lines (a stub's second argument)."""
     return {a for argv in argvs for a in argv if a.startswith(SHM_PREFIX) and "/" not in a}

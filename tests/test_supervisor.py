@@ -37,6 +37,7 @@ from unroll.serving.triton import (
     SHM_DIR,
     free_ports,
     group_members,
+    processes_with,
     rotate_log,
     shm_regions,
 )
@@ -49,27 +50,15 @@ MODEL = "sdnet-mnist"
 
 
 def processes_of(marker: str) -> dict[int, str]:
-    """Processes whose command line contains ``marker``: ``{pid: cmd}`` (a zombie's is empty: see :func:`exists`)."""
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = next(ln for ln in (proc / "status").read_text().splitlines() if ln.startswith("State:"))
-        except (OSError, StopIteration):
-            continue
-        if marker in cmd:
-            found[int(proc.name)] = cmd + (" <zombie>" if "zombie" in state else "")
-    return found
+    """Live processes whose command line contains ``marker``: ``{pid: command}``."""
+    return {pid: " ".join(argv) for pid, argv in processes_with(marker).items()}
 
 
 _KILLED: set[int] = set()  # pids of the killed servers and their stubs: none may be left, zombie or not
 
 
 def tritonserver_pid(repo: Path) -> int | None:
-    pids = [p for p, c in processes_of(f"--model-repository={repo}").items()
-            if "tritonserver" in c and "<zombie>" not in c]
+    pids = [p for p, c in processes_of(f"--model-repository={repo}").items() if "tritonserver" in c]
     return pids[0] if len(pids) == 1 else None
 
 

@@ -384,18 +384,7 @@ def test_missing_repository_or_busy_port_is_a_clear_error(tmp_path: Path) -> Non
 
 def _processes_of(marker: str) -> dict[int, str]:
     """Live (non-zombie) processes whose command line contains ``marker``: ``{pid: command}``."""
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = next(ln for ln in (proc / "status").read_text().splitlines() if ln.startswith("State:"))
-        except (OSError, StopIteration):
-            continue  # exited meanwhile
-        if marker in cmd and "zombie" not in state:
-            found[int(proc.name)] = cmd
-    return found
+    return {pid: " ".join(argv) for pid, argv in triton.processes_with(marker).items()}
 
 
 @pytest.mark.triton
