@@ -181,3 +181,15 @@ def gaussian_noise(x, sigma: float, seed: int):
 def classify_noise_seed(sigma: float) -> int:
     """One seed per noise level, the same as the training recipe's robustness evaluation."""
     return 2000 + int(sigma * 100)
+
+
+def png_bytes(a) -> bytes:
+    """A float image in [0, 1] (``[H, W]`` or ``[H, W, 3]``) as PNG bytes: what the gateway benchmarks send."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.rint(np.clip(a, 0, 1) * 255).astype(np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()

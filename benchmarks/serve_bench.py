@@ -21,7 +21,6 @@ the numbers answer "what does this box serve", not "what does the server do on i
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import tempfile
 import threading
@@ -40,6 +39,7 @@ from unroll.benchmarks.common import (
     load_note,
     machine_info,
     ort_session,
+    png_bytes,
     progress_bars,
     write_results,
 )
@@ -82,14 +82,6 @@ class Workload:
     paths: tuple[str, ...] = PATHS
 
 
-def _png(a: np.ndarray) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(np.rint(np.clip(a, 0, 1) * 255).astype(np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 @dataclass(frozen=True)
 class Served:
     """The models this benchmark serves, from the registry: the trained classifier, its λ rule, the denoiser."""
@@ -129,7 +121,7 @@ def classify_workload(name: str, n: int = CLASSIFY_SAMPLES, lam: float | None = 
             feeds[card.lam.input] = np.array([lam], np.float32)
         arrays.append(feeds)
     hw = "×".join(str(d) for d in x.shape[2:])
-    images = [_png(d[0] if d.shape[0] == 1 else d.transpose(1, 2, 0)) for d in x]
+    images = [png_bytes(d[0] if d.shape[0] == 1 else d.transpose(1, 2, 0)) for d in x]
     return Workload("classify", name, f"{card.data.test} sample {hw}", arrays, images,
                     f"/v1/classify?model={name}&top_k=5", card.output)
 
@@ -149,7 +141,7 @@ def denoise_workload(name: str, size: int, n: int = DENOISE_IMAGES, sigma255: fl
         noisy = add_noise(img, sigma255, noise_seed(image_name, sigma255))
         x = np.repeat(noisy[None, None], card.input.shape[0], axis=1)
         arrays.append({card.input.name: x, card.sigma.input: np.array([sigma255 / card.sigma.scale], np.float32)})
-        images.append(_png(noisy))
+        images.append(png_bytes(noisy))
     return Workload(f"denoise-{size}", name, f"{size}×{size} photo, σ={sigma255:g}", arrays, images,
                     f"/v1/denoise?model={name}&sigma={sigma255:g}", card.output)
 

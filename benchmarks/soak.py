@@ -16,7 +16,6 @@ all of those succeeded), and nothing is left behind.
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import os
 import shutil
@@ -32,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from unroll.benchmarks.common import demo_model, machine_info
+from unroll.benchmarks.common import demo_model, machine_info, png_bytes
 from unroll.serving.triton import SHM_DIR, free_ports, group_members, processes_with, shm_regions
 
 READY_TIMEOUT_S = 300.0
@@ -53,6 +52,8 @@ class ServeProcess:
     proc: subprocess.Popen
     base: str
     repo: Path
+    #: Triton's HTTP, gRPC and metrics ports.
+    triton_ports: tuple[int, int, int]
     output: list[str] = field(default_factory=list)
     regions: set[str] = field(default_factory=set)
     server_pids: set[int] = field(default_factory=set)
@@ -103,7 +104,7 @@ def start_serve(root: Path, models: list[str], log: Callable[[str], None]) -> Se
            "--triton-http-port", str(http), "--triton-grpc-port", str(grpc), "--triton-metrics-port", str(metrics),
            "--repo", str(repo), "--onnx-dir", str(root / "onnx"), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    s = ServeProcess(proc, f"http://127.0.0.1:{port}", repo)
+    s = ServeProcess(proc, f"http://127.0.0.1:{port}", repo, (http, grpc, metrics))
     ready = threading.Event()
 
     def pump() -> None:
@@ -134,24 +135,17 @@ def stop_serve(s: ServeProcess) -> None:
 
 def _payloads(classifier: str, denoiser: str, n: int) -> dict[str, list[tuple[str, bytes]]]:
     """Request bodies per kind: real digits of the classifier's test split, noisy 64×64 crops of bundled images."""
-    from PIL import Image
-
     from unroll import data
     from unroll.registry import get_spec
 
-    def png(a: np.ndarray) -> bytes:
-        buf = io.BytesIO()
-        Image.fromarray(np.rint(np.clip(a, 0, 1) * 255).astype(np.uint8)).save(buf, "PNG")
-        return buf.getvalue()
-
     x, _ = data.dataset(get_spec(classifier).card.data.test).load()
-    digits = [png(x[i, 0]) for i in range(min(n, len(x)))]
+    digits = [png_bytes(x[i, 0]) for i in range(min(n, len(x)))]
     crops = []
     for name in data.DENOISE_TEST_IMAGES[:4]:
         img = data.bundled_image(name)
         for k in range(4):
             crop = img[32 * k:32 * k + 64, 32 * k:32 * k + 64]
-            crops.append(png(data.add_noise(crop, 25.0, data.noise_seed(name, 25.0) + k)))
+            crops.append(png_bytes(data.add_noise(crop, 25.0, data.noise_seed(name, 25.0) + k)))
     return {"classify": [(f"/v1/classify?model={classifier}&top_k=1", d) for d in digits],
             "classify-auto": [(f"/v1/classify?model={classifier}&top_k=1&lam=auto", d) for d in digits],
             "denoise": [(f"/v1/denoise?model={denoiser}&sigma=25", c) for c in crops]}

@@ -16,8 +16,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -30,6 +28,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
+from unroll.benchmarks.common import trained_models
+from unroll.benchmarks.soak import start_serve, stop_serve
 from unroll.serving import triton
 from unroll.serving.triton import (
     GRPC_HEADER_PREFIX,
@@ -122,39 +122,14 @@ def serve(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     """``unroll serve`` of the demo models on spare ports, run from a temporary folder (its build/ goes there)."""
     root = tmp_path_factory.mktemp("serve").resolve()
     shutil.copytree(demo_onnx_dir, root / "onnx", copy_function=shutil.copy2)
-    repo = root / "model_repository"
-    port, *tports = free_ports(4)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UNROLL_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen([sys.executable, "-m", "unroll.serving.serve", "--port", str(port),
-                             "--triton-http-port", str(tports[0]), "--triton-grpc-port", str(tports[1]),
-                             "--triton-metrics-port", str(tports[2]), "--repo", str(repo), "--onnx-dir",
-                             str(root / "onnx"), "--log-level", "warning"],
-                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    s = Serve(proc, f"http://127.0.0.1:{port}", repo, root, tuple(tports))
-    ready = threading.Event()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            s.output.append(line)
-            if "unroll gateway ready" in line:
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
+    started = start_serve(root, trained_models(), log=lambda m: None)  # what `unroll serve` serves by default
+    s = Serve(started.proc, started.base, started.repo, root, started.triton_ports, output=started.output)
     try:
-        assert ready.wait(240) and proc.poll() is None, s.text()[-4000:]
         s.record_regions()
         yield s
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for pid in processes_of(str(repo)):  # only after a failure: never leave them to the next test
+        stop_serve(started)
+        for pid in processes_of(str(s.repo)):  # only after a failure: never leave them to the next test
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
