@@ -154,7 +154,7 @@ def fit_to_card(card: ModelCard, x: np.ndarray) -> np.ndarray:
 
 def feature_inputs(card: ModelCard) -> np.ndarray:
     """A feature/token block's example inputs: patches of the bundled photos, ``[3, *card.input.shape]``."""
-    from unroll.export.inputs import _tokens
+    from unroll.export.inputs import photo_features
 
     shape = list(card.input.shape)
     for axis, n in enumerate(shape):
@@ -164,16 +164,10 @@ def feature_inputs(card: ModelCard) -> np.ndarray:
                 raise ValueError(f"{card.name}: input axis {axis} is dynamic; set card.trt_profile.dims['{axis}'] "
                                  "(its opt size is the example inputs' size)")
             shape[axis] = rng[1]
-    photos = data.PHOTOS[:3]
-    if len(shape) == 2:  # tokens [N, d]
-        n, dim = shape
-        x = np.concatenate([_tokens(n, dim, p).numpy() for p in photos])
-    elif len(shape) == 3:  # feature map [C, H, W]: H·W tokens of dimension C on the grid
-        c, h, w = shape
-        x = np.concatenate([_tokens(h * w, c, p).transpose(1, 2).reshape(1, c, h, w).numpy() for p in photos])
-    else:
+    if len(shape) not in (2, 3):
         raise ValueError(f"{card.name}: no example inputs for a feature input of shape {list(card.input.shape)}; "
                          "give the card a dataset (card.data) and an image input")
+    x = photo_features(tuple(shape)).numpy()
     return np.ascontiguousarray(x, dtype=np.float32)
 
 

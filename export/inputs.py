@@ -34,6 +34,18 @@ def _tokens(n_tokens: int, dim: int, name: str) -> torch.Tensor:
     return F.unfold(img, p, stride=p).transpose(1, 2)[:, :n_tokens]
 
 
+def photo_features(shape: tuple[int, ...]) -> torch.Tensor:
+    """``[3, *shape]`` real features for a token (``[N, d]``) or feature-map (``[C, H, W]``) block: √d×√d patches
+    of three bundled photos as tokens, or laid out on the H×W grid; seeded random when d is no square number."""
+    dim = shape[-1] if len(shape) == 2 else shape[0]
+    if round(dim**0.5) ** 2 != dim:
+        return torch.rand(3, *shape, generator=torch.Generator().manual_seed(2))
+    if len(shape) == 2:
+        return torch.cat([_tokens(shape[0], dim, p) for p in data.PHOTOS[:3]])
+    c, h, w = shape
+    return torch.cat([_tokens(h * w, c, p).transpose(1, 2).reshape(1, c, h, w) for p in data.PHOTOS[:3]])
+
+
 def fit_images(x: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
     """``[N, C, H, W]`` images resized (bilinear, antialiased) and channel-matched to ``shape = (C, H, W)``."""
     t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
@@ -133,17 +145,14 @@ def _cases(card: ModelCard, input_shape: tuple[int, ...], lam_input: bool) -> li
         c, h, w = input_shape
         if card.input.colour is not None:
             real = _image_batch(card, input_shape, 3)
-        elif round(c**0.5) ** 2 != c:  # feature maps whose channels are no square patch: random features
-            real = torch.rand(3, c, h, w, generator=torch.Generator().manual_seed(2))
         else:
-            real = torch.cat([_tokens(h * w, c, n).transpose(1, 2).reshape(1, c, h, w) for n in data.PHOTOS[:3]])
+            real = photo_features(input_shape)
         out += [Case("real batch 1", {name: real[:1]}), Case("real batch 3", {name: real}),
                 Case("random batch 2", {name: torch.rand(2, c, h, w, generator=gen)})]
     else:  # token blocks [tokens, dim]
         n, dim = input_shape
         m = 49 if card.input.shape[0] < 0 else n  # a second token count when the card's is dynamic
-        real = (torch.cat([_tokens(n, dim, p) for p in data.PHOTOS[:3]]) if round(dim**0.5) ** 2 == dim
-                else torch.rand(3, n, dim, generator=torch.Generator().manual_seed(2)))
+        real = photo_features(input_shape)
         out += [Case("real batch 1", {name: real[:1]}), Case("real batch 3", {name: real}),
                 Case(f"random batch 2, {m} tokens", {name: torch.rand(2, m, dim, generator=gen)})]
     return out
