@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 RESULTS = Path("benchmarks/results")
 ONNX_DIR = Path("build/onnx")
@@ -39,7 +40,10 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 
 
 def _wrote(out: Path, stems: list[str]) -> None:
-    files = sorted(p.name for s in stems for p in out.glob(f"{s}*") if p.suffix in (".json", ".md", ".png"))
+    """Name the files a benchmark wrote: STEM.json, STEM.md, STEM.png and its STEM_*.png plots."""
+    files = sorted(p.name for s in stems for p in out.glob(f"{s}*")
+                   if (p.stem == s and p.suffix in (".json", ".md", ".png"))
+                   or (p.stem.startswith(f"{s}_") and p.suffix == ".png"))
     err.print(f"[green]✓[/] wrote {', '.join(files)} in {out}")
 
 
@@ -105,12 +109,17 @@ def bench_serve(
 def bench_models(
     model: Annotated[list[str] | None, typer.Option("--model", "-m", help="Only these models (repeatable); "
                                                                          "default: every registered model")] = None,
+    device: Annotated[str, typer.Option(
+        help="cpu: the engines on the CPU (models.json/md); cuda: PyTorch eager and torch.compile on the GPU vs "
+             "ONNX Runtime's CUDA provider, FP32/FP16 at batch 1 and 64, and the FP16/INT8 gates with the "
+             "candidate on the GPU (models_cuda.json/md); without CUDA it exits 1 and writes nothing")] = "cpu",
     budget: Annotated[float, typer.Option(help="Seconds of timed repeats per engine and case (at least 3 repeats)")]
     = 1.0,
-    compile_: Annotated[bool, typer.Option("--compile/--no-compile",
-                                           help="Also time torch.compile (compiles every case: slow)")] = False,
+    compile_: Annotated[bool | None, typer.Option("--compile/--no-compile",
+                                                  help="Also time torch.compile (compiles every case: slow) "
+                                                       "[default: on with --device cuda, off on cpu]")] = None,
     scaling: Annotated[bool, typer.Option("--scaling/--no-scaling",
-                                          help="Denoiser latency vs pixels (128²…1024²), classifier throughput "
+                                          help="cpu: denoiser latency vs pixels (128²…1024²), classifier throughput "
                                                "vs batch")] = True,
     quick: Annotated[bool, typer.Option(help="Smoke run: batch 1 and 4, 64² denoiser, 0.2 s budget")] = False,
     threads: ThreadsOpt = 2,
@@ -124,6 +133,10 @@ def bench_models(
     from the same run. FP16/INT8 where `unroll quantize` left the graphs. Also: denoiser latency vs
     pixel count with a fitted power-law exponent, classifier throughput vs batch size, and the
     FP32/FP16/INT8 speed + accuracy table. Writes models.json, models.md, models_scaling.png.
+
+    --device cuda runs wherever PyTorch has CUDA (TensorRT or not); every row it does not run is listed with
+    the reason (no onnxruntime-gpu, a graph not quantized, --no-compile, out of memory). Writes
+    models_cuda.json and models_cuda.md with the GPU, driver, CUDA, torch and ONNX Runtime versions.
     """
     from unroll.benchmarks import models_bench
 
@@ -132,7 +145,26 @@ def bench_models(
     unknown = [m for m in model or [] if m not in REGISTRY]
     if unknown:
         raise _fail(f"unknown model(s) {', '.join(unknown)}; registered: {', '.join(REGISTRY)}")
-    models_bench.run(model or None, threads=threads, budget_s=budget, with_compile=compile_, quick=quick,
+    if device not in ("cpu", "cuda"):
+        raise typer.BadParameter(f"--device must be cpu or cuda, not {device!r}")
+    if device == "cuda":
+        env = models_bench.cuda_environment("cuda")
+        if env.reason:
+            raise _fail(f"--device cuda: {escape(env.reason)}; nothing was measured and nothing was written")
+        try:
+            payload = models_bench.run_cuda(model or None, budget_s=budget, with_compile=compile_ is not False,
+                                            quick=quick, threads=threads, onnx_dir=onnx_dir, out_dir=out,
+                                            progress=progress, env=env)
+        except models_bench.NothingMeasured as e:
+            raise _fail(f"--device cuda: {escape(str(e))}; nothing was written") from None
+        by: dict[str, int] = {}
+        for s in payload["skipped"]:
+            by[s["reason"]] = by.get(s["reason"], 0) + 1
+        for why, n in by.items():
+            err.print(f"  [yellow]skipped[/] {n} row(s): {escape(why)}")
+        _wrote(out, ["models_cuda"])
+        return
+    models_bench.run(model or None, threads=threads, budget_s=budget, with_compile=bool(compile_), quick=quick,
                      onnx_dir=onnx_dir, progress=progress, out_dir=out, with_scaling=scaling)
     _wrote(out, ["models"])
 
@@ -245,8 +277,8 @@ def bench_all(
                                  progress=lambda m: status.update(m), out_dir=out)
             _wrote(out, ["export_speed"])
         elif stage == "models":
-            bench_models(model=None, budget=1.0, compile_=compile_, scaling=True, quick=quick, threads=threads,
-                         onnx_dir=onnx_dir, out=out, progress=progress)
+            bench_models(model=None, device="cpu", budget=1.0, compile_=compile_, scaling=True, quick=quick,
+                         threads=threads, onnx_dir=onnx_dir, out=out, progress=progress)
         elif stage == "quality":
             bench_quality(task="all", bm3d=True, quick=quick, threads=threads, onnx_dir=onnx_dir, out=out,
                           progress=progress)

@@ -29,8 +29,8 @@ def machine_info(threads: int) -> dict:
     except OSError:
         pass
     versions = {}
-    for pkg in ("torch", "onnxruntime", "onnx", "onnxslim", "numpy", "tritonclient", "nvidia-pytriton", "bm3d",
-                "scikit-image", "fastapi", "uvicorn", "httpx"):
+    for pkg in ("torch", "onnxruntime", "onnxruntime-gpu", "tensorrt", "onnx", "onnxslim", "numpy", "tritonclient",
+                "nvidia-pytriton", "bm3d", "scikit-image", "fastapi", "uvicorn", "httpx"):
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:

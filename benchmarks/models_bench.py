@@ -8,12 +8,18 @@ repeats, and ratios to PyTorch eager from the same run. ONNX graphs come from ``
 1024², fitted power law ``ms ∝ pixels^k``) and the trained classifier's throughput vs batch size. The
 precision table puts ONNX Runtime FP32/FP16/INT8 speed beside the accuracy figures of the
 quantization reports. Which models are "the trained ones" comes from the registry (committed weights).
+
+``--device cuda`` (:func:`run_cuda`, section "CUDA" below): PyTorch eager and torch.compile on the GPU vs ONNX
+Runtime's CUDA provider, FP32/FP16 at batch 1 and 64, and the FP16/INT8 gates with the candidate on the GPU;
+the rows it runs and the ones it skips (with the reason) come from :func:`cuda_plan` and a real probe of the
+machine (:func:`cuda_environment`). Nothing is written when nothing could be measured.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -454,4 +460,434 @@ def markdown(payload: dict) -> str:
             lines.append(f"| {engine} | " + " | ".join(f"{p['images_per_s']:.0f}" for p in pts) + " |")
     if sc:
         lines += ["", "Plot: `models_scaling.png`."]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------- CUDA
+# ``unroll bench models --device cuda``: PyTorch eager and torch.compile on the GPU vs ONNX Runtime's CUDA provider,
+# FP32/FP16 at batch 1 and 64, plus the FP16/INT8 accuracy gates evaluated with the candidate on the GPU. Which
+# rows run is decided up front (:func:`cuda_plan`, from a real probe of this machine: :func:`cuda_environment`),
+# and every row that does not run says why. ``device="cpu"`` runs the very same code on the CPU: a dry run of
+# the plumbing for the tests on machines without a GPU, never written as GPU results by the command line.
+
+CUDA_PRECISIONS = ("fp32", "fp16")
+CUDA_BATCHES = (1, 64)
+#: Denoisers take a batch of this side² crops of their card's test image (their "batch" axis is real images).
+CUDA_DENOISE_SIDE = 256
+CUDA_QUICK = {"batches": (1, 4), "denoise_side": 64, "budget_s": 0.2}
+#: ONNX Runtime's IOBinding element types for the graph input types it reports.
+_ORT_TORCH_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(int64)": torch.int64,
+                     "tensor(int32)": torch.int32, "tensor(bool)": torch.bool}
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int32: np.int32,
+                 torch.bool: np.bool_}
+
+
+class NoCuda(RuntimeError):
+    """CUDA cannot be used here (the message says why): nothing is measured and nothing is written."""
+
+
+class NothingMeasured(RuntimeError):
+    """Every planned row was skipped or failed: the committed results are left as they are."""
+
+
+@dataclass(frozen=True)
+class CudaEnv:
+    """What a CUDA run can use on this machine, from a real probe (:func:`cuda_environment`)."""
+
+    #: torch device type the rows run on: ``cuda`` (``cpu`` only for the tests' dry run).
+    device: str
+    #: Why nothing can run (no CUDA), else ``None``.
+    reason: str | None
+    #: ONNX Runtime provider of the ``onnxruntime`` rows and the gates' candidates, and why not usable (or ``None``).
+    ort_provider: str
+    ort_reason: str | None
+    #: Why torch.compile cannot run here (or ``None``).
+    compile_reason: str | None
+    #: GPU name, memory, compute capability, driver, CUDA, cuDNN, torch and ONNX Runtime versions.
+    machine: dict = field(default_factory=dict)
+
+    @property
+    def ort_runtime(self) -> str:
+        return f"onnxruntime {self.device}"
+
+    @property
+    def gate_runtime(self) -> str:
+        return f"gate: onnxruntime {self.device} vs cpu fp32"
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One measurement: ``batch`` is ``None`` for a gate (it runs on the card's whole gate data)."""
+
+    model: str
+    runtime: str
+    precision: str
+    batch: int | None
+
+
+@dataclass
+class CudaPlan:
+    rows: list[PlanRow]
+    skipped: list[tuple[PlanRow, str]]
+
+    def reasons(self) -> dict[str, list[PlanRow]]:
+        """The skipped rows grouped by reason."""
+        out: dict[str, list[PlanRow]] = {}
+        for row, why in self.skipped:
+            out.setdefault(why, []).append(row)
+        return out
+
+
+def cuda_environment(device: str = "cuda") -> CudaEnv:
+    """Probe this machine for a CUDA run (the probes ``unroll doctor`` runs): CUDA through PyTorch with a kernel
+    that really runs, ONNX Runtime's CUDA provider with a session that really takes it, torch.compile's Triton."""
+    from unroll import doctor
+
+    if device == "cpu":
+        ort_c = doctor.guarded("ort-cpu", lambda: doctor.probe_ort_provider("CPUExecutionProvider"))
+        return CudaEnv("cpu", None, "CPUExecutionProvider", None if ort_c.ok else ort_c.summary, None,
+                       {"device": "cpu (dry run of the CUDA benchmark's code)"})
+    if device != "cuda":
+        raise ValueError(f"device must be cuda (or cpu for a dry run), not {device!r}")
+    cuda = doctor.guarded("cuda", doctor.probe_cuda)
+    if not cuda.ok:
+        return CudaEnv("cuda", f"no usable CUDA here ({cuda.summary})", doctor.CUDA_EP, None, None)
+    ort_c = doctor.guarded("ort-cuda", lambda: doctor.probe_ort_provider(doctor.CUDA_EP))
+    tc = cuda.facts.get("torch_compile") or {}
+    smi, drv = doctor.guarded("nvidia-smi", doctor.check_nvidia_smi), doctor.guarded("driver", doctor.probe_driver)
+    dev = cuda.facts["devices"][0]
+    gpus = smi.facts.get("gpus") or []
+    import onnxruntime as ort
+
+    from unroll.doctor import ort_distributions
+
+    machine = {"gpu": dev["name"], "gpu_memory_gib": dev["memory_gib"], "compute_capability": dev["compute_capability"],
+               "gpu_count": len(cuda.facts["devices"]),
+               "driver": (gpus[0]["driver_version"] if gpus else None) or drv.facts.get("kernel_module"),
+               "cuda_driver_api": drv.facts.get("cuda_driver_api"), "cuda_runtime": cuda.facts["runtime"],
+               "cudnn": cuda.facts.get("cudnn"), "torch": torch.__version__, "onnxruntime": ort.__version__,
+               "onnxruntime_wheels": ort_distributions(), "ort_providers": ort.get_available_providers(),
+               "triton_for_torch_compile": tc.get("triton")}
+    return CudaEnv("cuda", None, doctor.CUDA_EP, None if ort_c.ok else ort_c.summary,
+                   None if tc.get("ok") else tc.get("reason", "torch.compile's GPU backend was not checked"), machine)
+
+
+def cuda_batches(quick: bool = False) -> tuple[int, ...]:
+    return CUDA_QUICK["batches"] if quick else CUDA_BATCHES
+
+
+def _graph_reason(name: str, precision: str, onnx_dir: Path) -> str | None:
+    """Why the ONNX Runtime ``precision`` graph of ``name`` cannot be measured (FP32 is exported on demand)."""
+    if precision == "fp32":
+        return None
+    why = quantized_graphs(name, onnx_dir)[1].get(precision)
+    if why is None:
+        return None
+    if quantizable(name):
+        return f"{why} (unroll quantize {name} --precision {precision})"
+    return f"{why}: its card names no calibration/gate data for unroll quantize"
+
+
+def cuda_plan(models: list[str], env: CudaEnv, onnx_dir: Path, quick: bool = False,
+              with_compile: bool = True) -> CudaPlan:
+    """Every (model, runtime, precision, batch) a CUDA run measures, and the ones it skips with the reason.
+
+    Runtimes: ``pytorch eager`` and ``torch.compile`` (FP16: under ``torch.autocast``), ONNX Runtime on the
+    provider of ``env`` (the FP32 graph, and the FP16 graph ``unroll quantize`` wrote), at each of
+    :func:`cuda_batches`; then the FP16/INT8 gates of the quantizable models (``batch`` ``None``).
+    """
+    onnx_dir = Path(onnx_dir)
+    rows: list[PlanRow] = []
+    skipped: list[tuple[PlanRow, str]] = []
+
+    def add(row: PlanRow, why: str | None) -> None:
+        why = env.reason or why
+        (skipped.append((row, why)) if why else rows.append(row))
+
+    for name in models:
+        for batch in cuda_batches(quick):
+            for p in CUDA_PRECISIONS:
+                add(PlanRow(name, "pytorch eager", p, batch), None)
+            for p in CUDA_PRECISIONS:
+                add(PlanRow(name, "torch.compile", p, batch),
+                    None if with_compile and env.compile_reason is None
+                    else "--no-compile" if not with_compile else env.compile_reason)
+            for p in CUDA_PRECISIONS:
+                add(PlanRow(name, env.ort_runtime, p, batch), env.ort_reason or _graph_reason(name, p, onnx_dir))
+        if quantizable(name):
+            for p in QUANTIZED:
+                add(PlanRow(name, env.gate_runtime, p, None), env.ort_reason or _graph_reason(name, p, onnx_dir))
+    return CudaPlan(rows, skipped)
+
+
+def cuda_inputs(name: str, batch: int, lam: float | None, quick: bool = False) -> dict[str, torch.Tensor]:
+    """Graph-named inputs of ``batch`` samples: :func:`case_inputs`, and for denoisers ``batch`` noisy crops."""
+    from unroll.registry import get_spec
+
+    if get_spec(name).task == "denoising":
+        one = noisy_image(name, CUDA_QUICK["denoise_side"] if quick else CUDA_DENOISE_SIDE)
+        return {k: v.expand(batch, *v.shape[1:]).contiguous() for k, v in one.items()}
+    return case_inputs(name, batch, lam)
+
+
+def cuda_case(name: str, batch: int, quick: bool = False) -> str:
+    from unroll.registry import get_spec
+
+    if get_spec(name).task == "denoising":
+        side = CUDA_QUICK["denoise_side"] if quick else CUDA_DENOISE_SIDE
+        return f"batch {batch} × {side}×{side}"
+    return f"batch {batch}"
+
+
+def device_session(path: Path, env: CudaEnv, threads: int = 2):
+    """An ONNX Runtime session on ``env.ort_provider``; an error when ONNX Runtime did not take the provider."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    providers = list(dict.fromkeys([env.ort_provider, "CPUExecutionProvider"]))
+    sess = ort.InferenceSession(str(path), so, providers=providers)
+    if sess.get_providers()[0] != env.ort_provider:
+        raise RuntimeError(f"ONNX Runtime did not take {env.ort_provider} for {path.name} "
+                           f"(session providers: {', '.join(sess.get_providers())})")
+    return sess
+
+
+def _bound_call(sess, feeds: dict[str, torch.Tensor], device: torch.device) -> Callable[[], object]:
+    """One ``run_with_iobinding`` on inputs already on ``device``, outputs left there (no host copies timed)."""
+    binding = sess.io_binding()
+    kind, index = device.type, device.index or 0
+    keep = []
+    for i in sess.get_inputs():
+        if i.name not in feeds:
+            raise KeyError(f"the graph input {i.name!r} has no benchmark input (have: {', '.join(feeds)})")
+        t = feeds[i.name].to(device=device, dtype=_ORT_TORCH_DTYPES.get(i.type, torch.float32)).contiguous()
+        keep.append(t)
+        binding.bind_input(i.name, kind, index, _NUMPY_DTYPES[t.dtype], tuple(t.shape), t.data_ptr())
+    for o in sess.get_outputs():
+        binding.bind_output(o.name, kind, index)
+
+    def call() -> object:
+        sess.run_with_iobinding(binding)
+        return keep  # keeps the bound input buffers alive as long as the call
+
+    return call
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def _measure_rows(name: str, rows: list[PlanRow], env: CudaEnv, onnx_dir: Path, budget_s: float, quick: bool,
+                  threads: int, status: Callable[[str], None]) -> tuple[list[dict], list[dict]]:
+    """Time one model's planned rows; a row that fails (out of memory, an op the provider lacks) is skipped."""
+    import unroll
+    from unroll.registry import get_spec
+
+    spec = get_spec(name)
+    device = torch.device(env.device)
+    sync = _sync(device)
+    measured: list[dict] = []
+    failed: list[dict] = []
+    model = unroll.load(name, pretrained=spec.has_weights).to(device).eval()
+    lam = lam_default(name, onnx_dir)
+    compiled = None
+    sessions: dict[str, object] = {}
+    for batch in sorted({r.batch for r in rows if r.batch is not None}):
+        feeds = {k: v.to(device) for k, v in cuda_inputs(name, batch, lam, quick).items()}
+        sync()
+        eager_ms = None
+        for r in [r for r in rows if r.batch == batch]:
+            status(f"{name} {cuda_case(name, batch, quick)}: {r.runtime} {r.precision}")
+            try:
+                with torch.inference_mode():
+                    if r.runtime in ("pytorch eager", "torch.compile"):
+                        if r.runtime == "torch.compile" and compiled is None:
+                            compiled = torch.compile(model, dynamic=False)
+                        base = torch_call(compiled if r.runtime == "torch.compile" else model, name, feeds)
+                        fn = base if r.precision == "fp32" else partial(_autocast, base, device)
+                    else:
+                        if r.precision not in sessions:
+                            graph = f"{name}.onnx" if r.precision == "fp32" else f"{name}.{r.precision}.onnx"
+                            sessions[r.precision] = device_session(onnx_dir / graph, env, threads)
+                        fn = _bound_call(sessions[r.precision], feeds, device)
+                        sync()  # the bound inputs are written (ONNX Runtime computes on a stream of its own)
+
+                    def timed(fn=fn) -> None:
+                        fn()
+                        sync()
+
+                    timed()  # first call: compilation, cuDNN algorithm search, allocations
+                    t = time_call(timed, warmup=1 if quick else 3, min_repeats=3, max_repeats=500, budget_s=budget_s)
+            except Exception as e:
+                failed.append({**asdict(r), "reason": f"failed: {type(e).__name__}: {_first(e)}"})
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
+            row = {**asdict(r), "model": name, "task": spec.task, "case": cuda_case(name, batch, quick),
+                   "weights": spec.has_weights, **t, "items_per_s": batch / (t["median_ms"] / 1e3)}
+            if r.runtime == "pytorch eager" and r.precision == "fp32":
+                eager_ms = t["median_ms"]
+            row["speedup_vs_eager_fp32"] = eager_ms / t["median_ms"] if eager_ms else None
+            measured.append(row)
+    del model, compiled, sessions
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return measured, failed
+
+
+def _autocast(fn: Callable[[], object], device: torch.device) -> object:
+    with torch.autocast(device.type, dtype=torch.float16):
+        return fn()
+
+
+def _first(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
+
+
+def device_gate(name: str, precision: str, env: CudaEnv, onnx_dir: Path, threads: int = 2) -> dict:
+    """The ``precision`` graph's accuracy gate with the candidate on ``env``'s provider (the reference: the FP32
+    graph in ONNX Runtime on the CPU), on the card's gate data and tolerances (:mod:`unroll.export.gates`)."""
+    from unroll.export import gates as gate
+
+    from unroll.card import from_onnx
+
+    fp32, cand = onnx_dir / f"{name}.onnx", onnx_dir / f"{name}.{precision}.onnx"
+    card = from_onnx(fp32)
+    cases = gate.gate_cases(card)
+    refs = gate.reference_outputs(cases, gate.onnxruntime_run(fp32, card.output, threads))
+    sess = device_session(cand, env, threads)
+    result = gate.evaluate(card, cases, refs, lambda feeds: sess.run([card.output], feeds)[0],
+                           gate.tolerances(card, precision))
+    cpu = (quant_report(name, precision, onnx_dir) or {}).get("metrics") or {}
+    return {"model": name, "runtime": env.gate_runtime, "precision": precision, "passed": result.passed,
+            "failures": result.failures, "tolerances": result.tolerances, "margin": result.margin,
+            "metrics": result.metrics,
+            "cpu_gate": {k: cpu.get(k) for k in result.tolerances}}  # what unroll quantize measured on the CPU
+
+
+def run_cuda(models: list[str] | None = None, budget_s: float = 1.0, with_compile: bool = True, quick: bool = False,
+             threads: int = 2, onnx_dir: Path = Path("build/onnx"), out_dir: Path | None = None,
+             progress: bool = True, env: CudaEnv | None = None) -> dict:
+    """Run :func:`cuda_plan` on this machine's GPU; write ``models_cuda.json|md`` in ``out_dir`` when given.
+
+    Raises :class:`NoCuda` (no usable CUDA) or :class:`NothingMeasured` (every row skipped or failed) before
+    anything is written. FP32 graphs missing or stale are exported first; FP16/INT8 ones are not made here.
+    """
+    from unroll.registry import list_models
+
+    env = env or cuda_environment()
+    if env.reason:
+        raise NoCuda(env.reason)
+    torch.set_num_threads(threads)
+    onnx_dir = Path(onnx_dir)
+    onnx_dir.mkdir(parents=True, exist_ok=True)
+    names = models or list_models()
+    if quick:
+        budget_s = min(budget_s, CUDA_QUICK["budget_s"])
+    export_failed = {}
+    for name in names:
+        try:
+            ensure_export(name, onnx_dir)
+        except Exception as e:  # its ONNX Runtime rows are skipped with this reason
+            export_failed[name] = f"export failed: {type(e).__name__}: {_first(e)}"
+    plan = cuda_plan(names, env, onnx_dir, quick, with_compile)
+    skipped = [{**asdict(r), "reason": why} for r, why in plan.skipped]
+    rows, gates = [], []
+    with progress_bars(progress) as bars:
+        task = bars.add_task("models (cuda)" if env.device == "cuda" else "models (dry run)", total=len(names),
+                             info="")
+
+        def status(msg: str) -> None:
+            bars.update(task, info=msg)
+
+        for name in names:
+            mine = [r for r in plan.rows if r.model == name]
+            if name in export_failed:
+                skipped += [{**asdict(r), "reason": export_failed[name]} for r in mine if r.runtime != "pytorch eager"
+                            and r.runtime != "torch.compile"]
+                mine = [r for r in mine if r.runtime in ("pytorch eager", "torch.compile")]
+            timed, failed = _measure_rows(name, [r for r in mine if r.batch is not None], env, onnx_dir, budget_s,
+                                          quick, threads, status)
+            rows += timed
+            skipped += failed
+            for r in (r for r in mine if r.batch is None):
+                status(f"{name}: {r.precision} gate")
+                try:
+                    gates.append(device_gate(name, r.precision, env, onnx_dir, threads))
+                except Exception as e:
+                    skipped.append({**asdict(r), "reason": f"failed: {type(e).__name__}: {_first(e)}"})
+            bars.advance(task)
+    if not rows and not gates:
+        reasons = sorted({s["reason"] for s in skipped})
+        raise NothingMeasured("every row was skipped or failed: " + "; ".join(reasons))
+    payload = {"benchmark": "models_cuda", "device": env.device, "machine": {**machine_info(threads), **env.machine},
+               "config": {"batches": list(cuda_batches(quick)), "precisions": list(CUDA_PRECISIONS),
+                          "budget_s": budget_s, "torch_compile": with_compile, "quick": quick, "threads_cpu": threads,
+                          "denoise_side": CUDA_QUICK["denoise_side"] if quick else CUDA_DENOISE_SIDE,
+                          "ort_provider": env.ort_provider,
+                          "timing": f"a first call, {1 if quick else 3} warm-up call(s), then repeats until the "
+                                    "budget (≥ 3), each followed by a device synchronise: median",
+                          "onnx_dir": str(onnx_dir)},
+               "rows": rows, "gates": gates, "skipped": skipped}
+    if out_dir is not None:
+        write_results("models_cuda", payload, markdown_cuda(payload), Path(out_dir))
+    return payload
+
+
+def _cuda_cell(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    ratio = r.get("speedup_vs_eager_fp32")
+    return f"{r['median_ms']:.3f}" + (f" ({ratio:.2f}×)" if ratio else "")
+
+
+def markdown_cuda(payload: dict) -> str:
+    m, cfg = payload["machine"], payload["config"]
+    dry = payload.get("device") != "cuda"
+    versions = m.get("versions") or {}
+    torch_v, ort_v = m.get("torch") or versions.get("torch"), m.get("onnxruntime") or versions.get("onnxruntime")
+    where = (f"a CPU dry run of its code on {m.get('cpu')}: not GPU results" if dry else
+             f"{m.get('gpu')}, {m.get('gpu_memory_gib')} GiB, compute capability {m.get('compute_capability')}; "
+             f"driver {m.get('driver')}, CUDA {m.get('cuda_runtime')}, cuDNN {m.get('cudnn')}")
+    runtimes = list(dict.fromkeys(r["runtime"] for r in payload["rows"]))
+    cols = [(rt, p) for rt in runtimes for p in CUDA_PRECISIONS if any(
+        r["runtime"] == rt and r["precision"] == p for r in payload["rows"])]
+    lines = [f"# Engines per model on CUDA ({where}; torch {torch_v}, onnxruntime {ort_v})", "",
+             f"Median latency in ms per call ({cfg['timing']}); inputs and outputs stay on the device (ONNX "
+             "Runtime through IOBinding). In parentheses the speed-up vs PyTorch eager FP32 at the same batch. "
+             "FP16: PyTorch under `torch.autocast(float16)`; ONNX Runtime runs the FP16 graph `unroll quantize` "
+             f"wrote ({cfg['ort_provider']}). Models without committed weights run a seeded random "
+             f"initialisation (same cost). Measured {m.get('date_utc')} UTC.", "",
+             "| model | case | " + " | ".join(f"{rt} {p}" for rt, p in cols) + " |",
+             "|---|---|" + "---|" * len(cols)]
+    cases = list(dict.fromkeys((r["model"], r["case"]) for r in payload["rows"]))
+    for model, case in cases:
+        here = {(r["runtime"], r["precision"]): r for r in payload["rows"] if r["model"] == model
+                and r["case"] == case}
+        lines.append(f"| {model} | {case} | " + " | ".join(_cuda_cell(here.get(c)) for c in cols) + " |")
+    if payload["gates"]:
+        lines += ["", "## Accuracy gates with the candidate on the device", "",
+                  "The card's gate data and tolerances (`unroll.export.gates`); reference: the FP32 graph in ONNX "
+                  "Runtime on the CPU. Last column: the same metric from `unroll quantize`'s CPU gate.", "",
+                  "| model | precision | metric | measured | tolerance | passed | CPU gate |",
+                  "|---|---|---|---|---|---|---|"]
+        from unroll.export.gates import METRICS
+
+        for g in payload["gates"]:
+            for metric, tol in g["tolerances"].items():
+                v, cpu = g["metrics"].get(metric), g["cpu_gate"].get(metric)
+                fmt = METRICS[metric].format
+                lines.append(f"| {g['model']} | {g['precision'].upper()} | {metric} | "
+                             f"{'-' if v is None else fmt(v)} | {fmt(tol)} | {'yes' if g['passed'] else 'no'} | "
+                             f"{'-' if cpu is None else fmt(cpu)} |")
+    if payload["skipped"]:
+        lines += ["", "## Not measured", ""]
+        by: dict[str, list[str]] = {}
+        for s in payload["skipped"]:
+            what = f"{s['model']} {s['runtime']} {s['precision']}" + (f" b{s['batch']}" if s["batch"] else "")
+            by.setdefault(s["reason"], []).append(what)
+        for why, items in by.items():
+            lines.append(f"- {why}: {', '.join(items)}")
     return "\n".join(lines) + "\n"

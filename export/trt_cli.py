@@ -4,8 +4,10 @@ A plain function (no Typer app here) so ``unroll/cli.py`` can register it with
 ``app.command("build")(build)``; ``python -m unroll.export.trt_cli NAME ...`` runs it on its own. Nothing heavy
 is imported until the command runs, so registering it costs the main CLI nothing. Errors print one
 sentence to stderr: exit 2 when this machine cannot build engines at all (no TensorRT or no CUDA GPU) or
-an option is malformed, exit 1 for everything else (missing ONNX, parser or builder errors, a failed
-parity gate).
+an option is malformed, exit 1 for everything else (missing ONNX, a graph the TensorRT lint rejects, a
+profile whose estimated memory exceeds the GPU's or ``--max-memory-gib``, parser or builder errors, a
+failed parity gate). The profile and its memory estimate are printed before anything is built, on any
+machine: the lint and the estimate need no GPU.
 """
 
 from __future__ import annotations
@@ -57,19 +59,77 @@ def _merge(given: tuple, defaults: tuple | None, what: str, hint: str) -> tuple:
     return tuple(d if g is None else g for g, d in zip(given, defaults or given, strict=True))
 
 
-def _card_sizes(card) -> Sizes | None:
-    """The card's (min, opt, max) H×W for a [C, H, W] input with dynamic H, W, from card.trt_profile.dims."""
-    dims = card.trt_profile.dims
-    if len(card.input.shape) != 3 or card.input.fixed_hw is not None or not {"1", "2"} <= set(dims):
-        return None
-    return tuple((dims["1"][i], dims["2"][i]) for i in range(3))
-
-
 def _ordered(values: tuple, what: str, hint: str, floor: int = 1) -> None:
     given = [v for v in values if v is not None]
     if given != sorted(given) or (given and given[0] < floor):
         raise typer.BadParameter(f"need {floor} ≤ min ≤ opt ≤ max {what}, got "
                                  f"{'/'.join('-' if v is None else str(v) for v in values)}", param_hint=hint)
+
+
+#: ``NAME=MIN:OPT:MAX``.
+_DIM_RANGE = re.compile(r"\s*(?P<name>[^=\s][^=]*?)\s*=\s*(?P<lo>\d+)\s*:\s*(?P<mid>\d+)\s*:\s*(?P<hi>\d+)\s*")
+DIM_RANGE_HELP = (
+    "Range of one dynamic axis, NAME=MIN:OPT:MAX; repeatable. NAME is the ONNX dim_param of the axis (e.g. "
+    "tokens, height; every input axis carrying it) or INPUT[AXIS] with the axis counted from the batch axis 0 "
+    "(e.g. x[1]); the batch has --batch-*. \\[default: the model card's trt_profile.dims]")
+
+
+def parse_dim_range(text: str) -> tuple[str, tuple[int, int, int]]:
+    """``"tokens=16:64:256"`` → ``("tokens", (16, 64, 256))``."""
+    m = _DIM_RANGE.fullmatch(text)
+    if not m:
+        raise typer.BadParameter(f"{text!r} is not NAME=MIN:OPT:MAX (e.g. tokens=16:64:1024 or x[1]=16:64:1024)",
+                                 param_hint="--dim-range")
+    return m.group("name"), (int(m.group("lo")), int(m.group("mid")), int(m.group("hi")))
+
+
+def _dim_ranges(tb, graph, card, given_sizes: tuple, dim_range: list[str] | None, hints: tuple[str, ...]) -> dict:
+    """The profile's non-batch ranges as ``{"INPUT[AXIS]": (min, opt, max)}``: the card's, then --min/opt/max-size
+    for H and W of an image input, then --dim-range; each checked (exit 2 naming the option)."""
+    ranges = dict(tb.card_dim_ranges(graph, card))
+    dynamic = tb.dynamic_axes(graph)
+    image_axes = [k for k in (tb.axis_key(card.input.name, 2), tb.axis_key(card.input.name, 3)) if k in dynamic]
+    size_keys: set[str] = set()
+    if len(image_axes) == 2 and any(g is not None for g in given_sizes):
+        card_sizes = tuple(zip(ranges.get(image_axes[0], (None,) * 3), ranges.get(image_axes[1], (None,) * 3),
+                               strict=True))
+        defaults = None if any(h is None for h, _ in card_sizes) else card_sizes
+        sizes = _merge(given_sizes, defaults, "trt_profile.dims for H and W", "/".join(hints))
+        for i, key in enumerate(image_axes):
+            ranges[key] = tuple(s[i] for s in sizes)
+            size_keys.add(key)
+    named: dict[str, tuple[int, int, int]] = {}
+    for text in dim_range or []:
+        dim, rng = parse_dim_range(text)
+        if dim in named and named[dim] != rng:
+            raise typer.BadParameter(f"{dim} is given twice ({named[dim]} and {rng})", param_hint="--dim-range")
+        named[dim] = rng
+    try:
+        resolved = tb.resolve_dim_ranges(graph, named)
+    except ValueError as e:  # UnknownDimError names the valid axes
+        raise typer.BadParameter(str(e), param_hint="--dim-range") from None
+    clash = sorted(size_keys & set(resolved))
+    if clash:
+        raise typer.BadParameter(f"{', '.join(clash)} has both a --dim-range and an image size option; give one",
+                                 param_hint="--dim-range")
+    ranges.update(resolved)
+    for key, rng in ranges.items():
+        main = key.startswith(f"{card.input.name}[")
+        label = dynamic.get(key) or key
+        hint = "/".join(hints) if key in size_keys else "--dim-range"
+        what = f"{label} ({key})" if label != key else key
+        _ordered(rng, what, hint, card.input.min_size if main else 1)
+    return ranges
+
+
+def _print_preflight(name: str, checked) -> None:
+    """The profile and the memory estimate, before anything is built (stdout)."""
+    console.print(f"[bold]{escape(name)}[/]: optimization profile (min / opt / max)")
+    for n, (lo, mid, hi) in checked.profile.items():
+        console.print(f"  {escape(n)}  {list(lo)} / {list(mid)} / {list(hi)}", highlight=False)
+    console.print(escape(checked.memory.summary()), highlight=False)
+    if checked.budget is not None:
+        console.print(f"within {escape(checked.budget[1])}", highlight=False)
 
 
 def build(
@@ -80,18 +140,18 @@ def build(
              "typed and no FP16/INT8 builder flag is set.")] = Precision.fp32,
     out: Annotated[Path, typer.Option(help="Folder for NAME.PRECISION.plan and its .json.")] = Path("build/trt"),
     onnx_dir: Annotated[Path, typer.Option(help="Folder holding the exported/quantized ONNX.")] = Path("build/onnx"),
-    batch_min: Annotated[int | None, typer.Option(help="Smallest batch the engine accepts [default: the model "
+    batch_min: Annotated[int | None, typer.Option(help="Smallest batch the engine accepts \\[default: the model "
                                                       "card's trt_profile.batch].", min=1)] = None,
-    batch_opt: Annotated[int | None, typer.Option(help="Batch TensorRT tunes kernels for [default: the card's].",
+    batch_opt: Annotated[int | None, typer.Option(help="Batch TensorRT tunes kernels for \\[default: the card's].",
                                                   min=1)] = None,
     batch_max: Annotated[int | None, typer.Option(help="Largest batch (Triton's max_batch_size must not exceed "
-                                                      "it) [default: the card's].", min=1)] = None,
-    min_size: Annotated[str | None, typer.Option(help="Models with dynamic H×W: smallest image, HxW [default: "
+                                                      "it) \\[default: the card's].", min=1)] = None,
+    min_size: Annotated[str | None, typer.Option(help="Models with dynamic H×W: smallest image, HxW \\[default: "
                                                       "the card's trt_profile.dims]. Ignored by fixed-resolution "
                                                       "models.")] = None,
-    opt_size: Annotated[str | None, typer.Option(help="Image size TensorRT tunes for, HxW [default: the "
+    opt_size: Annotated[str | None, typer.Option(help="Image size TensorRT tunes for, HxW \\[default: the "
                                                       "card's].")] = None,
-    max_size: Annotated[str | None, typer.Option(help="Largest image, HxW [default: the card's]. GPU memory "
+    max_size: Annotated[str | None, typer.Option(help="Largest image, HxW \\[default: the card's]. GPU memory "
                                                       "grows with batch-max x max-size.")] = None,
     workspace_gib: Annotated[float, typer.Option(help="Workspace memory pool limit for tactics, in GiB.",
                                                  min=0.001)] = 4.0,
@@ -111,10 +171,17 @@ def build(
                                                                   "from `unroll fuse`).")] = None,
     tf32: Annotated[bool, typer.Option("--tf32/--no-tf32", help="Let FP32 layers use TF32 tensor cores "
                                                                 "(off: IEEE FP32, as the gate assumes).")] = False,
+    dim_range: Annotated[list[str] | None, typer.Option("--dim-range", help=DIM_RANGE_HELP,
+                                                        show_default=False)] = None,
+    max_memory_gib: Annotated[float | None, typer.Option(
+        help="Refuse to build when the profile's estimated GPU memory (activations at the max shapes + weights, "
+             "printed before the build) exceeds this \\[default: the GPU's total memory].", min=0.001)] = None,
 ) -> None:
     """Build a TensorRT engine (strongly typed) with one optimization profile, then check it.
 
-    The profile, gate data and tolerances come from the model card in the ONNX. Writes
+    The profile, gate data and tolerances come from the model card in the ONNX. The profile and its
+    estimated GPU memory are printed first; a graph the TensorRT lint rejects, or a profile that does not
+    fit the GPU (or --max-memory-gib), stops here. Writes
     OUT/NAME.PRECISION.plan and OUT/NAME.PRECISION.json (TensorRT version, GPU and compute capability,
     CUDA, profile, build time, plan size, parity against ONNX Runtime FP32 with the card's gate metric:
     top-1 agreement for classifiers, PSNR loss per gate σ for denoisers, relative error for blocks; max
@@ -149,22 +216,32 @@ def build(
         raise _fail(str(e)) from None
     batch = _merge(batch_given, card.trt_profile.batch, "trt_profile.batch", "--batch-min/--batch-opt/--batch-max")
     _ordered(batch, "batch", "--batch-min/--batch-opt/--batch-max")
-    sizes = None
-    if card.input.fixed_hw is None and len(card.input.shape) == 3:
-        sizes = _merge(sizes_given, _card_sizes(card), "trt_profile.dims for H and W", "/".join(hints))
-        for axis, label in ((0, "image height"), (1, "image width")):
-            if sizes is not None:
-                _ordered(tuple(s[axis] for s in sizes), label, "/".join(hints), card.input.min_size)
+    import onnx
+
+    graph = onnx.load(str(src), load_external_data=False)
+    ranges = _dim_ranges(tb, graph, card, sizes_given, dim_range, hints)
+    del graph
+    try:
+        checked = tb.preflight(src, card, batch, None, ranges, max_memory_gib)
+    except tb.ProfileMemoryError as e:
+        raise _fail(str(e)) from None
+    except tb.LintError as e:
+        first, _, details = str(e).partition("\n")
+        err.print(escape(details), highlight=False)
+        raise _fail(first) from None
+    except ValueError as e:  # a dynamic axis with no range anywhere
+        raise typer.BadParameter(str(e), param_hint="--dim-range") from None
+    _print_preflight(name, checked)
     ok, why = tb.tensorrt_available()
     if not ok:
         raise _fail(why, 2)
     try:
         with err.status(f"building {name} ({prec}) from {src}") as status:
             report = tb.build_engine(
-                name, prec, onnx_dir=onnx_dir, out_dir=out, batch=batch, image_sizes=sizes,
+                name, prec, onnx_dir=onnx_dir, out_dir=out, batch=batch, dim_ranges=ranges,
                 workspace_gib=workspace_gib, opt_level=opt_level,
                 timing_cache=None if no_timing_cache else timing_cache, verify=verify, tf32=tf32,
-                progress=lambda msg: status.update(f"{name} ({prec}): {msg}"))
+                max_memory_gib=max_memory_gib, progress=lambda msg: status.update(f"{name} ({prec}): {msg}"))
     except tb.TrtUnavailableError as e:
         raise _fail(str(e), 2) from None
     except tb.TrtBuildError as e:

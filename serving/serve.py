@@ -115,9 +115,11 @@ def stale_reason(graph: str, onnx_dir: Path) -> str | None:
 
 
 def ensure_onnx(onnx_dir: Path, models: list[str], force: bool = False) -> list[str]:
-    """Export every model one of whose graphs is missing or stale; returns the graph names written."""
-    from unroll.export.onnx_export import export_model
+    """Export every model one of whose graphs is missing or stale; returns the graph names written.
 
+    The exporter (torch, onnxslim) is imported only when something must be exported, so a serving image built
+    without them serves its pre-exported repository.
+    """
     from unroll.registry import get_spec
 
     done: list[str] = []
@@ -133,7 +135,12 @@ def ensure_onnx(onnx_dir: Path, models: list[str], force: bool = False) -> list[
             _say(f"warning: {m} has no committed weights ({spec.weights_path}); serving a seeded random "
                  "initialisation — its predictions are meaningless until it is trained")
         _say(f"export {m} → {onnx_dir} ({why})")
-        result = export_model(m, onnx_dir, naive=False)
+        from unroll.export.onnx_export import ExportError, export_model
+
+        try:
+            result = export_model(m, onnx_dir, naive=False)
+        except ExportError as e:
+            raise ServeError(str(e)) from None
         done += [r.onnx_path.stem for r in (result, *result.companions)]
     return done
 
@@ -439,7 +446,6 @@ def serve_command(
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
 ) -> None:
     """Build what is missing, start Triton and the REST gateway, print a curl per endpoint; Ctrl-C stops both."""
-    from unroll.export.onnx_export import ExportError
     from unroll.serving.repository import RepositoryError
     from unroll.serving.triton import TritonStartError
 
@@ -448,7 +454,7 @@ def serve_command(
               triton_grpc_port=triton_grpc_port, triton_metrics_port=triton_metrics_port, triton_url=triton_url,
               triton_protocol=triton_protocol, api_key=api_key, repo=repo, onnx_dir=onnx_dir, rebuild=rebuild,
               log_level=log_level, models=models.split(",") if models is not None else None)
-    except (ServeError, TritonStartError, RepositoryError, ExportError, ValueError) as e:
+    except (ServeError, TritonStartError, RepositoryError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(1) from None
 

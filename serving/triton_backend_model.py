@@ -9,7 +9,11 @@ a ``--target cpu`` repository; everything model-specific comes from ``config.pbt
 * ``parameters { key: "intra_op_spinning" }`` — ``"0"`` (default): idle ORT threads sleep, since
   several models share the cores; ``"1"`` trades CPU for latency on a dedicated machine;
 * ``parameters { key: "input_defaults" }`` — JSON ``{name: value}`` for ``optional: true`` inputs
-  (the λ input a card declares), filled per request when the client leaves them out.
+  (the λ input a card declares), filled per request when the client leaves them out;
+* ``parameters { key: "unroll.profile" }`` — only in the test-only CPU stand-in of a GPU config
+  (``write_repository(..., cpu_stand_in=True)``): the TensorRT optimization profile the GPU engine would
+  cover; a request outside it is refused, as TensorRT refuses it, so tests of the gateway in front of GPU
+  configs see what a GPU would answer.
 
 Tensors cross the stub boundary zero-copy through DLPack (``np.from_dlpack(tensor)`` in,
 ``pb_utils.Tensor.from_dlpack`` out), not ``as_numpy()`` / ``pb_utils.Tensor(name, array)``: the
@@ -77,6 +81,9 @@ class TritonPythonModel:
             self.outputs.append((o["name"], pb_utils.triton_string_to_numpy(o["data_type"]),
                                  dims if all(d >= 0 for d in dims) else None))
         self.output_names = [o[0] for o in self.outputs]
+        # {name: (min shape, max shape)}, batch first, as unroll.serving.profile writes it (stand-in only)
+        raw = json.loads(params.get("unroll.profile", "{}")).get("inputs", {})
+        self.profile = {n: (tuple(r["min"]), tuple(r["max"])) for n, r in raw.items()}
 
     def _feed(self, request) -> dict[str, np.ndarray]:
         """One request's inputs (zero-copy), reshaped to the graph's shapes, defaults filled in."""
@@ -99,6 +106,12 @@ class TritonPythonModel:
                     raise ValueError(f"missing required input {name!r}")
                 full = ((n,) if n is not None else ()) + tuple(shape or ())
                 feed[name] = np.full(full, default, dtype=dtype)
+        for name, (lo, hi) in self.profile.items():
+            a = feed.get(name)
+            if a is not None and (a.ndim != len(lo) or
+                                  any(not x <= d <= y for x, d, y in zip(lo, a.shape, hi, strict=True))):
+                raise ValueError(f"input {name!r} of shape {list(a.shape)} lies outside the TensorRT optimization "
+                                 f"profile (min {list(lo)}, max {list(hi)})")
         return feed
 
     def execute(self, requests: list) -> list:

@@ -93,8 +93,10 @@ def repo(
         help="Comma-separated model names (see `unroll models`, or graphs already in --onnx-dir); default: every "
              "model with committed weights")] = None,
     precision: Annotated[str, typer.Option(
-        help="fp32, fp16 or int8: gpu uses build/trt/NAME.PRECISION.plan when present, else TensorRT's "
-             "precision_mode; cpu fp16/int8 serve build/onnx/NAME.PRECISION.onnx from `unroll quantize`")] = "fp32",
+        help="fp32, fp16 or int8: the graph that carries it, build/onnx/NAME.PRECISION.onnx from `unroll quantize` "
+             "(fp32: NAME.onnx). gpu serves build/trt/NAME.PRECISION.plan when present (checked against its JSON), "
+             "else that graph through ONNX Runtime's TensorRT provider, strongly typed (precision_mode FP32: "
+             "TensorRT runs the graph's own precision, nothing is cast)")] = "fp32",
     out: Annotated[Path, typer.Option(help="Model repository folder to write")] = Path("model_repository"),
     onnx_dir: Annotated[Path, typer.Option(help="Where `unroll export` wrote NAME.onnx (missing ones are "
                                                 "exported first)")] = Path("build/onnx"),
@@ -148,6 +150,8 @@ def repo(
         except RepositoryError as e:
             raise _fail(str(e)) from None
         runs = cfg.backend + " (ONNX Runtime CPU)" if cfg.backend == "python" else cfg.platform
+        if cfg.platform == "onnxruntime_onnx":
+            runs += f" + TensorRT, strongly typed ({cfg.parameters['unroll_source_onnx'].string_value})"
         ins = ", ".join(f"{i.name}{list(i.dims)}{' (optional)' if i.optional else ''}" for i in cfg.input)
         outs = ", ".join(f"{o.name}{list(o.dims)}" + (" +labels" if o.label_filename else "") for o in cfg.output)
         files = ", ".join(str(p.relative_to(out / name)) for p in written if p.is_relative_to(out / name))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -168,6 +169,182 @@ def test_models_bench_quick(onnx_dir: Path, tmp_path: Path) -> None:
     assert payload["scaling"]["classifier"]["model"] == CLASSIFIER
     assert payload["scaling"]["denoiser"]["onnxruntime fp32"]["model"] == DENOISER
     assert f"| {CLASSIFIER} | batch 1 |" in md and "FP32 vs FP16 vs INT8" in md and "pixels^" in md
+
+
+# ----------------------------------------------------------------------------------------------- --device cuda
+
+
+def _plan_keys(plan) -> set[tuple]:
+    return {(r.model, r.runtime, r.precision, r.batch) for r in plan.rows} | {
+        (r.model, r.runtime, r.precision, r.batch) for r, _ in plan.skipped}
+
+
+def _expected_keys(models: list[str], env, quick: bool = False) -> set[tuple]:
+    from unroll.benchmarks.models_bench import cuda_batches
+
+    keys = {(m, rt, p, b) for m in models for b in cuda_batches(quick) for p in ("fp32", "fp16")
+            for rt in ("pytorch eager", "torch.compile", env.ort_runtime)}
+    return keys | {(m, env.gate_runtime, p, None) for m in models if quantizable(m) for p in ("fp16", "int8")}
+
+
+def test_cuda_plan_against_this_machine(tmp_path: Path) -> None:
+    """The rows a CUDA run would measure and the skip reasons, from a real probe of this machine."""
+    import onnxruntime as ort
+    import torch
+    from unroll.benchmarks import models_bench as mb
+
+    from unroll import doctor
+
+    models = [CLASSIFIER, DENOISER, next(n for n, s in REGISTRY.items() if s.task == "block")]
+    env = mb.cuda_environment()
+    plan = mb.cuda_plan(models, env, tmp_path)  # an empty folder: no FP16/INT8 graph anywhere
+    assert _plan_keys(plan) == _expected_keys(models, env) and len(plan.rows) + len(plan.skipped) == len(
+        _expected_keys(models, env))
+    assert {b for _, _, _, b in _plan_keys(plan)} == {1, 64, None}
+    if not torch.cuda.is_available():  # nothing runs here, and every row says so
+        assert not plan.rows and env.reason and {w for _, w in plan.skipped} == {env.reason}
+        if torch.version.cuda is None:
+            assert "CPU-only build" in env.reason
+        return
+    skipped = dict(plan.skipped)
+    for r in plan.rows + list(skipped):
+        why = skipped.get(r)
+        if r.runtime == "pytorch eager":
+            assert why is None
+        elif r.runtime == env.ort_runtime or r.runtime == env.gate_runtime:
+            if doctor.CUDA_EP not in ort.get_available_providers():
+                assert why and "has no CUDAExecutionProvider (pip install onnxruntime-gpu)" in why
+            elif r.precision != "fp32":
+                assert why and "not quantized" in why
+
+
+def test_cuda_plan_skip_reasons(tmp_path: Path) -> None:
+    """Each reason a row is skipped for, with the environments made of real probes: the dry-run (CPU provider)
+    environment, and the same with this machine's real answer for ONNX Runtime's CUDA provider."""
+    import dataclasses
+
+    from unroll.benchmarks import models_bench as mb
+
+    from unroll import doctor
+
+    env = mb.cuda_environment("cpu")
+    assert env.reason is None and env.ort_reason is None  # the CPU provider always runs
+    onnx = tmp_path / "onnx"
+    onnx.mkdir()
+    (onnx / f"{CLASSIFIER}.onnx").write_bytes(b"")
+    (onnx / f"{CLASSIFIER}.fp16.onnx").write_bytes(b"")  # newer than the FP32 one: usable
+    plan = mb.cuda_plan([CLASSIFIER, DENOISER], env, onnx, quick=True, with_compile=False)
+    assert _plan_keys(plan) == _expected_keys([CLASSIFIER, DENOISER], env, quick=True)
+    skipped = dict(plan.skipped)
+    assert all(skipped[r] == "--no-compile" for r in skipped if r.runtime == "torch.compile")
+    ort_rows = {(r.model, r.precision, r.batch) for r in plan.rows if r.runtime == env.ort_runtime}
+    assert ort_rows == {(m, p, b) for m in (CLASSIFIER, DENOISER) for b in (1, 4) for p in ("fp32", "fp16")
+                        if not (m == DENOISER and p == "fp16")}
+    assert {(r.model, r.precision) for r in plan.rows if r.runtime == env.gate_runtime} == {(CLASSIFIER, "fp16")}
+    den16 = skipped[mb.PlanRow(DENOISER, env.ort_runtime, "fp16", 1)]
+    assert den16 == f"not quantized (unroll quantize {DENOISER} --precision fp16)"
+    block = next(n for n, s in REGISTRY.items() if not quantizable(n))
+    only = mb.cuda_plan([block], env, onnx, quick=True)
+    assert "its card names no calibration/gate data" in dict(only.skipped)[mb.PlanRow(block, env.ort_runtime, "fp16",
+                                                                                       1)]
+    assert not any(r.runtime == env.gate_runtime for r in only.rows)  # no gate data, no gate row
+    os.utime(onnx / f"{CLASSIFIER}.fp16.onnx", (1, 1))  # FP32 re-exported after the FP16 graph: stale
+    stale = dict(mb.cuda_plan([CLASSIFIER], env, onnx, quick=True).skipped)
+    assert "older than the FP32 export" in stale[mb.PlanRow(CLASSIFIER, env.ort_runtime, "fp16", 1)]
+
+    cuda_ep = doctor.probe_ort_provider(doctor.CUDA_EP)  # this machine's real answer
+    no_ort = dataclasses.replace(env, ort_provider=doctor.CUDA_EP, ort_reason=None if cuda_ep.ok else cuda_ep.summary)
+    plan = mb.cuda_plan([CLASSIFIER], no_ort, onnx, quick=True)
+    if not cuda_ep.ok:
+        assert not any(r.runtime in (env.ort_runtime, env.gate_runtime) for r in plan.rows)
+        assert all(w == cuda_ep.summary for r, w in plan.skipped if r.runtime in (env.ort_runtime, env.gate_runtime))
+        if cuda_ep.status == "missing":
+            assert "has no CUDAExecutionProvider (pip install onnxruntime-gpu)" in cuda_ep.summary
+    assert {r.runtime for r in plan.rows} >= {"pytorch eager", "torch.compile"}  # compile: on unless --no-compile
+
+
+def test_cuda_bench_without_cuda_writes_nothing(tmp_path: Path) -> None:
+    """No CUDA: exit 1 with the probe's reason; the results folder (here with a sentinel) is left untouched."""
+    import torch
+
+    from unroll import doctor
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here: the command would measure")
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "models_cuda.json").write_text("committed\n")
+    res = CliRunner().invoke(_app(), ["models", "--device", "cuda", "--quick", "-m", CLASSIFIER, "--out", str(out),
+                                      "--onnx-dir", str(tmp_path / "onnx"), "--no-progress"])
+    assert res.exit_code == 1, res.output
+    text = " ".join(res.output.split())
+    assert "--device cuda: no usable CUDA here" in text and "nothing was written" in text
+    assert " ".join(doctor.probe_cuda().summary.split()) in text
+    assert [p.name for p in out.iterdir()] == ["models_cuda.json"] and (out / "models_cuda.json").read_text() == \
+        "committed\n"
+    assert not (tmp_path / "onnx").exists()  # nothing exported either
+    res = CliRunner().invoke(_app(), ["models", "--device", "tpu"])
+    assert res.exit_code != 0 and "--device must be cpu or cuda" in res.output
+
+
+@pytest.mark.slow
+def test_cuda_bench_code_dry_run_on_cpu(onnx_dir: Path, tmp_path: Path) -> None:
+    """The CUDA benchmark's code path end to end (IOBinding, autocast, the device gate, the files), on the CPU."""
+    from unroll.benchmarks import models_bench as mb
+
+    env = mb.cuda_environment("cpu")
+    payload = mb.run_cuda([CLASSIFIER, DENOISER], budget_s=0.05, with_compile=False, quick=True, onnx_dir=onnx_dir,
+                          out_dir=tmp_path, progress=False, env=env)
+    saved, md = _load(tmp_path, "models_cuda")
+    assert saved["device"] == "cpu" and "not GPU results" in md
+    got = {(r["model"], r["runtime"], r["precision"], r["batch"]) for r in saved["rows"]}
+    assert got == {(m, rt, p, b) for m in (CLASSIFIER, DENOISER) for b in (1, 4) for rt, p in (
+        ("pytorch eager", "fp32"), ("pytorch eager", "fp16"), ("onnxruntime cpu", "fp32"), ("onnxruntime cpu", "fp16"))
+        if not (m == DENOISER and rt == "onnxruntime cpu" and p == "fp16")}, saved["skipped"]
+    for r in saved["rows"]:
+        assert r["median_ms"] > 0 and r["repeats"] >= 3 and r["items_per_s"] > 0
+        assert r["speedup_vs_eager_fp32"] > 0
+    [gate] = saved["gates"]
+    assert (gate["model"], gate["precision"], gate["passed"]) == (CLASSIFIER, "fp16", True)
+    assert gate["metrics"]["top1_agreement"] >= gate["tolerances"]["top1_agreement"]
+    assert gate["cpu_gate"]["top1_agreement"] is not None  # beside unroll quantize's own CPU figure
+    reasons = {s["reason"] for s in saved["skipped"]}
+    assert "--no-compile" in reasons and any("not quantized" in w for w in reasons)
+    assert f"| {CLASSIFIER} | batch 4 |" in md and "## Accuracy gates" in md and "## Not measured" in md
+    assert payload["rows"] == saved["rows"]
+
+
+def _no_cuda() -> str | None:
+    import torch
+
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build"
+    return None if torch.cuda.is_available() else "no CUDA device (torch.cuda.is_available() is False)"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_no_cuda() is not None, reason=str(_no_cuda()))
+def test_cuda_bench_on_the_gpu(onnx_dir: Path, tmp_path: Path) -> None:
+    """Where CUDA exists: a tiny real run of `bench models --device cuda` through the command."""
+    import torch
+    from unroll.benchmarks import models_bench as mb
+
+    env = mb.cuda_environment()
+    if env.reason:
+        pytest.skip(env.reason)
+    _invoke("models", "--device", "cuda", "--quick", "--no-compile", "-m", CLASSIFIER, "--onnx-dir", str(onnx_dir),
+            "--out", str(tmp_path), "--no-progress")
+    saved, md = _load(tmp_path, "models_cuda")
+    assert saved["device"] == "cuda" and saved["machine"]["gpu"] == torch.cuda.get_device_name(0)
+    assert saved["machine"]["cuda_runtime"] == torch.version.cuda and saved["machine"]["driver"]
+    eager = [r for r in saved["rows"] if r["runtime"] == "pytorch eager"]
+    assert len(eager) == 4 and all(r["median_ms"] > 0 for r in eager)
+    ort_rows = [r for r in saved["rows"] if r["runtime"] == "onnxruntime cuda"]
+    if env.ort_reason is None:
+        assert ort_rows and saved["gates"] and saved["gates"][0]["passed"], saved["gates"]
+    else:
+        assert not ort_rows and any(s["reason"] == env.ort_reason for s in saved["skipped"])
+    assert "CUDA" in md.splitlines()[0] and torch.cuda.get_device_name(0) in md
 
 
 @pytest.mark.slow

@@ -154,7 +154,8 @@ class _DataDependent(torch.nn.Module):
 def test_unsupported_construct_fails_loudly_and_writes_nothing(tmp_path) -> None:
     out = tmp_path / "bad.onnx"
     case = Case("random", {"x": torch.rand(2, 4)})
-    with pytest.raises(ExportError, match="NonZero|TensorRT|Compress"):
+    with pytest.raises(ExportError, match=r"unroll's serving-graph policy refuses:\n  node '/NonZero' \(NonZero\): "
+                                          r"unroll policy: data-dependent output shape"):
         export_module(_DataDependent(), [case], ["x"], ["y"], {"x": {0: "batch"}}, out, naive=False)
     assert not out.exists() and not out.with_suffix(".report.json").exists()
     assert not list(tmp_path.iterdir())
@@ -167,9 +168,16 @@ def test_trt_lint_names_the_node() -> None:
     graph = helper.make_graph([helper.make_node("Compress", ["x", "c"], ["y"], name="my_compress"),
                                helper.make_node("DFT", ["x"], ["z"], name="my_dft")],
                               "g", [x, cond], [y])
-    issues = lint(helper.make_model(graph))
+    issues = lint(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     assert {i.node for i in issues} == {"my_compress", "my_dft"}
-    assert "data-dependent" in str(issues[0])
+    # both are marked N in TensorRT 10.15's own operator list; the message says so, with the version
+    assert str(issues[0]) == "node 'my_compress' (Compress): Compress is not supported by TensorRT 10.15"
+
+
+def test_export_report_says_what_the_lint_checked(exported) -> None:
+    lint_rep = exported("csc-fista").report["trt_lint"]
+    assert lint_rep["ok"] and lint_rep["issues"] == [] and lint_rep["operator_table"]["tensorrt"] == "10.15"
+    assert "onnx/onnx-tensorrt/blob/" in lint_rep["operator_table"]["source"] and "Loop" in lint_rep["policy"]
 
 
 def test_cli_export_failure_is_one_clear_message(tmp_path) -> None:

@@ -1,5 +1,6 @@
 """FP16 / INT8 behind accuracy gates, and the one gate implementation (unroll.export.gates) they use."""
 
+import json
 import math
 import shutil
 import subprocess
@@ -11,7 +12,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from unroll.export import gates
+from unroll.export import quantize as quantize_module
 from unroll.export.quantize import GateFailed, calibration_inputs, quantize
+from unroll.export.trt_lint import LintError, lint
 
 from unroll import data
 from unroll.card import DataCard, InputCard, ModelCard, from_onnx, write_to_onnx
@@ -45,6 +48,7 @@ def test_fp16_passes_gate_with_fp32_io_and_carries_the_card(onnx_dir, cards, nam
     assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in model.graph.initializer)
     assert from_onnx(model) == cards[name]  # later stages (build, repo) read the card from this file
     assert r["card"]["name"] == name and r["gate"] == cards[name].gate("fp16")
+    assert r["trt_lint"]["ok"] and lint(model) == []  # TensorRT parses the FP16 graph too: it is linted
     if name == "sdnet-mnist":
         assert r["metrics"]["top1_agreement"] >= 0.999 and r["metrics"]["n"] == 1000
         assert r["metrics"]["accuracy_fp32"] > 0.95
@@ -70,16 +74,43 @@ def test_int8_explicit_qdq_passes_gate(onnx_dir, cards, name: str) -> None:
             assert zp.dtype == np.int8 and not zp.any(), "symmetric: zero point 0, int8"
             per_channel |= numpy_helper.to_array(inits[n.input[1]]).size > 1
     assert per_channel, "weights are quantized per channel"
+    assert r["trt_lint"]["ok"] and lint(model) == [] and r["trt_lint"]["operator_table"]["tensorrt"] == "10.15"
+    assert r["calibration"]["onnxruntime_extra_options"]["AddQDQPairToWeight"] is True
+    # TensorRT's Q/DQ placement: a dedicated Q→DQ pair on each input of an INT8 layer and nowhere else (no
+    # quantized outputs, no residual Sub/Add reading a rounded copy), weights FP32 behind their own pair
+    assert r["calibration"]["qdq_style"] == "dedicated", r["chosen"]  # measured: both demos pass with it
+    producers = {o: n for n in model.graph.node for o in n.output}
+    for dq in (n for n in model.graph.node if n.op_type == "DequantizeLinear"):
+        readers = [n.op_type for n in model.graph.node if dq.output[0] in n.input]
+        assert readers in (["Conv"], ["ConvTranspose"], ["Gemm"], ["MatMul"]), (dq.name, readers)
+        assert producers[dq.input[0]].op_type == "QuantizeLinear", dq.name
+    dq_outputs = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    assert not dq_outputs & {o.name for o in model.graph.output}  # the model's output is never rounded to INT8
     # The kept placement is the first with the safety margin (or the report says none had it).
     margins = [t["margin"] for t in r["tries"]]
     k = next(i for i, t in enumerate(r["tries"]) if t["config"] == r["chosen"])
     assert margins[k] >= 0.2 or r["notes"], (r["chosen"], margins)
-    assert all(m < 0.2 for m in margins[:k - k % 2]), "an earlier placement already had the margin"
+    first_try = next(i for i, t in enumerate(r["tries"]) if t["fp32_nodes"] == r["tries"][k]["fp32_nodes"])
+    assert all(m < 0.2 for m in margins[:first_try]), "an earlier placement already had the margin"
+    assert r["tries"][0]["qdq"] == "dedicated"  # TensorRT's recommended Q/DQ placement is tried first
     assert "card.data.train" in r["calibration"]["source"]
     if name == "sdnet-mnist":
         assert r["metrics"]["top1_agreement"] >= 0.995 and r["metrics"]["accuracy_loss"] <= 0.003
     else:
         assert all(v["psnr_loss_db"] <= 0.15 for v in r["metrics"]["per_sigma"].values())
+
+
+def test_a_graph_failing_the_trt_lint_is_not_written_and_names_the_nodes(onnx_dir, monkeypatch) -> None:
+    """Asymmetric INT8 activations (a zero point other than 0) pass ONNX Runtime's gate but not TensorRT."""
+    monkeypatch.setattr(quantize_module, "TRT_QDQ_OPTIONS",
+                        {**quantize_module.TRT_QDQ_OPTIONS, "ActivationSymmetric": False})
+    with pytest.raises(LintError, match=r"sdnet-mnist int8 \(.*\) fails the TensorRT lint:\nTensorRT 10\.15 "
+                                        r"would reject:\n  node '.*QuantizeLinear' \(QuantizeLinear\): "
+                                        r"zero point .* is not 0"):
+        quantize("sdnet-mnist", "int8", onnx_dir, calib=32)
+    assert not (onnx_dir / "sdnet-mnist.int8.onnx").exists()
+    report = json.loads((onnx_dir / "sdnet-mnist.int8.report.json").read_text())
+    assert not report["trt_lint"]["ok"] and all("is not 0" in i for i in report["trt_lint"]["issues"])
 
 
 def test_failed_gate_writes_no_artifact_and_says_why(onnx_dir) -> None:

@@ -257,16 +257,10 @@ def test_bad_requests_get_tritons_error_and_the_server_keeps_serving(http, grpc)
 # ---------------------------------------------------------------- repository: GPU configs and validation
 
 
-def _fake_plan(plan_dir: Path, name: str, precision: str) -> None:
-    plan_dir.mkdir(parents=True, exist_ok=True)
-    (plan_dir / f"{name}.{precision}.plan").write_bytes(b"not a real engine: only the config is tested")
-
-
 def test_gpu_repository_parses_and_matches_the_onnx(onnx_dir: Path, tmp_path: Path) -> None:
-    plans = tmp_path / "trt"
-    _fake_plan(plans, "csc-denoiser", "fp16")
+    """The GPU configs of the demo models (plans and FP16/INT8 graphs: tests/test_gpu_repository.py)."""
     out = tmp_path / "gpu"
-    write_repository("gpu", DEMO, out, precision="fp16", onnx_dir=onnx_dir, plan_dir=plans)
+    write_repository("gpu", DEMO, out, onnx_dir=onnx_dir, plan_dir=tmp_path / "no-plans")
     cfgs = validate_repository(out, onnx_dir=onnx_dir)
     assert set(cfgs) == set(DEMO)
     for name, cfg in cfgs.items():
@@ -274,21 +268,21 @@ def test_gpu_repository_parses_and_matches_the_onnx(onnx_dir: Path, tmp_path: Pa
         assert parsed == cfg and parsed.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
         assert parsed.max_batch_size > 0 and parsed.dynamic_batching.max_queue_delay_microseconds > 0
         assert len(parsed.model_warmup) >= 1 and not any(i.optional for i in parsed.input)  # GPU: lam required
+        assert "input_defaults" not in parsed.parameters and "unroll.profile" in parsed.parameters
+        assert parsed.platform == "onnxruntime_onnx" and (out / name / "1" / "model.onnx").exists()
+        acc = parsed.optimization.execution_accelerators.gpu_execution_accelerator[0]
+        # FP32: ONNX Runtime's TensorRT provider builds strongly typed and runs the graph's own precision
+        assert acc.name == "tensorrt" and acc.parameters["precision_mode"] == "FP32"
+        assert acc.parameters["trt_engine_cache_enable"] == "1" and acc.parameters["trt_engine_cache_path"]
     mnist = cfgs["sdnet-mnist"]
-    assert mnist.platform == "onnxruntime_onnx" and (out / "sdnet-mnist" / "1" / "model.onnx").exists()
     acc = mnist.optimization.execution_accelerators.gpu_execution_accelerator[0]
-    assert acc.name == "tensorrt" and acc.parameters["precision_mode"] == "FP16"
-    assert acc.parameters["trt_engine_cache_enable"] == "1" and acc.parameters["trt_engine_cache_path"]
     b = mnist.max_batch_size
     assert acc.parameters["trt_profile_max_shapes"] == f"image:{b}x1x28x28,lam:{b}"
-    den = cfgs["csc-denoiser"]
-    assert den.platform == "tensorrt_plan" and (out / "csc-denoiser" / "1" / "model.plan").exists()
-    assert not (out / "csc-denoiser" / "1" / "model.onnx").exists()
     assert (out / "sdnet-mnist" / "labels.txt").read_text().split() == [str(i) for i in range(10)]
     assert b == from_onnx(onnx_dir / "sdnet-mnist.onnx").trt_profile.batch[2]  # GPU: the card's profile max
 
     out = tmp_path / "gpu-noplan"  # the denoiser's TensorRT profile comes from its card (dynamic H×W ranges)
-    write_repository("gpu", ["csc-denoiser"], out, onnx_dir=onnx_dir)
+    write_repository("gpu", ["csc-denoiser"], out, onnx_dir=onnx_dir, plan_dir=tmp_path / "no-plans")
     card = from_onnx(onnx_dir / "csc-denoiser.onnx")
     acc = validate_repository(out)["csc-denoiser"].optimization.execution_accelerators.gpu_execution_accelerator[0]
     (b_min, b_opt, b_max), (h_min, h_opt, h_max), (w_min, w_opt, w_max) = (

@@ -139,7 +139,8 @@ class ProfileCard(_Strict):
 
 #: Default gate tolerances per task and precision (metric → tolerance; units in unroll.export.gates).
 DEFAULT_GATES: dict[str, dict[str, dict[str, float]]] = {
-    "classification": {"fp32": {"top1_agreement": 0.999, "accuracy_loss": 0.001},
+    # fp32 (a TensorRT engine against ONNX Runtime) also bounds the logits: same classes with drifted scores fail.
+    "classification": {"fp32": {"top1_agreement": 0.999, "accuracy_loss": 0.001, "rel_err": 1e-4},
                        "fp16": {"top1_agreement": 0.999, "accuracy_loss": 0.001},
                        "int8": {"top1_agreement": 0.995, "accuracy_loss": 0.003}},
     "denoising": {"fp32": {"psnr_loss_db": 0.01}, "fp16": {"psnr_loss_db": 0.02}, "int8": {"psnr_loss_db": 0.15}},

@@ -454,8 +454,9 @@ def bench_export(
 
 
 def _register_subsystem_commands() -> None:
-    """Commands whose code lives with its subsystem (serving, TensorRT)."""
+    """Commands whose code lives with its subsystem (serving, TensorRT, the machine check)."""
     from unroll.benchmarks.cli import bench_all, bench_models, bench_quality, bench_serve, bench_soak
+    from unroll.doctor import doctor_command
     from unroll.export.trt_cli import build
     from unroll.serving.serve import serve_command
     from unroll.serving.triton_cli import repo, triton
@@ -464,6 +465,7 @@ def _register_subsystem_commands() -> None:
     app.command("repo")(repo)
     app.command("triton")(triton)
     app.command("serve")(serve_command)
+    app.command("doctor")(doctor_command)
     bench_app.command("serve")(bench_serve)
     bench_app.command("models")(bench_models)
     bench_app.command("quality")(bench_quality)

@@ -6,21 +6,27 @@ is the one way in, like ``timm.create_model``: it builds the architecture with i
 committed weights (or a checkpoint), and returns the module in eval mode.
 
 A user's model registers the same way from their own file; nothing else in the pipeline needs an edit.
+
+PyTorch is imported only where a model is built or loaded (the shipped model files import it, and so does
+:func:`load`). Without PyTorch — the serving image, which serves graphs exported elsewhere — the shipped
+models are not registered (:func:`builtin_unavailable` says why) and everything else works: the served
+models' cards come from their ONNX graphs, not from here.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from unroll.card import ModelCard, Task
+
+if TYPE_CHECKING:
+    from torch import nn
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 #: Modules that register the shipped models (imported on first use of the registry).
@@ -71,6 +77,10 @@ class ModelSpec:
 
 REGISTRY: dict[str, ModelSpec] = {}
 _builtin_loaded = False
+#: Why the shipped models are not registered in this install (``None`` once they are, or before the first look).
+_builtin_missing: str | None = None
+NO_TORCH = ("PyTorch is not installed, so the shipped models are not registered here: this install serves graphs "
+            "exported elsewhere (`unroll export` where PyTorch is installed)")
 
 
 def register_model(name: str, *, card: dict[str, Any], input_shape: tuple[int, ...],
@@ -96,9 +106,12 @@ def register_model(name: str, *, card: dict[str, Any], input_shape: tuple[int, .
 
 
 def _ensure_builtin() -> None:
-    global _builtin_loaded
+    global _builtin_loaded, _builtin_missing
     if not _builtin_loaded:
         _builtin_loaded = True
+        if importlib.util.find_spec("torch") is None:
+            _builtin_missing = NO_TORCH  # a serving-only install: graphs carry their cards, nothing to register
+            return
         for mod in BUILTIN_MODULES:
             importlib.import_module(mod)
         # Import order is an accident of module dependencies; list trained demos first, then by task.
@@ -109,15 +122,22 @@ def _ensure_builtin() -> None:
 
 
 def list_models() -> list[str]:
-    """Registered model names, in registration order."""
+    """Registered model names, in registration order (none of the shipped ones without PyTorch)."""
     _ensure_builtin()
     return list(REGISTRY)
+
+
+def builtin_unavailable() -> str | None:
+    """Why the shipped models are not registered in this install (no PyTorch), or ``None`` when they are."""
+    _ensure_builtin()
+    return _builtin_missing
 
 
 def get_spec(name: str) -> ModelSpec:
     _ensure_builtin()
     if name not in REGISTRY:
-        raise KeyError(f"unknown model {name!r}; registered models: {', '.join(REGISTRY)}")
+        why = f" ({_builtin_missing})" if _builtin_missing else ""
+        raise KeyError(f"unknown model {name!r}; registered models: {', '.join(REGISTRY) or 'none'}{why}")
     return REGISTRY[name]
 
 
@@ -129,6 +149,8 @@ def load(name: str, pretrained: bool = True, checkpoint: str | Path | None = Non
     to the architecture.
     """
     spec = get_spec(name)
+    import torch
+
     kw = {**spec.defaults, **spec.info().get("model", {}), **options}
     seed = kw.pop("seed", 0)
     with torch.random.fork_rng():  # seeded initialisation, without touching the caller's RNG state

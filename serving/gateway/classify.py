@@ -2,8 +2,9 @@
 
 Request flow: API key (401) → model (404) → parameters, checked against the card (422) → declared size
 (413) → concurrency slot (429) → streamed body (413/415/400) → decode and fit to the card's input
-(400/413/422; the aspect ratio is checked from the header, and ``invert`` is resolved from the image's border
-for ``invert=auto``) → [λ rule for ``lam=auto``] → Triton (503/504/502). Cheap refusals come first.
+(400/413/422; the aspect ratio is checked from the header, a dynamic-size input on a GPU model against its TensorRT
+profile's H×W range, and ``invert`` is resolved from the image's border for ``invert=auto``) → [λ rule for
+``lam=auto``] → Triton (503/504/502). Cheap refusals come first.
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ async def classify(
     data = await gw.read_image(request)  # before the slot: a slow upload never holds an inference slot
     async with gw.admission.slot():
         img = await run_in_threadpool(images.decode, data, settings.max_pixels, settings.max_aspect_ratio)
-        fitted = await run_in_threadpool(images.classifier_input, img, card.input, inv)
+        hw = info.profile.hw(card.input.name) if info.profile is not None else None
+        fitted = await run_in_threadpool(images.classifier_input, img, card.input, inv, hw, entry.name)
         inputs = {card.input.name: fitted.x}
         if rule is not None:
             lam_v = await _auto_lam(gw, rule, img, fitted, card.input)

@@ -1,8 +1,9 @@
 """``POST /v1/denoise``: a PNG of the same size and mode, with tensor names, σ scale and minimum size from the card.
 
 Request flow: API key (401) → model (404) → σ (422) → declared size (413) → concurrency slot (429) →
-streamed body (413/415/400) → decode (pixel limit and aspect ratio from the header: 413/422), size check
-against ``card.input.min_size`` (400/413/422) → Triton (503/504/502), one call per ``max_batch_size`` items.
+streamed body (413/415/400) → decode (pixel limit, aspect ratio and, for a GPU model, its TensorRT profile's H×W range
+from the header: 413/422), size check against ``card.input.min_size`` (400/413/422) → Triton (503/504/502), one call
+per ``max_batch_size`` items (and never more than the TensorRT profile's max batch).
 
 Colour follows the card's ``input.shape[0]``: a single-channel denoiser gets each colour channel of an RGB(A)
 image as one batch item ``[C, 1, H, W]``; a 3-channel denoiser gets an RGB(A) image natively as ``[1, 3, H, W]``
@@ -64,11 +65,12 @@ async def denoise(
     check_declared_length(request, settings.max_body_bytes)
     data = await gw.read_image(request)  # before the slot: a slow upload never holds an inference slot
     async with gw.admission.slot():
+        hw = info.profile.hw(card.input.name) if info.profile is not None else None
         planes, sigma255 = await run_in_threadpool(_planes, data, settings.max_pixels, sigma, card.input.min_size,
-                                                   settings.max_aspect_ratio)
+                                                   settings.max_aspect_ratio, hw, entry.name)
         batch = images.to_graph(_batch(planes.data, card.input), card.input)
         sig = fit_shape(np.full(len(batch), sigma255 / card.sigma.scale, np.float32), info.inputs[card.sigma.input])
-        step = info.max_batch_size if info.max_batch_size > 0 else 1
+        step = info.batch_limit  # max_batch_size, and never past the TensorRT profile's max batch
         if info.max_batch_size == 0 and len(batch) > 1:
             raise TritonRejected(f"{entry.name} does not batch, so it cannot take {len(batch)} colour channels at once")
         parts = await asyncio.gather(*(
@@ -86,9 +88,14 @@ async def denoise(
 
 
 def _planes(data: bytes, max_pixels: int, sigma: float | None, min_side: int,
-            max_aspect_ratio: float = float("inf")) -> tuple[images.Planes, float]:
-    """Decoded planes and σ on the 0–255 scale (given, or estimated from the image)."""
-    planes = images.to_planes(images.decode(data, max_pixels, max_aspect_ratio))
+            max_aspect_ratio: float = float("inf"), profile_hw: images.HWRange | None = None,
+            model: str = "the denoiser") -> tuple[images.Planes, float]:
+    """Decoded planes and σ on the 0–255 scale (given, or estimated from the image); an image outside the TensorRT
+    profile of a GPU model (``profile_hw``) is refused from its header, before any pixel is decoded."""
+    def fits(w: int, h: int) -> None:
+        images.check_profile_size(w, h, profile_hw, model)
+
+    planes = images.to_planes(images.decode(data, max_pixels, max_aspect_ratio, fits))
     h, w = planes.data.shape[1:]
     if min(h, w) < min_side:
         raise ApiError(422, "image_too_small", f"image is {w}×{h}; the denoiser needs both sides ≥ {min_side} pixels")

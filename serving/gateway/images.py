@@ -44,6 +44,7 @@ import io
 import math
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -93,8 +94,13 @@ def _num(v: float) -> str:
     return f"{v:.2f}".rstrip("0").rstrip(".")
 
 
-def decode(data: bytes, max_pixels: int, max_aspect_ratio: float = math.inf) -> Image.Image:
-    """Decode an uploaded image, refusing bombs and absurd shapes before decoding; every failure is a 4xx."""
+def decode(data: bytes, max_pixels: int, max_aspect_ratio: float = math.inf,
+           check: Callable[[int, int], None] | None = None) -> Image.Image:
+    """Decode an uploaded image, refusing bombs and absurd shapes before decoding; every failure is a 4xx.
+
+    ``check(width, height)``, when given, runs on the header's size before any pixel is decoded (e.g.
+    :func:`check_profile_size`) and refuses by raising :class:`ApiError`.
+    """
     if not data:
         raise ApiError(400, "invalid_image", "empty body: send an image (PNG, JPEG, WebP, TIFF or BMP)")
     try:
@@ -118,6 +124,8 @@ def decode(data: bytes, max_pixels: int, max_aspect_ratio: float = math.inf) -> 
     if ratio > max_aspect_ratio:
         raise ApiError(422, "aspect_ratio_too_large", f"image is {w}×{h}, an aspect ratio of {_num(ratio)}:1; "
                                                       f"the limit is {_num(max_aspect_ratio)}:1")
+    if check is not None:
+        check(w, h)
     try:
         img.load()
     except Image.DecompressionBombError as e:
@@ -127,6 +135,31 @@ def decode(data: bytes, max_pixels: int, max_aspect_ratio: float = math.inf) -> 
     except Exception as e:
         raise ApiError(400, "invalid_image", f"truncated or corrupt image: {type(e).__name__}: {e}") from None
     return img
+
+
+#: ``((min_h, min_w), (max_h, max_w))``: the image sizes a GPU model's TensorRT profile covers.
+HWRange = tuple[tuple[int, int], tuple[int, int]]
+
+
+def check_profile_size(w: int, h: int, hw: HWRange | None, model: str) -> None:
+    """An image's size against the TensorRT optimization profile a GPU model is served with (``unroll.profile``).
+
+    The engine covers no H or W outside the profile, so a larger image is refused here with 413 naming the
+    profile's largest H×W (Triton would fail it with an opaque error), a smaller one with 422. ``hw=None`` (a
+    CPU model, or a fixed-size input that is resized anyway): no check.
+    """
+    if hw is None:
+        return
+    (min_h, min_w), (max_h, max_w) = hw
+    if h > max_h or w > max_w:
+        raise ApiError(413, "image_too_large",
+                       f"image is {w}×{h} (W×H); {model} runs a TensorRT engine whose optimization profile takes "
+                       f"at most H×W = {max_h}×{max_w}: send a smaller image (or tiles of it), or widen the card's "
+                       "trt_profile and rebuild the engine")
+    if h < min_h or w < min_w:
+        raise ApiError(422, "image_too_small",
+                       f"image is {w}×{h} (W×H); {model} runs a TensorRT engine whose optimization profile takes "
+                       f"at least H×W = {min_h}×{min_w}")
 
 
 @dataclass
@@ -221,7 +254,8 @@ class Fitted:
     inverted: bool
 
 
-def classifier_input(img: Image.Image, card: InputCard, invert: Invert = "false") -> Fitted:
+def classifier_input(img: Image.Image, card: InputCard, invert: Invert = "false",
+                     profile_hw: HWRange | None = None, model: str = "the model") -> Fitted:
     """``[1, C, H, W]`` float32 for a classifier, following the rules in the module docstring and its card.
 
     Alpha is flattened onto black; colour is converted to the card's (``gray`` → luma, ``rgb`` → three planes in
@@ -229,7 +263,9 @@ def classifier_input(img: Image.Image, card: InputCard, invert: Invert = "false"
     ``resize`` policy and ``interpolation`` (``pad-square``, ``stretch``, ``shorter-side-crop``; ``none`` needs
     the exact size; a dynamic input keeps the image's, within ``min_size``); then scaled
     to the card's value range and normalised per channel with its ``mean`` / ``std``. EXIF orientation is
-    applied to ``img`` in place (so a second call, e.g. for a λ rule, does not rotate twice).
+    applied to ``img`` in place (so a second call, e.g. for a λ rule, does not rotate twice). A dynamic-size
+    input served by a TensorRT engine is also held to its profile's H×W range (``profile_hw``, see
+    :func:`check_profile_size`).
     """
     if card.colour not in ("gray", "rgb"):
         raise ApiError(422, "unsupported_model_input",
@@ -238,6 +274,7 @@ def classifier_input(img: Image.Image, card: InputCard, invert: Invert = "false"
     size = card.fixed_hw
     if size is None:
         _check_dynamic_size(img.size, card)
+        check_profile_size(*img.size, profile_hw, model)
     px = pixels(img)
     inverted = _should_invert(px, card, invert)
     n_in = px.color.shape[2]

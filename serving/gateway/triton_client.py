@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 from tritonclient.utils import InferenceServerException
+from unroll.serving.profile import PROFILE_KEY, ProfileError, ServedProfile
 
 log = logging.getLogger("unroll.gateway")
 
@@ -73,14 +74,28 @@ class ModelInfo:
     #: defaults the CPU repository fills in for optional inputs (``input_defaults`` config parameter).
     input_defaults: dict[str, float] = field(default_factory=dict)
     labelled_outputs: frozenset[str] = frozenset()
+    #: The TensorRT optimization profile a GPU config is served with (``unroll.profile``); ``None`` on the CPU.
+    profile: ServedProfile | None = None
+
+    @property
+    def batch_limit(self) -> int:
+        """The most samples one call may carry: ``max_batch_size``, and no more than the TensorRT profile's max
+        batch (1 for a model that does not batch)."""
+        if self.max_batch_size <= 0:
+            return 1
+        return min(self.max_batch_size, self.profile.max_batch) if self.profile else self.max_batch_size
 
     def public(self) -> dict[str, Any]:
         """The JSON shown by ``GET /v1/models``."""
         def t(x: TensorInfo) -> dict[str, Any]:
             return {"name": x.name, "datatype": x.datatype, "shape": list(x.shape), "optional": x.optional}
 
-        return {"inputs": [t(x) for x in self.inputs.values()], "outputs": [t(x) for x in self.outputs.values()],
-                "max_batch_size": self.max_batch_size, "input_defaults": self.input_defaults}
+        out = {"inputs": [t(x) for x in self.inputs.values()], "outputs": [t(x) for x in self.outputs.values()],
+               "max_batch_size": self.max_batch_size, "input_defaults": self.input_defaults}
+        if self.profile is not None:
+            out["trt_profile"] = {n: {"min": list(r.min), "opt": list(r.opt), "max": list(r.max)}
+                                  for n, r in self.profile.inputs.items()}
+        return out
 
 
 class TritonBackend:
@@ -249,6 +264,13 @@ def model_info(name: str, meta: dict[str, Any], cfg: dict[str, Any]) -> ModelInf
         defaults = {k: float(v) for k, v in json.loads(raw).items()}
     except (ValueError, TypeError, AttributeError) as e:
         raise TritonRejected(f"model {name}: config parameter input_defaults is not a JSON object: {raw!r}") from e
+    profile = None
+    raw = (params.get(PROFILE_KEY) or {}).get("string_value")
+    if raw:
+        try:
+            profile = ServedProfile.from_json(raw, f"model {name}")
+        except ProfileError as e:
+            raise TritonRejected(str(e)) from None
     return ModelInfo(
         name=name,
         inputs={i["name"]: TensorInfo(i["name"], i["datatype"], _ints(i["shape"]), i["name"] in optional)
@@ -258,6 +280,7 @@ def model_info(name: str, meta: dict[str, Any], cfg: dict[str, Any]) -> ModelInf
         max_batch_size=int(cfg.get("max_batch_size", 0)),
         input_defaults=defaults,
         labelled_outputs=labelled,
+        profile=profile,
     )
 
 
