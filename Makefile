@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)  ## create .venv and install unroll with its serving and dev extras
 
 test: $(STAMP)  ## run the whole test suite (CI calls this)
-	$(PY) -m ruff check unroll export serving benchmarks tests examples
+	$(PY) -m ruff check unroll export serving benchmarks tests examples scripts deploy
+	$(VENV)/bin/hadolint Dockerfile
 	$(PY) -m pytest -q --durations=15
 
 serve: $(STAMP)  ## build what is missing, then start Triton and the REST gateway
@@ -30,7 +31,8 @@ bench: $(STAMP)  ## run the benchmarks and rewrite benchmarks/results/
 	$(VENV)/bin/unroll bench all
 
 lint: $(STAMP)
-	$(PY) -m ruff check unroll export serving benchmarks tests examples
+	$(PY) -m ruff check unroll export serving benchmarks tests examples scripts deploy
+	$(VENV)/bin/hadolint Dockerfile
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache

@@ -386,7 +386,8 @@ def _gate_summary(m: dict) -> str:
         return (f"top-1 agreement {m['top1_agreement']:.2%}, accuracy {m['accuracy']:.2%} "
                 f"(FP32 {m['accuracy_fp32']:.2%})")
     if "per_sigma" in m:
-        return ", ".join(f"σ={s}: −{v['psnr_loss_db']:.3f} dB" for s, v in m["per_sigma"].items())
+        return ", ".join(f"σ={s}: {-v['psnr_loss_db'] + 0.0:+.3f} dB".replace("-", "−")
+                         for s, v in m["per_sigma"].items())
     return ", ".join(f"{k} {v:.4g}" for k, v in m.items() if isinstance(v, int | float)) or "no metrics reported"
 
 
