@@ -28,6 +28,8 @@ serve: $(STAMP)  ## build what is missing, then start Triton and the REST gatewa
 	$(VENV)/bin/unroll serve
 
 bench: $(STAMP)  ## run the benchmarks and rewrite benchmarks/results/
+	@echo "==> perf_analyzer (Triton's own client) in build/perf_analyzer-venv; without it the Triton-direct rows say why"
+	-bash scripts/perf_analyzer_setup.sh
 	$(VENV)/bin/unroll bench all
 
 lint: $(STAMP)

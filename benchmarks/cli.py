@@ -106,6 +106,38 @@ def bench_serve(
     _wrote(out, ["serve"])
 
 
+def bench_gateway_profile(
+    duration: Annotated[float, typer.Option(help="Profiled seconds per concurrency level (and per worker count)")]
+    = 10.0,
+    concurrency: Annotated[str, typer.Option(help="Concurrency levels to profile")] = "1,32",
+    rate: Annotated[int, typer.Option(help="py-spy samples per second")] = 250,
+    workers: Annotated[str | None, typer.Option(help="Gateway worker counts for the throughput rows "
+                                                     "[default: 1 and unroll serve's default, at least 2]")] = None,
+    throughput_concurrency: Annotated[int, typer.Option(help="Concurrency of the throughput rows")] = 32,
+    onnx_dir: OnnxOpt = ONNX_DIR,
+    out: OutOpt = RESULTS,
+) -> None:
+    """Where a gateway request's time goes: py-spy samples of a real gateway under real load, per stage.
+
+    Real tritonserver + one gateway process + keep-alive clients sending the classifier's test digits; per
+    concurrency level the share of samples and ms per request of each stage (body read, decode, preprocess,
+    Triton gRPC call, postprocess, JSON, HTTP server, routing, threadpool hand-off, waiting); in-process ONNX
+    Runtime at concurrency 1 for the +2 ms target; then gateway throughput with 1 vs N worker processes.
+    Needs py-spy (benchmark extra) with ptrace rights. Writes gateway_profile.json and gateway_profile.md.
+    """
+    from unroll.benchmarks import gateway_profile
+
+    try:
+        payload = gateway_profile.run(concurrency=_ints(concurrency, "--concurrency"), duration_s=duration, rate=rate,
+                                      onnx_dir=onnx_dir, workers=_ints(workers, "--workers") if workers else None,
+                                      throughput_concurrency=throughput_concurrency, log=lambda m: err.print(m))
+    except gateway_profile.ProfileError as e:
+        raise _fail(str(e)) from None
+    gateway_profile.write(payload, out)
+    _targets(payload)
+    _wrote(out, ["gateway_profile"])
+
+
 def bench_models(
     model: Annotated[list[str] | None, typer.Option("--model", "-m", help="Only these models (repeatable); "
                                                                          "default: every registered model")] = None,
@@ -140,11 +172,12 @@ def bench_models(
     """
     from unroll.benchmarks import models_bench
 
-    from unroll.registry import REGISTRY
+    from unroll.registry import list_models
 
-    unknown = [m for m in model or [] if m not in REGISTRY]
+    registered = list_models()  # (imports the shipped models first: the registry is empty until then)
+    unknown = [m for m in model or [] if m not in registered]
     if unknown:
-        raise _fail(f"unknown model(s) {', '.join(unknown)}; registered: {', '.join(REGISTRY)}")
+        raise _fail(f"unknown model(s) {', '.join(unknown)}; registered: {', '.join(registered)}")
     if device not in ("cpu", "cuda"):
         raise typer.BadParameter(f"--device must be cpu or cuda, not {device!r}")
     if device == "cuda":
@@ -226,11 +259,11 @@ def bench_soak(
         raise typer.Exit(1)
 
 
-STAGES = ("export", "models", "quality", "serve", "soak")
+STAGES = ("export", "models", "quality", "serve", "gateway-profile", "soak")
 
 
 def bench_all(
-    only: Annotated[str, typer.Option(help="Stages to run, comma-separated: export, models, quality, serve, soak")]
+    only: Annotated[str, typer.Option(help="Stages to run, comma-separated: " + ", ".join(STAGES))]
     = ",".join(STAGES),
     quantize: Annotated[bool, typer.Option("--quantize/--no-quantize",
                                            help="Quantize (FP16/INT8, default gates) where the graphs are missing "
@@ -243,7 +276,8 @@ def bench_all(
     out: OutOpt = RESULTS,
     progress: ProgressOpt = True,
 ) -> None:
-    """Every benchmark with its defaults (what `make bench` runs): export, models, quality, serve, soak.
+    """Every benchmark with its defaults (what `make bench` runs): export, models, quality, serve,
+    gateway-profile (py-spy), soak.
 
     Rewrites the result files in --out (about 12–15 minutes on a quiet 2-core machine once build/onnx
     exists; a fresh clone also exports and quantizes first). bench_all.json records each stage's time.
@@ -282,6 +316,9 @@ def bench_all(
         elif stage == "quality":
             bench_quality(task="all", bm3d=True, quick=quick, threads=threads, onnx_dir=onnx_dir, out=out,
                           progress=progress)
+        elif stage == "gateway-profile":
+            bench_gateway_profile(duration=10.0, concurrency="1,32", rate=250, workers=None, throughput_concurrency=32,
+                                  onnx_dir=onnx_dir, out=out)
         elif stage == "soak":
             bench_soak(requests=1_000 if quick else 10_000, concurrency=32, out=out)
         else:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from unroll.serving.cpu_runtime import ort_session  # noqa: F401  (the benchmarks' in-process baseline, re-exported)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -92,23 +93,6 @@ def latency_summary(latencies_ms: Sequence[float]) -> dict[str, float]:
     p50, p90, p95, p99 = np.percentile(a, [50, 90, 95, 99])
     return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p95": float(p95), "p99": float(p99),
             "max": float(a.max())}
-
-
-def ort_session(path: str | Path, threads: int, spinning: bool = False):
-    """A CPU ONNX Runtime session set up as Triton's model runs it (serving/triton_backend_model.py).
-
-    ``threads`` intra-op threads, one inter-op thread, sequential execution, all graph optimizations, and idle threads
-    sleeping instead of spinning (spinning costs latency whenever other processes share the cores).
-    """
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
 @contextmanager

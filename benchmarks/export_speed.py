@@ -3,6 +3,12 @@
 Same inputs (from each model's card data), same thread count (2 by default) for every engine, in one
 run; ratios are to PyTorch eager from the same run. The rows are chosen from the registry
 (:func:`default_rows`).
+
+The fused graph also runs on OpenVINO (where installed; the cell says "skipped" otherwise), through the
+same :func:`unroll.serving.cpu_runtime.open_session` the server uses, and the outputs of the two runtimes
+are compared (max |Δ| per row). "served" is the runtime the model's card names (``cpu_runtime``), which the
+CPU target serves; the targets are judged on it, and the row also names the fastest runtime, so a card whose
+choice stopped being the faster one shows.
 """
 
 from __future__ import annotations
@@ -13,38 +19,41 @@ from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import onnx
-import onnxruntime as ort
 import onnxslim
 import torch
-from unroll.benchmarks.common import machine_info, time_call, trained_models, write_results
+from unroll.benchmarks.common import load_note, machine_info, time_call, trained_models, write_results
 from unroll.benchmarks.models_bench import case_inputs, cases_for, torch_call
 from unroll.export.onnx_export import _Classifier, _torch_export, io_names, resolve_card
+from unroll.serving.cpu_runtime import open_session, unavailable_reason, version
 
 import unroll
 from unroll.registry import REGISTRY, get_spec
 from unroll.solvers.shrink import textbook_mode
 
-ENGINES = ("pytorch eager", "torch.compile", "onnxruntime naive", "onnxruntime fused")
+ENGINES = ("pytorch eager", "torch.compile", "onnxruntime naive", "onnxruntime fused", "openvino fused")
+#: CPU runtimes that run the fused graph (serving/cpu_runtime.py); the card's ``cpu_runtime`` is the "served" one.
+FUSED = {"onnxruntime fused": "onnxruntime", "openvino fused": "openvino"}
 
 
 def default_rows(quick: bool = False) -> list[tuple[str, str, int]]:
     """(model, label, case): the first classifier architecture without weights (a larger network at its own
     input size) and every trained model, both cases each; ``quick``: the trained models' first case only."""
+    trained = trained_models()  # (imports the model modules: the registry is filled by then)
     untrained = [n for n, s in REGISTRY.items() if s.task == "classification" and not s.has_weights][:1]
     untrained = [] if quick else untrained
     rows = []
-    for name in untrained + trained_models():
+    for name in untrained + trained:
         cases = cases_for(name, quick)
         rows += [(name, label, case) for label, case in (cases[:1] if quick else cases)]
     return rows
 
 
-def _session(path: str, threads: int) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+def fastest(row: dict) -> str | None:
+    """The CPU runtime that ran the fused graph fastest in ``row`` (what a card's ``cpu_runtime`` should name)."""
+    times = [(row["timings"][e]["median_ms"], r) for e, r in FUSED.items() if e in row["timings"]]
+    return min(times)[1] if times else None
 
 
 def run(threads: int = 2, rows: list | None = None, with_compile: bool = True, budget_s: float = 3.0,
@@ -81,35 +90,67 @@ def run(threads: int = 2, rows: list | None = None, with_compile: bool = True, b
                     compiled = torch_call(torch.compile(model, dynamic=False), name, feeds)
                     compiled()
                     row["timings"]["torch.compile"] = time_call(compiled, budget_s=budget_s)
-            for tag in ("naive", "fused"):
+            outputs = {}
+            for engine, (runtime, tag) in (("onnxruntime naive", ("onnxruntime", "naive")),
+                                           *((e, (r, "fused")) for e, r in FUSED.items())):
+                why = unavailable_reason(runtime)
+                if why:
+                    row.setdefault("skipped", {})[engine] = f"skipped: {why}"
+                    continue
                 if progress:
-                    progress(f"{name} {label}: onnxruntime {tag}")
-                sess = _session(paths[tag], threads)
-                row["timings"][f"onnxruntime {tag}"] = time_call(partial(sess.run, None, np_feeds), budget_s=budget_s)
+                    progress(f"{name} {label}: {engine}")
+                sess = open_session(paths[tag], runtime, threads)
+                outputs[engine] = next(iter(sess(np_feeds).values()))
+                row["timings"][engine] = time_call(partial(sess, np_feeds), budget_s=budget_s)
+            if "openvino fused" in outputs:
+                row["openvino_max_abs_diff"] = float(np.abs(outputs["openvino fused"]
+                                                            - outputs["onnxruntime fused"]).max())
             eager = row["timings"]["pytorch eager"]["median_ms"]
             row["speedup_vs_eager"] = {k: eager / v["median_ms"] for k, v in row["timings"].items()}
+            runtime = spec.card.cpu_runtime  # what the CPU target serves (the card's choice)
+            engine = next(e for e, r in FUSED.items() if r == runtime)
+            if engine not in row["timings"]:
+                raise RuntimeError(f"{name}'s card serves with {runtime}, which cannot run here: "
+                                   f"{row['skipped'][engine]}")
+            row["served"] = {"engine": engine, "runtime": runtime, "median_ms": row["timings"][engine]["median_ms"],
+                             "speedup_vs_eager": eager / row["timings"][engine]["median_ms"], "fastest": fastest(row)}
             results.append(row)
-    payload = {"benchmark": "export speed", "machine": machine_info(threads), "rows": results,
-               "targets": "fused ONNX Runtime ≥ 1.5× PyTorch eager and faster than torch.compile on every row"}
+    machine = machine_info(threads)
+    machine.setdefault("versions", {})["openvino"] = version("openvino")
+    payload = {"benchmark": "export speed", "machine": machine, "rows": results,
+               "targets": "the served fused graph (the card's CPU runtime) ≥ 1.5× PyTorch eager and faster than "
+                          "torch.compile on every row"}
     write_results("export_speed", payload, markdown(payload), out_dir) if out_dir is not None else None
     return payload
 
 
 def markdown(payload: dict) -> str:
     m = payload["machine"]
+    ov = m["versions"].get("openvino")
     lines = [f"# Export speed ({m['cpu']}, {m['threads_used']} threads, torch {m['versions'].get('torch')}, "
-             f"onnxruntime {m['versions'].get('onnxruntime')})", "",
-             "Median latency in ms (speed-up vs PyTorch eager in the same run).", "",
-             "| model | case | " + " | ".join(ENGINES) + " | fused ≥ 1.5× eager | fused < compile |",
-             "|---|---|" + "---|" * (len(ENGINES) + 2)]
+             f"onnxruntime {m['versions'].get('onnxruntime')}, openvino {ov or 'not installed'})", "",
+             "Median latency in ms (speed-up vs PyTorch eager in the same run). \"served\": the CPU runtime the "
+             "model's card names (`cpu_runtime`), the one `unroll serve` runs; the targets are judged on it (a runtime "
+             "in *italics* after it ran this row faster). "
+             "max |Δ|: OpenVINO's output vs ONNX Runtime's on the same fused graph. " + load_note(m), "",
+             "| model | case | " + " | ".join(ENGINES) + " | served | max \\|Δ\\| | served ≥ 1.5× eager "
+             "| served < compile |",
+             "|---|---|" + "---|" * (len(ENGINES) + 4)]
     for r in payload["rows"]:
         cells = []
         for e in ENGINES:
             t = r["timings"].get(e)
-            cells.append(f"{t['median_ms']:.2f} ({r['speedup_vs_eager'][e]:.2f}×)" if t else "-")
-        fused = r["timings"]["onnxruntime fused"]["median_ms"]
+            cells.append(f"{t['median_ms']:.2f} ({r['speedup_vs_eager'][e]:.2f}×)" if t
+                         else r.get("skipped", {}).get(e, "-"))
+        best = r.get("served") or {"engine": "onnxruntime fused", "runtime": "onnxruntime",
+                                   "median_ms": r["timings"]["onnxruntime fused"]["median_ms"],
+                                   "speedup_vs_eager": r["speedup_vs_eager"]["onnxruntime fused"]}
         comp = r["timings"].get("torch.compile", {}).get("median_ms")
-        ok1 = "yes" if r["speedup_vs_eager"]["onnxruntime fused"] >= 1.5 else "**no**"
-        ok2 = "-" if comp is None else ("yes" if fused < comp else "**no**")
-        lines.append(f"| {r['model']} | {r['case']} | " + " | ".join(cells) + f" | {ok1} | {ok2} |")
+        ok1 = "yes" if best["speedup_vs_eager"] >= 1.5 else "**no**"
+        ok2 = "-" if comp is None else ("yes" if best["median_ms"] < comp else "**no**")
+        diff = r.get("openvino_max_abs_diff")
+        name = best["runtime"] if best.get("fastest", best["runtime"]) == best["runtime"] else \
+            f"{best['runtime']} (*{best['fastest']}*)"
+        lines.append(f"| {r['model']} | {r['case']} | " + " | ".join(cells) + f" | {name} | "
+                     + ("-" if diff is None else f"{diff:.1e}") + f" | {ok1} | {ok2} |")
     return "\n".join(lines) + "\n"

@@ -39,7 +39,10 @@ from unroll.benchmarks.common import (
     write_results,
 )
 
-ENGINES = ("pytorch eager", "torch.compile", "onnxruntime fp32", "onnxruntime fp16", "onnxruntime int8")
+ENGINES = ("pytorch eager", "torch.compile", "onnxruntime fp32", "openvino fp32", "onnxruntime fp16",
+           "onnxruntime int8")
+#: The FP32 graph on OpenVINO (serving/cpu_runtime.py), the other CPU runtime a card can pick.
+OPENVINO = "openvino fp32"
 QUANTIZED = ("fp16", "int8")
 #: Image inputs: batch 1 and a "full batch" — the largest power of two in [8, 64] with at most
 #: FULL_BATCH_ELEMENTS input values; token/feature blocks: batch 1 and 8.
@@ -234,6 +237,18 @@ def bench_model(name: str, onnx_dir: Path, threads: int, budget_s: float, with_c
         notes["onnxruntime fp32"] = f"export failed: {type(e).__name__}: {e}"[:200]
     q, why = quantized_graphs(name, onnx_dir)
     sessions.update({p: ort_session(path, threads) for p, path in q.items()})
+    openvino = None
+    if "fp32" in sessions:
+        from unroll.serving.cpu_runtime import open_session, unavailable_reason
+
+        skip = unavailable_reason("openvino")
+        if skip:
+            notes[OPENVINO] = f"skipped: {skip}"
+        else:
+            try:
+                openvino = open_session(ensure_export(name, onnx_dir), "openvino", threads)
+            except Exception as e:  # a graph OpenVINO cannot compile is a result too
+                notes[OPENVINO] = f"OpenVINO failed: {type(e).__name__}: {e}"[:200]
     lam = lam_default(name, onnx_dir)
     if quantizable(name):  # only these have gate data, so only these can be quantized
         notes.update({f"onnxruntime {p}": w for p, w in why.items()})
@@ -259,6 +274,11 @@ def bench_model(name: str, onnx_dir: Path, threads: int, budget_s: float, with_c
             names = {i.name for i in sess.get_inputs()}
             np_feeds = {k: v.numpy() for k, v in feeds.items() if k in names}
             row["timings"][f"onnxruntime {p}"] = _timed(partial(sess.run, None, np_feeds), budget_s)
+            if p == "fp32" and openvino is not None:
+                status(f"{name} {label}: {OPENVINO}")
+                ref = sess.run(None, np_feeds)[0]
+                row["openvino_max_abs_diff"] = float(np.abs(next(iter(openvino(np_feeds).values())) - ref).max())
+                row["timings"][OPENVINO] = _timed(partial(openvino, np_feeds), budget_s)
         eager = row["timings"]["pytorch eager"]["median_ms"]
         row["speedup_vs_eager"] = {k: eager / v["median_ms"] for k, v in row["timings"].items()}
         rows.append(row)
@@ -380,7 +400,11 @@ def run(models: list[str] | None = None, threads: int = 2, budget_s: float = 1.0
             bars.advance(task)
         scal = scaling(onnx_dir, threads, budget_s, quick, status) if with_scaling else {}
         bars.advance(task)
-    payload = {"benchmark": "models", "machine": machine_info(threads),
+    from unroll.serving.cpu_runtime import version
+
+    machine = machine_info(threads)
+    machine.setdefault("versions", {})["openvino"] = version("openvino")
+    payload = {"benchmark": "models", "machine": machine,
                "config": {"threads": threads, "budget_s": budget_s, "torch_compile": with_compile, "quick": quick,
                           "timing": f"{1 if quick else 2} warm-up call(s), then repeats until the budget (≥ 3): median",
                           "onnx_dir": str(onnx_dir)},
@@ -402,24 +426,29 @@ def write(payload: dict, out_dir: Path) -> list[Path]:
 # ----------------------------------------------------------------------------------------------- Markdown
 
 
-def _cell(t: dict | None, ratio: float | None) -> str:
-    return "-" if t is None else f"{t['median_ms']:.2f} ({ratio:.2f}×)"
+def _cell(t: dict | None, ratio: float | None, note: str | None = None) -> str:
+    if t is None:
+        return note if note and note.startswith("skipped") else "-"
+    return f"{t['median_ms']:.2f} ({ratio:.2f}×)"
 
 
 def markdown(payload: dict) -> str:
     m, cfg = payload["machine"], payload["config"]
-    engines = [e for e in ENGINES if any(e in r["timings"] for r in payload["rows"])]
+    engines = [e for e in ENGINES if any(e in r["timings"] or (e == OPENVINO and OPENVINO in r["notes"])
+                                         for r in payload["rows"])]
     lines = [f"# Engines per model ({m['cpu']}, {cfg['threads']} threads, torch {m['versions'].get('torch')}, "
-             f"onnxruntime {m['versions'].get('onnxruntime')})", "",
+             f"onnxruntime {m['versions'].get('onnxruntime')}"
+             + (f", openvino {m['versions']['openvino']}" if m["versions"].get("openvino") else "") + ")", "",
              f"Median latency in ms per call ({cfg['timing']}); in parentheses the speed-up vs PyTorch eager in "
              "the same run. Models without committed weights run a seeded random initialisation (same cost). "
              + ("" if cfg["torch_compile"] else "torch.compile skipped (pass --compile; slow to compile). ")
              + load_note(m), "",
              "| model | case | " + " | ".join(engines) + " |", "|---|---|" + "---|" * len(engines)]
     for r in payload["rows"]:
-        cells = [_cell(r["timings"].get(e), r["speedup_vs_eager"].get(e)) for e in engines]
+        cells = [_cell(r["timings"].get(e), r["speedup_vs_eager"].get(e), r["notes"].get(e)) for e in engines]
         lines.append(f"| {r['model']} | {r['case']} | " + " | ".join(cells) + " |")
-    notes = sorted({f"{r['model']} {k}: {v}" for r in payload["rows"] for k, v in r["notes"].items()})
+    notes = sorted({f"{r['model']} {k}: {v}" for r in payload["rows"] for k, v in r["notes"].items()
+                    if not v.startswith("skipped")})
     if notes:
         lines += ["", "Not measured: " + "; ".join(notes) + "."]
     if payload["precision"]:

@@ -14,6 +14,13 @@ repository with ``max_batch_size: 1`` and no ``dynamic_batching``) at one concur
 rounds (on, off, on, off, …) so that load drifting on a shared machine hits both alike; the speed-up
 is the median of the rounds' ratios (single runs of 5 s ranged 1.3–1.8× here).
 
+Triton direct is also measured by Triton's own client, ``perf_analyzer`` (:mod:`unroll.benchmarks.perf_analyzer`;
+set up by ``scripts/perf_analyzer_setup.sh``, reported missing with that command when absent), on the same real
+inputs, with its per-stage server split; it then drives the batching rounds and a queue-delay comparison (the
+repository default vs :data:`COMPARE_QUEUE_DELAYS_US` at concurrency 1 and the batching level). ONNX Runtime's
+in-process batched ceiling (best batch size, same threads) is the yardstick for Triton's throughput. The targets
+(:func:`targets`) are ratios from this one run.
+
 Everything runs on the same machine as the client, so client, gateway and Triton share its cores:
 the numbers answer "what does this box serve", not "what does the server do on idle cores".
 """
@@ -57,6 +64,16 @@ CLASSIFY_SAMPLES = 256
 DENOISE_IMAGES = 4
 TARGET_OVERHEAD_MS = 2.0
 TARGET_BATCHING_SPEEDUP = 1.5
+#: Triton direct (perf_analyzer, one digit, concurrency 1) p50 ≤ in-process ONNX Runtime p50 + this.
+TARGET_DIRECT_OVERHEAD_MS = 0.5
+#: Triton direct at the batching concurrency ≥ this share of ONNX Runtime's in-process batched ceiling.
+TARGET_CEILING_SHARE = 0.7
+#: Triton-direct levels measured with perf_analyzer (the classifier; the denoisers use their own concurrency).
+PERF_ANALYZER_CONCURRENCY = (1, 16)
+#: Batch sizes tried for ONNX Runtime's in-process batched ceiling (the best one is the ceiling).
+CEILING_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+#: Queue delays (µs) compared with the default (serving/repository.py) at concurrency 1 and the batching level.
+COMPARE_QUEUE_DELAYS_US = (500,)
 MAX_ERROR_SAMPLES = 3
 
 
@@ -416,6 +433,14 @@ def write_repositories(onnx_dir: Path, root: Path, served: Served) -> tuple[Path
     return on, off
 
 
+def write_delay_repository(onnx_dir: Path, root: Path, served: Served, queue_delay_us: int) -> Path:
+    """The classifier alone, batching as the project default except ``max_queue_delay_microseconds``."""
+    from unroll.serving.repository import write_repository
+
+    write_repository("cpu", [served.classifier], root, onnx_dir=onnx_dir, queue_delay_us=queue_delay_us)
+    return root
+
+
 @contextlib.contextmanager
 def triton_server(repo: Path, log: Path) -> Iterator[tuple[str, str]]:
     """A tritonserver on free ports; yields (HTTP url, gRPC url) and always stops it."""
@@ -429,6 +454,57 @@ def triton_server(repo: Path, log: Path) -> Iterator[tuple[str, str]]:
         yield handle.url, handle.grpc_url
     finally:
         handle.stop()
+
+
+# ----------------------------------------------------------------------------------------------- perf_analyzer, ceiling
+
+
+def perf_analyzer_level(w: Workload, concurrency: int, servers: Servers, window_ms: int) -> dict:
+    """One Triton-direct level measured by ``perf_analyzer`` (gRPC, real inputs), in :func:`measure`'s row format
+    (``path`` ``perf-analyzer``; latency mean/max are not reported by it), with its server split and the average
+    batch Triton formed (statistics delta around the run). Raises ``PerfAnalyzerError``."""
+    from unroll.benchmarks import perf_analyzer as pa
+
+    before = triton_stats(servers.triton_http, w.model)
+    row = pa.measure(w.model, servers.triton_grpc, w.arrays, concurrency, window_ms=window_ms)
+    delta = stats_delta(before, triton_stats(servers.triton_http, w.model)) or {}
+    lat = {k: float("nan") for k in ("mean", "p50", "p90", "p95", "p99", "max")} | row["latency_ms"]
+    return {"workload": w.key, "model": w.model, "input": w.label, "path": "perf-analyzer",
+            "concurrency": concurrency, "requests": delta.get("requests"), "errors": delta.get("failed", 0),
+            "error_samples": [], "throughput_rps": row["throughput_rps"], "latency_ms": lat,
+            "server": row["server"] | {"avg_batch": delta.get("avg_batch")}, "client_split": row["client"],
+            "stable": row["stable"], "command": row["command"]}
+
+
+def direct_level(w: Workload, concurrency: int, servers: Servers, sessions: dict, duration_s: float,
+                 warmup_s: float, use_perf_analyzer: bool, tick: Callable[[float], None] | None = None) -> dict:
+    """Triton direct: ``perf_analyzer`` when present, else our own gRPC client."""
+    if use_perf_analyzer:
+        return perf_analyzer_level(w, concurrency, servers, max(500, int(duration_s * 1000 / 2)))
+    return measure("triton-grpc", w, concurrency, duration_s, warmup_s, servers, sessions, tick=tick)
+
+
+def ort_ceiling(session, w: Workload, batch_sizes: tuple[int, ...] = CEILING_BATCH_SIZES,
+                duration_s: float = 2.0) -> dict:
+    """ONNX Runtime's in-process batched ceiling: for each batch size, back-to-back ``session.run`` on real samples
+    concatenated to that batch for ``duration_s``; items/s and the p50 per run. ``best`` is the highest items/s."""
+    rows = []
+    names = list(w.arrays[0])
+    for b in batch_sizes:
+        feeds = [{k: np.concatenate([w.arrays[(j * b + i) % len(w.arrays)][k] for i in range(b)]) for k in names}
+                 for j in range(4)]
+        session.run(None, feeds[0])  # warm-up (allocations for this shape)
+        lat, t_end, j = [], time.perf_counter() + duration_s, 0
+        start = time.perf_counter()
+        while (t0 := time.perf_counter()) < t_end:
+            session.run(None, feeds[j % len(feeds)])
+            lat.append((time.perf_counter() - t0) * 1e3)
+            j += 1
+        elapsed = time.perf_counter() - start
+        rows.append({"batch": b, "runs": len(lat), "items_per_s": b * len(lat) / elapsed,
+                     "p50_ms": float(np.percentile(lat, 50))})
+    best = max(rows, key=lambda r: r["items_per_s"])
+    return {"model": w.model, "input": w.label, "rows": rows, "best": best}
 
 
 # ----------------------------------------------------------------------------------------------- the benchmark
@@ -509,11 +585,49 @@ def targets(payload: dict) -> list[dict]:
                 "measured": None if sp is None else f"{sp:.2f}× ({b['on']['throughput_rps']:.0f} vs "
                                                     f"{b['off']['throughput_rps']:.0f} req/s)",
                 "value": sp, "met": None if sp is None else sp >= TARGET_BATCHING_SPEEDUP})
+    out += _direct_targets(payload)
     all_runs = runs + _batching_runs(b)
     n_err = sum(r["errors"] for r in all_runs)
     bad = sorted({f"{r['workload']} {r['path']} c={r['concurrency']}" for r in all_runs if r["errors"]})
     out.append({"target": "zero errors at every level", "value": n_err, "met": n_err == 0,
                 "measured": f"{n_err} errors" + (f" ({', '.join(bad[:6])})" if bad else "")})
+    return out
+
+
+def _direct_targets(payload: dict) -> list[dict]:
+    """Triton direct (perf_analyzer) vs in-process ONNX Runtime: latency at concurrency 1, and throughput at the
+    batching level (its own level, else the batching comparison's "on" side when perf_analyzer measured it) vs
+    the batched ceiling. Empty for results from before perf_analyzer was part of the benchmark."""
+    pa_ = payload.get("perf_analyzer")
+    if pa_ is None:  # results from before perf_analyzer was part of the benchmark
+        return []
+    first = next(iter(payload["config"]["workloads"]))
+    what = payload["config"]["workloads"][first]
+    ceiling = payload.get("ort_ceiling") or {}
+    best = ceiling.get("best")
+    ort1 = next((r for r in payload["runs"] if r["workload"] == first and r["path"] == "onnxruntime"
+                 and r["concurrency"] == 1), None)
+    ort_p50 = ort1["latency_ms"]["p50"] if ort1 else next(
+        (r["p50_ms"] for r in ceiling.get("rows", []) if r["batch"] == 1), None)
+    pa_runs = {r["concurrency"]: r for r in pa_["runs"] if r["workload"] == first}
+    why = pa_.get("missing") or "not measured"
+    out = []
+    d1 = pa_runs.get(1)
+    over = d1["latency_ms"]["p50"] - ort_p50 if d1 and ort_p50 is not None else None
+    out.append({"target": f"Triton direct (perf_analyzer) ≤ in-process ONNX Runtime + {TARGET_DIRECT_OVERHEAD_MS:g} ms "
+                          f"p50 (one {what['input']} for {what['model']}, concurrency 1)",
+                "measured": why if over is None else f"{over:+.2f} ms (Triton direct p50 {d1['latency_ms']['p50']:.2f} "
+                                                     f"ms, ONNX Runtime p50 {ort_p50:.2f} ms)",
+                "value": over, "met": None if over is None else over <= TARGET_DIRECT_OVERHEAD_MS})
+    b = payload.get("batching") or {}
+    c = b.get("concurrency", max(PERF_ANALYZER_CONCURRENCY))
+    dc = pa_runs.get(c) or (b.get("on") if b.get("path") == "perf-analyzer" else None)
+    share = dc["throughput_rps"] / best["items_per_s"] if dc and best else None
+    out.append({"target": f"Triton direct at concurrency {c} ≥ {TARGET_CEILING_SHARE:.0%} of ONNX Runtime's in-process "
+                          f"batched ceiling ({ceiling.get('threads', '-')} threads, best batch size)",
+                "measured": (why if dc is None else "no ceiling measured") if share is None else
+                f"{share:.0%} ({dc['throughput_rps']:.0f} vs {best['items_per_s']:.0f}/s at batch {best['batch']})",
+                "value": share, "met": None if share is None else share >= TARGET_CEILING_SHARE})
     return out
 
 
@@ -538,12 +652,22 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
         triton_url: str | None = None,
         triton_grpc_url: str | None = None, onnx_dir: Path = Path("build/onnx"), threads: int = 2,
         classify_samples: int = CLASSIFY_SAMPLES, progress: bool = True, out_dir: Path | None = None,
-        log: Callable[[str], None] = print) -> dict:
+        log: Callable[[str], None] = print,
+        perf_analyzer_concurrency: tuple[int, ...] = PERF_ANALYZER_CONCURRENCY,
+        compare_queue_delays_us: tuple[int, ...] = COMPARE_QUEUE_DELAYS_US,
+        ceiling_batch_sizes: tuple[int, ...] = CEILING_BATCH_SIZES) -> dict:
     """Start (or attach to) Triton and the gateway, sweep every workload × path × concurrency; write results.
 
     ``url`` attaches to a running gateway (then ``triton_url``, the Triton behind it, is required);
     ``triton_url`` (HTTP ``host:port``) attaches to a running Triton (gRPC: ``triton_grpc_url``, by
     default the HTTP port + 1). The no-batching comparison always starts its own Triton.
+
+    Triton direct is also measured with ``perf_analyzer`` (Triton's own client, :mod:`unroll.benchmarks.
+    perf_analyzer`) when it is set up, at ``perf_analyzer_concurrency`` for the classifier and the denoiser
+    concurrency for each image size; it then also drives the batching on/off rounds and the queue-delay
+    comparison (a Triton per delay in ``compare_queue_delays_us``, against the repository default). When it is
+    missing, the results say so with the set-up command and those use the Python gRPC client.
+    ONNX Runtime's in-process batched ceiling (``ceiling_batch_sizes``) is measured on the classifier.
     """
     if batching_rounds < 1:
         raise BenchError(f"batching rounds must be ≥ 1, not {batching_rounds}")
@@ -554,13 +678,21 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
         raise BenchError("--url needs --triton-url: the Triton behind that gateway (for Triton-direct and its "
                          "statistics)")
     onnx_dir = Path(onnx_dir)
-    payload: dict = {"benchmark": "serve", "machine": machine_info(threads)}
+    from unroll.benchmarks import perf_analyzer as pa
+    from unroll.serving.repository import DEFAULT_QUEUE_DELAY_US
+
+    pa_binary = pa.find()
+    payload: dict = {"benchmark": "serve", "machine": machine_info(threads),
+                     "perf_analyzer": {"available": pa_binary is not None,
+                                       "missing": None if pa_binary else pa.missing_reason(), "runs": []}}
     runs: list[dict] = []
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="unroll-bench-serve-")))
         served = served_models()
         log(f"writing Triton repositories from {onnx_dir}")
         repo_on, repo_off = write_repositories(onnx_dir, tmp, served)
+        delays = [d for d in dict.fromkeys(compare_queue_delays_us) if d != DEFAULT_QUEUE_DELAY_US]
+        repo_delays = {d: write_delay_repository(onnx_dir, tmp / f"delay-{d}", served, d) for d in delays}
         workloads = _workloads(onnx_dir, served, concurrency, denoise_sizes, denoise_concurrency, paths,
                                classify_samples)
         cells = [(w, p, c) for w in workloads for p in w.paths for c in w.concurrency]
@@ -602,7 +734,7 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
                               "gateway_triton_protocol": servers.gateway_protocol,
                               "config": {m: triton_config(servers.triton_http, m) for m in served.triton_models}}
         with progress_bars(progress) as bars:
-            total = bars.add_task("serve sweep", total=len(cells) + 2, info="")
+            total = bars.add_task("serve sweep", total=len(cells) + 4, info="")
             level = bars.add_task("level", total=duration_s, info="")
             for w, p, c in cells:
                 bars.update(level, description=f"{w.key} {p} c={c}", completed=0, info="")
@@ -612,9 +744,21 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
                                         + (f", {r['errors']} errors" if r["errors"] else ""))
                 runs.append(r)
                 bars.advance(total)
+            classify = workloads[0]
+            bars.update(level, description="ONNX Runtime batched ceiling", completed=0, info="")
+            payload["ort_ceiling"] = ort_ceiling(sessions[served.classifier], classify, tuple(ceiling_batch_sizes))
+            payload["ort_ceiling"]["threads"] = threads
+            bars.advance(total)
+            if pa_binary is not None:
+                for w in workloads:
+                    for c in (perf_analyzer_concurrency if w is classify else w.concurrency):
+                        bars.update(level, description=f"{w.key} perf_analyzer c={c}", completed=0, info="")
+                        payload["perf_analyzer"]["runs"].append(perf_analyzer_level(
+                            w, c, servers, max(500, int(duration_s * 1000 / 2))))
+            bars.advance(total)
+            use_pa = pa_binary is not None
             # dynamic batching on (the main server) vs off (its own server), the classifier over gRPC,
             # interleaved rounds so that drifting load hits both alike
-            classify = workloads[0]
             bars.update(level, description="starting Triton without batching", completed=0, info="")
             rounds = []
             with triton_server(repo_off, tmp / "triton-off.log") as (off_http, off_grpc):
@@ -625,16 +769,32 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
                     for tag, srv in (("on", servers), ("off", off_servers)):
                         bars.update(level, description=f"batching {tag}, c={batching_concurrency} "
                                                        f"(round {k + 1}/{batching_rounds})", completed=0)
-                        pair[tag] = measure("triton-grpc", classify, batching_concurrency, duration_s, warmup_s, srv,
-                                            sessions, tick=lambda t: bars.update(level, completed=min(t, duration_s)))
+                        pair[tag] = direct_level(
+                            classify, batching_concurrency, srv, sessions, duration_s, warmup_s, use_pa,
+                            tick=lambda t: bars.update(level, completed=min(t, duration_s)))
                     off_rps = pair["off"]["throughput_rps"]
                     pair["speedup"] = pair["on"]["throughput_rps"] / off_rps if off_rps else None
                     rounds.append(pair)
             bars.advance(total, 2)
+            # the default queue delay vs the others, at concurrency 1 and the batching level
+            levels = sorted({1, batching_concurrency})
+            qd = {DEFAULT_QUEUE_DELAY_US: {c: direct_level(classify, c, servers, sessions, duration_s, warmup_s, use_pa)
+                                           for c in levels}}
+            for d, repo in repo_delays.items():
+                bars.update(level, description=f"starting Triton with queue delay {d} µs", completed=0, info="")
+                with triton_server(repo, tmp / f"triton-delay-{d}.log") as (d_http, d_grpc):
+                    qd[d] = {c: direct_level(classify, c, Servers(d_http, d_grpc, None), sessions, duration_s,
+                                             warmup_s, use_pa) for c in levels}
+            payload["queue_delay"] = {"default_us": DEFAULT_QUEUE_DELAY_US, "model": served.classifier,
+                                      "client": "perf_analyzer" if use_pa else "python gRPC", "concurrency": levels,
+                                      "rows": [{"delay_us": d, "concurrency": c, **{k: r[k] for k in (
+                                          "throughput_rps", "latency_ms", "server")}}
+                                               for d, by_c in qd.items() for c, r in by_c.items()]}
     _add_gateway_share(runs, servers.gateway_protocol)
     payload["runs"] = runs
     median = _median_round(rounds)
-    payload["batching"] = {"concurrency": batching_concurrency, "path": "triton-grpc", "model": served.classifier,
+    payload["batching"] = {"concurrency": batching_concurrency, "model": served.classifier,
+                           "path": "perf-analyzer" if use_pa else "triton-grpc",
                            "on": median["on"], "off": median["off"], "speedup": median["speedup"],
                            "rounds": rounds, "speedups": [r["speedup"] for r in rounds],
                            "config_on": payload["servers"]["config"].get(served.classifier, {}),
@@ -686,6 +846,50 @@ def _direct_path(gateway_protocol: str) -> str:
     return "triton-http" if gateway_protocol == "http" else "triton-grpc"
 
 
+def _direct_markdown(payload: dict) -> list[str]:
+    """Triton direct from perf_analyzer (or why not), ONNX Runtime's batched ceiling, the queue-delay comparison."""
+    pa_ = payload.get("perf_analyzer")
+    if pa_ is None:
+        return []
+    lines = ["", "## Triton direct, measured by perf_analyzer (gRPC, real inputs)", ""]
+    if not pa_.get("available"):
+        lines.append(f"Not measured: {pa_.get('missing')}.")
+    else:
+        lines += ["Triton's own client (`perf_analyzer` from tritonclient 2.47.0, synchronous requests, "
+                  "`--input-data` from the same real samples). Latency in ms from the client; the server split "
+                  "is perf_analyzer's (Triton's statistics over its measurement windows); batch = average batch "
+                  "Triton formed over the run. † = no stable measurement (perf_analyzer's stability demand dropped).",
+                  "", "| model | input | conc. | req/s | p50 | p90 | p95 | p99 | queue | in | infer | out | batch |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in pa_["runs"]:
+            L, sv = r["latency_ms"], r["server"]
+            lines.append(f"| {r['model']} | {r['input']} | {r['concurrency']}{'' if r.get('stable', True) else '†'} "
+                         f"| {_f(r['throughput_rps'], 1)} | {_f(L['p50'])} | {_f(L['p90'])} | {_f(L['p95'])} | "
+                         f"{_f(L['p99'])} | {_f(sv.get('queue_ms'))} | {_f(sv.get('compute_input_ms'))} | "
+                         f"{_f(sv.get('compute_infer_ms'))} | {_f(sv.get('compute_output_ms'))} | "
+                         f"{_f(sv.get('avg_batch'))} |")
+    ceiling = payload.get("ort_ceiling")
+    if ceiling:
+        lines += ["", f"## ONNX Runtime's in-process batched ceiling ({ceiling['model']}, {ceiling['input']}, "
+                      f"{ceiling.get('threads', '-')} threads)", "",
+                  "| batch | items/s | p50 per run (ms) |", "|---|---|---|"]
+        for r in ceiling["rows"]:
+            mark = " (best)" if r["batch"] == ceiling["best"]["batch"] else ""
+            lines.append(f"| {r['batch']}{mark} | {_f(r['items_per_s'], 0)} | {_f(r['p50_ms'])} |")
+    qd = payload.get("queue_delay")
+    if qd:
+        lines += ["", f"## Dynamic batching queue delay ({qd['model']}, {qd['client']}; the default is "
+                      f"{qd['default_us']} µs, serving/repository.py)", "",
+                  "| max queue delay (µs) | conc. | req/s | p50 | p99 | queue | infer | batch |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in qd["rows"]:
+            L, sv = r["latency_ms"], r["server"] or {}
+            lines.append(f"| {r['delay_us']}{' (default)' if r['delay_us'] == qd['default_us'] else ''} | "
+                         f"{r['concurrency']} | {_f(r['throughput_rps'], 1)} | {_f(L['p50'])} | {_f(L['p99'])} | "
+                         f"{_f(sv.get('queue_ms'))} | {_f(sv.get('compute_infer_ms'))} | {_f(sv.get('avg_batch'))} |")
+    return lines
+
+
 def markdown(payload: dict) -> str:
     m, cfg, srv = payload["machine"], payload["config"], payload.get("servers", {})
     own = _direct_path(srv.get("gateway_triton_protocol", "grpc"))
@@ -726,14 +930,23 @@ def markdown(payload: dict) -> str:
                  if r.get("gateway_share_ms", {}).get("vs") not in (None, own)}
         for vs in sorted(other):
             lines += ["", f"† vs {PATH_LABELS[vs]} ({PATH_LABELS[own]} not measured for this input)."]
+    lines += _direct_markdown(payload)
     if b:
-        lines += ["", f"## Dynamic batching on vs off ({classifier}, Triton gRPC, concurrency {b['concurrency']})", "",
+        client = "perf_analyzer" if b.get("path") == "perf-analyzer" else "Triton gRPC, Python client"
+        lines += ["", f"## Dynamic batching on vs off ({classifier}, {client}, concurrency {b['concurrency']})", "",
                   "| Triton config | req/s | p50 | p99 | avg batch | errors |", "|---|---|---|---|---|---|"]
         for tag, r, c in (("on", b["on"], b["config_on"]), ("off", b["off"], b["config_off"])):
             lines.append(f"| {tag}: {_batching(c)} | {_f(r['throughput_rps'], 1)} | {_f(r['latency_ms']['p50'])} | "
                          f"{_f(r['latency_ms']['p99'])} | {_f((r['server'] or {}).get('avg_batch'))} | "
                          f"{r['errors']} |")
         rounds = b["rounds"]
+        best = (payload.get("ort_ceiling") or {}).get("best")
+        if best and b["off"]["throughput_rps"]:
+            ceil = best["items_per_s"]
+            lines += ["", f"Against ONNX Runtime's in-process batched ceiling ({_f(ceil, 0)}/s at batch "
+                          f"{best['batch']}, same threads): on {b['on']['throughput_rps'] / ceil:.0%}, off "
+                          f"{b['off']['throughput_rps'] / ceil:.0%}; the ceiling is "
+                          f"{ceil / b['off']['throughput_rps']:.2f}× no batching, the most batching could give."]
         lines += ["", f"Speed-up: {_f(b['speedup'])}× (the median of {len(rounds)} interleaved round(s) of on, off; "
                       "the rows above are that round; every round: "
                       + ", ".join(f"{_f(r['on']['throughput_rps'], 0)} vs {_f(r['off']['throughput_rps'], 0)} req/s "

@@ -13,11 +13,15 @@ metric              direction  unit      what
 ``top1_agreement``  min        fraction  classifiers: share of samples whose top-1 class equals FP32's
 ``accuracy_loss``   max        fraction  classifiers with labels: FP32 accuracy − candidate accuracy
 ``psnr_loss_db``    max        dB        denoisers: mean PSNR loss vs FP32, at the worst gate σ
+``psnr_loss_db_``   max        dB        denoisers: the largest PSNR loss vs FP32 of any one gate image at any
+``worst``                                σ (so a mean cannot hide the phantom); ``worst_image`` names it
 ``rel_err``         max        ratio     every task: ‖candidate − reference‖₂ / ‖reference‖₂ over all
                                          gate outputs (the gate of blocks and λ rules)
 ==================  =========  ========  ==========================================================
 
-Gate data (:func:`gate_cases`), by task:
+Gate data (:func:`gate_cases`): the card's gate split (``card.data.gate``: ``validation`` for the shipped models —
+every choice is made there) *and* its stress set (``card.data.stress``, synthetic/graphic content), each case
+tagged with its role and image; the test set is measured only to be reported (``split="test"``). By task:
 
 * ``classification`` / ``lambda-rule``: the card's gate split (``card.data.test`` or ``.validation``,
   per ``card.data.gate``), a labelled dataset, fitted to ``card.input.shape`` (resize, channel match);
@@ -89,6 +93,8 @@ METRICS: dict[str, Metric] = {
                             best=0.0, tasks=("classification",), scale=100.0, spec=".2f", suffix=" points"),
     "psnr_loss_db": Metric("max", "dB", "mean PSNR of FP32 minus the candidate's, at the worst gate σ",
                            best=0.0, tasks=("denoising",), spec=".3f", suffix=" dB", where="worst_sigma"),
+    "psnr_loss_db_worst": Metric("max", "dB", "largest PSNR loss vs FP32 of any one gate image at any gate σ",
+                                 best=0.0, tasks=("denoising",), spec=".3f", suffix=" dB", where="worst_image"),
     "rel_err": Metric("max", "ratio", "‖candidate − reference‖₂ / ‖reference‖₂ over all gate outputs",
                       best=0.0, tasks=_ALL_TASKS, spec=".2e"),
 }
@@ -125,6 +131,9 @@ class GateCase:
     clean: np.ndarray | None = None
     #: Denoisers: the noise level σ on the 0–255 scale (the metric is reported per level).
     level: float | None = None
+    #: The data role the case comes from (``validation``, ``stress``, ``test`` …) and, for denoisers, the image.
+    role: str = ""
+    image: str = ""
 
     def __len__(self) -> int:
         return len(next(iter(self.feeds.values())))
@@ -216,20 +225,40 @@ def _denoising_cases(card: ModelCard, role: str, max_hw: tuple[int, int] | None)
             cases.append(GateCase(f"{name} {c.shape[2]}×{c.shape[3]} σ={s:g}",
                                   {card.input.name: np.ascontiguousarray(n),
                                    card.sigma.input: np.array([s / card.sigma.scale], np.float32)},
-                                  clean=np.ascontiguousarray(c), level=float(s)))
+                                  clean=np.ascontiguousarray(c), level=float(s), role=role, image=name))
     return cases
+
+
+def gate_roles(card: ModelCard, split: str | None = None) -> list[str]:
+    """The data roles a gate runs on: ``split`` alone if given, else ``card.data.gate`` and, when the card
+    names one, ``stress``."""
+    if split is not None:
+        return [split]
+    return [card.data.gate, *(["stress"] if card.data.stress is not None else [])]
 
 
 def gate_cases(card: ModelCard, split: str | None = None, max_batch: int | None = None,
                max_hw: tuple[int, int] | None = None) -> list[GateCase]:
     """Real held-out gate data for the card's model (see the module docstring for what, per task).
 
-    ``split``: the data role (default ``card.data.gate``); ``max_batch``: largest batch per case;
-    ``max_hw``: denoisers' images are centre-cropped to at most this H×W.
+    ``split``: one data role only (e.g. ``test``, to report); default :func:`gate_roles` — the card's gate split
+    and its stress set. ``max_batch``: largest batch per case; ``max_hw``: denoisers' images are centre-cropped
+    to at most this H×W.
     """
-    role = split or card.data.gate
     if max_batch is not None and max_batch < 1:
         raise ValueError(f"max_batch must be ≥ 1, not {max_batch}")
+    return [c for role in gate_roles(card, split) for c in _role_cases(card, role, max_batch, max_hw)]
+
+
+def gate_source(card: ModelCard, cases: Sequence[GateCase], split: str | None = None) -> str:
+    """Where gate cases come from, for reports: ``card.data.validation = denoise-validation + card.data.stress = …``."""
+    src = " + ".join(f"card.data.{r} = {getattr(card.data, r, None) or 'the export example inputs'}"
+                     for r in gate_roles(card, split))
+    return f"{src}: {len(cases)} batches, {sum(len(c) for c in cases)} samples"
+
+
+def _role_cases(card: ModelCard, role: str, max_batch: int | None,
+                max_hw: tuple[int, int] | None) -> list[GateCase]:
     if card.task == "denoising":
         return _denoising_cases(card, role, max_hw)
     x, y, source = real_inputs(card, role)
@@ -238,7 +267,7 @@ def gate_cases(card: ModelCard, split: str | None = None, max_batch: int | None 
     for s in range(0, len(x), step):
         part = x[s:s + step]
         cases.append(GateCase(f"{source} [{s}:{s + len(part)}]", {card.input.name: part, **_lam_feed(card, len(part))},
-                              labels=None if y is None else y[s:s + step]))
+                              labels=None if y is None else y[s:s + step], role=role))
     return cases
 
 
@@ -276,19 +305,30 @@ def _classification(cases: Sequence[GateCase], refs: list[np.ndarray], gots: lis
 
 def _denoising(cases: Sequence[GateCase], refs: list[np.ndarray], gots: list[np.ndarray]) -> dict:
     rows: dict[str, dict[str, list[float]]] = {}
+    images: dict[str, dict] = {}  # "role/image" → per-σ PSNRs and loss
     for c, a, b in zip(cases, refs, gots, strict=True):
         if c.clean is None or c.level is None:
             raise ValueError(f"gate case {c.label!r}: a denoiser's gate needs the clean image and σ level")
         row = rows.setdefault(f"{c.level:g}", {"ref": [], "got": [], "diff": []})
         for k in range(len(a)):
-            row["ref"].append(psnr(c.clean[k], a[k]))
-            row["got"].append(psnr(c.clean[k], b[k]))
+            ref, got = psnr(c.clean[k], a[k]), psnr(c.clean[k], b[k])
+            row["ref"].append(ref)
+            row["got"].append(got)
+            key = f"{c.role}/{c.image or c.label}" + (f"[{k}]" if len(a) > 1 else "")
+            images.setdefault(key, {"role": c.role, "image": c.image or c.label, "per_sigma": {}})["per_sigma"][
+                f"{c.level:g}"] = {"psnr_fp32": round(ref, 4), "psnr": round(got, 4), "loss_db": round(ref - got, 4)}
         row["diff"].append(float(np.max(np.abs(a - b))))
+    for v in images.values():
+        v["worst_loss_db"] = max(p["loss_db"] for p in v["per_sigma"].values())
+    worst_key, worst_sigma = max(((k, s) for k, v in images.items() for s in v["per_sigma"]),
+                                 key=lambda ks: images[ks[0]]["per_sigma"][ks[1]]["loss_db"])
     per = {s: {"images": len(v["ref"]), "psnr_fp32": float(np.mean(v["ref"])), "psnr": float(np.mean(v["got"])),
                "psnr_loss_db": float(np.mean(v["ref"]) - np.mean(v["got"])), "max_abs_diff": max(v["diff"])}
            for s, v in rows.items()}
     worst = max(per, key=lambda s: per[s]["psnr_loss_db"])
-    return {"per_sigma": per, "psnr_loss_db": per[worst]["psnr_loss_db"], "worst_sigma": f"σ={worst}"}
+    return {"per_sigma": per, "psnr_loss_db": per[worst]["psnr_loss_db"], "worst_sigma": f"σ={worst}",
+            "psnr_loss_db_worst": images[worst_key]["per_sigma"][worst_sigma]["loss_db"],
+            "worst_image": f"{worst_key} σ={worst_sigma}", "per_image": images}
 
 
 def measure(card: ModelCard, cases: Sequence[GateCase], reference_run: Run | Sequence[np.ndarray],

@@ -486,10 +486,8 @@ def engine_gate_cases(card: ModelCard, profile: ProfileShapes) -> tuple[list[gat
     if not fits:
         raise TrtBuildError(f"none of the {len(cases)} gate cases of {card.name} fits the optimization profile "
                             f"{lo} … {hi} of input {card.input.name!r}")
-    role = card.data.gate
-    what = f"card.data.{role} = {getattr(card.data, role) or 'the export example inputs'}"
     left = f"; {len(cases) - len(fits)} smaller than the profile minimum left out" if len(fits) < len(cases) else ""
-    return fits, f"{what}: {len(fits)} batches, {sum(len(c) for c in fits)} samples{left}"
+    return fits, gate.gate_source(card, fits) + left
 
 
 def _pad_batch(feeds: dict[str, np.ndarray], bmin: int) -> tuple[dict[str, np.ndarray], int]:

@@ -5,7 +5,8 @@ classifiers) and differ only in how a model runs:
 
 * ``cpu`` — what runs here: the Triton in the nvidia-pytriton wheel has only the Python backend, so
   every model is a Python-backend model (``serving/triton_backend_model.py`` copied as
-  ``1/model.py``) that runs ``1/model.onnx`` with ONNX Runtime, one session per instance.
+  ``1/model.py``) that runs ``1/model.onnx`` with the card's CPU runtime (``cpu_runtime``: ONNX Runtime, or
+  OpenVINO), one session per instance.
 * ``gpu`` — for the NGC ``tritonserver`` container: ``tensorrt_plan`` when ``unroll build`` left a
   plan ``build/trt/<name>.<precision>.plan`` (checked against the JSON beside it, copied as
   ``<model>/trt_plan.json``), else ``onnxruntime_onnx`` with the TensorRT execution accelerator (engine
@@ -48,10 +49,17 @@ report's verified parity cases.
 (``input_defaults``); Triton's TensorRT and ONNX Runtime backends cannot default a missing input, so on the
 GPU target it is required, and the gateway always sends it (the card's default when a request gives none).
 
-Batching defaults are starting points, not measurements: on a CPU, batching saves no arithmetic, only
-the per-execution overhead of the Python backend, so the queue delay is kept short (waiting longer only
-adds latency to a lone request), and the denoiser gets a small ``max_batch_size`` because its cost grows
-with the image area, so a large batch of large images would make every request wait for all the others.
+Batching defaults. **No queue delay** (``max_queue_delay_microseconds: 0``): a lone request must not wait
+for a batch that is not coming. Triton's dynamic batcher still batches: while the model instance is busy,
+requests queue up, and the next execution takes all of them (up to ``max_batch_size``) at once, so under load
+batches form by themselves without any delay. A delay only adds latency: with 500 µs a request at
+concurrency 1 waits the whole delay in the queue (Triton's "queue" time), and at concurrency 16 the instance
+is rarely idle, so batches form without it. The measurement (0 vs 500 µs at concurrency 1 and 16, with
+``perf_analyzer``) is the "Dynamic batching queue delay" table of ``benchmarks/results/serve.md``, written by
+``unroll bench serve``. On a CPU, batching saves no arithmetic,
+only the per-execution overhead of the Python backend; the denoiser gets a small ``max_batch_size`` because
+its cost grows with the image area, so a large batch of large images would make every request wait for all
+the others.
 On the GPU target ``max_batch_size`` is the TensorRT profile's maximum batch (the plan's, else the card's):
 the engine covers no more. ``unroll bench serve`` measures dynamic batching on and off through the real
 server (``benchmarks/results/``); re-measure on your hardware and pass ``--queue-delay-us`` /
@@ -86,7 +94,8 @@ PRECISIONS = ("fp32", "fp16", "int8")
 DEFAULT_MAX_BATCH_SIZE = 32
 #: CPU exceptions to DEFAULT_MAX_BATCH_SIZE by task (see the module docstring).
 CPU_MAX_BATCH_SIZE = {"denoising": 4}
-DEFAULT_QUEUE_DELAY_US = 500
+#: No delay: see the module docstring (a lone request must not wait; busy instances batch what queued).
+DEFAULT_QUEUE_DELAY_US = 0
 VERSION = "1"
 LABELS_FILE = "labels.txt"
 #: The plan's JSON (``unroll build``), copied beside config.pbtxt so validation can re-check the plan.
@@ -385,13 +394,14 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
             labels = class_labels(src.card, t.dims[-1])
             io.label_filename = LABELS_FILE
     if batching:
+        cfg.dynamic_batching.SetInParent()  # present even with delay 0 (the default): dynamic batching on
         cfg.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
     kind = mc.ModelInstanceGroup.KIND_CPU if target == "cpu" else mc.ModelInstanceGroup.KIND_GPU
     cfg.instance_group.add(kind=kind, count=instances)
     params = {"unroll_source_onnx": src.onnx.name, CARD_KEY: src.card.to_json()}
     if target == "cpu":
         params |= {"onnx_file": "model.onnx", "intra_op_num_threads": str(threads), "intra_op_spinning": "0",
-                   "input_defaults": json.dumps(defaults)}
+                   "cpu_runtime": src.card.cpu_runtime, "input_defaults": json.dumps(defaults)}
     else:
         profile = src.profile if src.profile is not None else card_profile(src, cfg)
         params[PROFILE_KEY] = profile.to_json()

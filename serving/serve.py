@@ -8,7 +8,9 @@ stale or for another target (``model_repository``), start the bundled tritonserv
 ``--triton-url`` points at one already running, e.g. the NGC container on a GPU server), write one sample
 input per served model to ``build/samples`` (chosen from its card), then run the gateway with uvicorn and
 print the URLs and a ``curl`` per model. The gateway finds the models and their cards in Triton.
-Ctrl-C or SIGTERM stops the gateway gracefully, then Triton — also when they arrive during set-up.
+``--workers N`` (``UNROLL_WORKERS``; default half the cores, 1 to 4) runs N gateway processes behind the
+one port, with metrics that add up across them (:mod:`unroll.serving.gateway.workers`).
+Ctrl-C or SIGTERM stops the gateway gracefully (every worker), then Triton — also when they arrive during set-up.
 
 The bundled Triton runs under a :class:`~unroll.serving.supervisor.TritonSupervisor` (restarted with
 back-off when it dies or hangs, its stubs and shared memory cleaned up; ``unroll serve`` exits if it
@@ -334,8 +336,11 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
           triton_protocol: str = "grpc", api_key: str | None = None, repo: Path = Path("model_repository"),
           onnx_dir: Path = Path("build/onnx"), samples_dir: Path = Path("build/samples"), rebuild: bool = False,
           log_level: str = "info", on_ready: Callable[[str], None] | None = None,
-          models: list[str] | None = None) -> None:
+          models: list[str] | None = None, workers: int | None = None) -> None:
     """Build what is missing, start Triton (unless ``triton_url``) and the gateway; block until Ctrl-C/SIGTERM.
+
+    ``workers``: gateway processes behind ``port`` (default ``UNROLL_WORKERS``, else half the cores, 1 to 4;
+    see :mod:`unroll.serving.gateway.workers`).
 
     ``models`` are registry names (default :func:`default_models`); their companions are served too.
 
@@ -346,6 +351,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
     from unroll.serving.gateway import Settings, create_app
     from unroll.serving.gateway.server import uvicorn_options
     from unroll.serving.gateway.triton_client import TRITON_API_KEY_ENV
+    from unroll.serving.gateway.workers import Stopper, check_workers, default_workers, run_workers
     from unroll.serving.supervisor import TritonSupervisor
     from unroll.serving.triton import new_api_key, start
 
@@ -355,6 +361,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
         raise ServeError("the bundled tritonserver has only the Python backend, so it serves --target cpu; for "
                          "--target gpu run `unroll repo --target gpu` in the NGC container and pass --triton-url")
     models = resolve_models(models, None if triton_url else onnx_dir)
+    workers = check_workers(workers) if workers is not None else default_workers()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # finally-blocks run on SIGTERM during set-up
     supervisor = None
     server = None
@@ -380,7 +387,9 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
 
             def give_up(why: str) -> None:
                 gave_up.append(why)
-                if server is not None:
+                if isinstance(server, Stopper):
+                    server.stop()
+                elif server is not None:
                     server.should_exit = True
 
             _log_supervisor()
@@ -396,22 +405,38 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
         base = f"http://{'127.0.0.1' if shown == '0.0.0.0' else shown}:{port}"
         text = banner(base, cards, samples, settings.api_key is not None, f"{triton_protocol}://{url}")
 
-        class _Server(uvicorn.Server):
-            async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-                await super().startup(sockets)
-                if self.started:
-                    _say(text)
-                    if on_ready is not None:
-                        on_ready(base)
+        if workers > 1:
+            os.environ.update(settings.env())  # the workers build their app from the UNROLL_* variables
 
-        server = _Server(uvicorn.Config(create_app(settings), host=host, port=port, log_level=log_level,
-                                        timeout_graceful_shutdown=10, **uvicorn_options()))
-        if gave_up:  # Triton failed again while the gateway was being set up
-            raise ServeError(gave_up[0])
-        server.run()
+            def announce() -> None:
+                _say(text)
+                if on_ready is not None:
+                    on_ready(base)
+
+            stopper = Stopper()
+            server = stopper
+            if gave_up:  # Triton failed again while the gateway was being set up
+                raise ServeError(gave_up[0])
+            started = run_workers(host, port, workers, log_level, on_ready=announce, stopper=stopper,
+                                  timeout_graceful_shutdown=10)
+        else:
+            class _Server(uvicorn.Server):
+                async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+                    await super().startup(sockets)
+                    if self.started:
+                        _say(text)
+                        if on_ready is not None:
+                            on_ready(base)
+
+            server = _Server(uvicorn.Config(create_app(settings), host=host, port=port, log_level=log_level,
+                                            timeout_graceful_shutdown=10, **uvicorn_options()))
+            if gave_up:  # Triton failed again while the gateway was being set up
+                raise ServeError(gave_up[0])
+            server.run()
+            started = server.started
         if gave_up:
             raise ServeError(f"{gave_up[0]}; its log: {(onnx_dir.parent / 'triton.log').resolve()}")
-        if not server.started:
+        if not started:
             raise ServeError(f"the gateway could not start on {host}:{port} (see the log above)")
     except KeyboardInterrupt:
         _say("stopping")
@@ -444,6 +469,10 @@ def serve_command(
     onnx_dir: Annotated[Path, typer.Option(help="ONNX exports")] = Path("build/onnx"),
     rebuild: Annotated[bool, typer.Option(help="Re-export and rewrite the repository even if up to date")] = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
+    workers: Annotated[int | None, typer.Option(
+        envvar="UNROLL_WORKERS", show_envvar=True, min=1,
+        help="Gateway worker processes behind the one port (metrics add up across them); default: half the "
+             "cores, 1 to 4 (Triton's models take the rest)")] = None,
 ) -> None:
     """Build what is missing, start Triton and the REST gateway, print a curl per endpoint; Ctrl-C stops both."""
     from unroll.serving.repository import RepositoryError
@@ -453,7 +482,7 @@ def serve_command(
         serve(host=host, port=port, target=target, triton_http_port=triton_http_port,
               triton_grpc_port=triton_grpc_port, triton_metrics_port=triton_metrics_port, triton_url=triton_url,
               triton_protocol=triton_protocol, api_key=api_key, repo=repo, onnx_dir=onnx_dir, rebuild=rebuild,
-              log_level=log_level, models=models.split(",") if models is not None else None)
+              log_level=log_level, models=models.split(",") if models is not None else None, workers=workers)
     except (ServeError, TritonStartError, RepositoryError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(1) from None

@@ -1,11 +1,14 @@
-"""Triton Python-backend model that runs an exported ONNX graph with ONNX Runtime (CPU).
+"""Triton Python-backend model that runs an exported ONNX graph on the CPU (ONNX Runtime or OpenVINO).
 
 :mod:`unroll.serving.repository` copies this file, unchanged, to ``<model>/1/model.py`` for every model of
 a ``--target cpu`` repository; everything model-specific comes from ``config.pbtxt``:
 
 * ``parameters { key: "onnx_file" }`` — the graph beside this file (``model.onnx``);
-* ``parameters { key: "intra_op_num_threads" }`` — ONNX Runtime threads per instance (one session
-  per instance, created here in ``initialize`` and reused for every request);
+* ``parameters { key: "cpu_runtime" }`` — ``onnxruntime`` (default) or ``openvino``: the card's ``cpu_runtime``,
+  run through :func:`unroll.serving.cpu_runtime.open_session` (so the stub needs unroll importable, as
+  ``unroll serve`` and the serving image arrange);
+* ``parameters { key: "intra_op_num_threads" }`` — threads per instance (one session per instance,
+  created here in ``initialize`` and reused for every request);
 * ``parameters { key: "intra_op_spinning" }`` — ``"0"`` (default): idle ORT threads sleep, since
   several models share the cores; ``"1"`` trades CPU for latency on a dedicated machine;
 * ``parameters { key: "input_defaults" }`` — JSON ``{name: value}`` for ``optional: true`` inputs
@@ -26,6 +29,14 @@ failed ``PyCapsule_GetPointer`` and printed a 5-line traceback into Triton's log
 (nothing leaked: the stub's tensor calls the DLPack deleter itself). We give the capsule the protocol's
 name after the stub took it, so NumPy's destructor leaves it alone, as the protocol intends.
 
+Where a request's time goes (one digit, concurrency 1, measured inside the stub with timers and cProfile on a
+shared 2-core machine, so approximate): ``session.run`` is nearly all of ``execute``; the rest is ~0.1–0.2 ms of
+Python (``np.from_dlpack`` and ``pb_utils.Tensor.from_dlpack`` ~9 µs each, building the response); no
+exception is raised or caught per inference (tests/test_perf_analyzer.py checks Triton's log stays clean). The
+large cost outside the model was the dynamic batcher's queue delay, which a lone request paid in full: the
+repository default is now no delay (serving/repository.py). Optional inputs' defaults are filled from arrays
+made once per shape.
+
 The requests of one dynamic batch are concatenated into one ``session.run`` per group of equal
 non-batch shapes (the denoiser takes any H×W, so one batch can mix sizes) and the outputs are split
 back per request. A failure in one group becomes a Triton error on exactly those requests; the
@@ -42,8 +53,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
+from unroll.serving.cpu_runtime import DEFAULT_RUNTIME, RuntimeUnavailable, open_session
+
+from unroll.card import CARD_KEY
 
 
 class TritonPythonModel:
@@ -51,24 +64,23 @@ class TritonPythonModel:
         cfg = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
         onnx_path = Path(args["model_repository"]) / args["model_version"] / params.get("onnx_file", "model.onnx")
-        so = ort.SessionOptions()
         if "intra_op_num_threads" not in params:
             raise pb_utils.TritonModelException("config.pbtxt needs parameters { key: \"intra_op_num_threads\" }")
-        so.intra_op_num_threads = int(params["intra_op_num_threads"])
-        so.inter_op_num_threads = 1
-        # Several models (and the gateway) share the CPU cores: idle ORT threads must sleep, not spin.
-        so.add_session_config_entry("session.intra_op.allow_spinning", params.get("intra_op_spinning", "0"))
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self.session = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        runtime = params.get("cpu_runtime", DEFAULT_RUNTIME)
+        try:
+            # Several models (and the gateway) share the CPU cores: idle threads sleep unless told to spin.
+            self.session = open_session(onnx_path, runtime, int(params["intra_op_num_threads"]),
+                                        spinning=params.get("intra_op_spinning", "0") == "1")
+        except RuntimeUnavailable as e:  # e.g. the card names OpenVINO and it is not installed here
+            raise pb_utils.TritonModelException(f"cpu_runtime {runtime!r}: {e}") from None
         self.batching = int(cfg.get("max_batch_size", 0)) > 0
         defaults = json.loads(params.get("input_defaults", "{}"))
-        graph = {i.name: i.shape for i in self.session.get_inputs()}
+        graph = self.session.inputs
         self.inputs = []  # (name, numpy dtype, graph shape without batch if static else None, default or None)
         for i in cfg["input"]:
             name = i["name"]
             dims = graph[name][1:] if self.batching else graph[name]
-            shape = [int(d) for d in dims] if all(isinstance(d, int) for d in dims) else None
+            shape = [int(d) for d in dims] if all(d is not None for d in dims) else None
             default = defaults.get(name)
             if i.get("optional") and default is None:
                 raise pb_utils.TritonModelException(f"optional input {name!r} has no entry in input_defaults")
@@ -84,6 +96,14 @@ class TritonPythonModel:
         # {name: (min shape, max shape)}, batch first, as unroll.serving.profile writes it (stand-in only)
         raw = json.loads(params.get("unroll.profile", "{}")).get("inputs", {})
         self.profile = {n: (tuple(r["min"]), tuple(r["max"])) for n, r in raw.items()}
+        self._defaults: dict[tuple, np.ndarray] = {}  # (input name, shape) → filled default (see _default)
+        # The card's smallest image side for the main input's dynamic H and W (the denoiser's reflect padding
+        # needs 16 px): refused here as a bad request, naming the limit, rather than as a runtime's error.
+        card = json.loads(params.get(CARD_KEY, "{}")).get("input", {})
+        dims = card.get("shape", ())
+        self.min_size = None
+        if len(dims) == 3:
+            self.min_size = (card["name"], [3 - i for i in (2, 1) if dims[-i] == -1], int(card.get("min_size", 1)))
 
     def _feed(self, request) -> dict[str, np.ndarray]:
         """One request's inputs (zero-copy), reshaped to the graph's shapes, defaults filled in."""
@@ -103,16 +123,31 @@ class TritonPythonModel:
             n = next(iter(feed.values())).shape[0] if self.batching and feed else None
             for name, dtype, shape, default in missing:
                 if default is None:
-                    raise ValueError(f"missing required input {name!r}")
-                full = ((n,) if n is not None else ()) + tuple(shape or ())
-                feed[name] = np.full(full, default, dtype=dtype)
+                    raise BadInput(f"missing required input {name!r}")
+                feed[name] = self._default(name, dtype, ((n,) if n is not None else ()) + tuple(shape or ()), default)
+        if self.min_size is not None and self.min_size[0] in feed:
+            name, axes, least = self.min_size
+            a = feed[name]
+            sides = [a.shape[ax - 3] for ax in axes]  # the last three dims are the card's (C, H, W)
+            if any(d < least for d in sides):
+                raise BadInput(f"input {name!r}: {'×'.join(map(str, sides))} is smaller than the model's minimum "
+                               f"image side {least} (its card's input.min_size)")
         for name, (lo, hi) in self.profile.items():
             a = feed.get(name)
             if a is not None and (a.ndim != len(lo) or
                                   any(not x <= d <= y for x, d, y in zip(lo, a.shape, hi, strict=True))):
-                raise ValueError(f"input {name!r} of shape {list(a.shape)} lies outside the TensorRT optimization "
+                raise BadInput(f"input {name!r} of shape {list(a.shape)} lies outside the TensorRT optimization "
                                  f"profile (min {list(lo)}, max {list(hi)})")
         return feed
+
+    def _default(self, name: str, dtype, shape: tuple, value) -> np.ndarray:
+        """A filled default input, made once per shape (read-only: ONNX Runtime does not write its inputs)."""
+        key = (name, shape)
+        a = self._defaults.get(key)
+        if a is None:
+            a = self._defaults[key] = np.full(shape, value, dtype=dtype)
+            a.flags.writeable = False
+        return a
 
     def execute(self, requests: list) -> list:
         # The stub copies output tensors into shared memory only after execute() returns, and a
@@ -131,11 +166,11 @@ class TritonPythonModel:
         for members in groups.values():
             try:
                 if len(members) == 1:
-                    results = [self.session.run(self.output_names, members[0][1])]
+                    results = [self._run(members[0][1])]
                 else:  # one run for the whole group, split back per request
                     sizes = [next(iter(f.values())).shape[0] for _, f in members]
                     cat = {k: np.concatenate([f[k] for _, f in members]) for k in members[0][1]}
-                    outs = self.session.run(self.output_names, cat)
+                    outs = self._run(cat)
                     cuts = np.cumsum(sizes)[:-1]
                     split = [np.split(o, cuts) for o in outs]
                     results = [[s[j] for s in split] for j in range(len(members))]
@@ -150,6 +185,10 @@ class TritonPythonModel:
                 for idx, _ in members:
                     responses[idx] = _error(e)
         return responses
+
+    def _run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        outs = self.session(feeds)
+        return [outs[n] for n in self.output_names]
 
     def _client_shape(self, a: np.ndarray, dims: list[int] | None) -> np.ndarray:
         """Apply an output ``reshape`` (graph [B] → config dims [1]) so clients see the config's dims."""
@@ -178,5 +217,10 @@ def _to_triton(name: str, a: np.ndarray):
     return tensor
 
 
+class BadInput(ValueError):
+    """A request the model cannot take (Triton's INVALID_ARG: HTTP 400), as opposed to a failure while running."""
+
+
 def _error(e: Exception):
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"{type(e).__name__}: {e}"))
+    code = pb_utils.TritonError.INVALID_ARG if isinstance(e, BadInput) else pb_utils.TritonError.INTERNAL
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"{type(e).__name__}: {e}", code))

@@ -86,7 +86,8 @@ def _ensure_exports(names: list[str], onnx_dir: Path, autolam: bool) -> list[str
 
 def repo(
     target: Annotated[str, typer.Option(
-        help="cpu: Python-backend models that run the ONNX with ONNX Runtime (what the bundled Triton serves); "
+        help="cpu: Python-backend models that run the ONNX with the card's CPU runtime (ONNX Runtime or "
+             "OpenVINO; what the bundled Triton serves); "
              "gpu: TensorRT plans, or ONNX Runtime with the TensorRT accelerator, for the NGC tritonserver "
              "container")] = "cpu",
     models: Annotated[str | None, typer.Option(
@@ -149,7 +150,8 @@ def repo(
             cfg = validate_model(out / name, reference_onnx=_reference_onnx(out / name, onnx_dir))
         except RepositoryError as e:
             raise _fail(str(e)) from None
-        runs = cfg.backend + " (ONNX Runtime CPU)" if cfg.backend == "python" else cfg.platform
+        runtime = cfg.parameters["cpu_runtime"].string_value if "cpu_runtime" in cfg.parameters else "onnxruntime"
+        runs = f"{cfg.backend} ({runtime}, CPU)" if cfg.backend == "python" else cfg.platform
         if cfg.platform == "onnxruntime_onnx":
             runs += f" + TensorRT, strongly typed ({cfg.parameters['unroll_source_onnx'].string_value})"
         ins = ", ".join(f"{i.name}{list(i.dims)}{' (optional)' if i.optional else ''}" for i in cfg.input)

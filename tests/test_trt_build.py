@@ -398,7 +398,7 @@ def test_denoiser_gate_on_fp16_and_on_a_perturbed_graph(onnx_dir: Path) -> None:
     path, card = onnx_dir / "csc-denoiser.onnx", _card(onnx_dir, "csc-denoiser")
     fp32 = onnx.load(path)
     cases, _ = tb.engine_gate_cases(card, tb.profile_shapes(fp32, card, (1, 8, 32), ((16, 16), (64, 64), (512, 512))))
-    small = [c for c in cases if c.label.startswith("text")]
+    small = [c for c in cases if c.image == "mpl_mri"]  # a validation image, 256×256
     assert {c.level for c in small} == set(card.sigma.gate_levels)
     half = _measure(path, to_fp16(fp32), small)
     assert set(half["per_sigma"]) == {"15", "25", "50"} and half["max_abs_diff"] > 0
@@ -451,16 +451,16 @@ def test_failed_gate_writes_json_and_keeps_no_plan(tmp_path: Path) -> None:
 def test_engine_gate_cases_fit_the_profile(onnx_dir: Path) -> None:
     model, card = onnx.load(onnx_dir / "sdnet-mnist.onnx"), _card(onnx_dir, "sdnet-mnist")
     cases, source = tb.engine_gate_cases(card, tb.profile_shapes(model, card, (1, 8, 32)))
-    assert len(cases) == 32 and max(len(c) for c in cases) == 32 and sum(len(c) for c in cases) == 1000
-    assert source.startswith("card.data.test = mnist-test: 32 batches, 1000 samples")
+    assert len(cases) == 16 and max(len(c) for c in cases) == 32 and sum(len(c) for c in cases) == 500
+    assert source.startswith("card.data.validation = mnist-validation: 16 batches, 500 samples")
     model, card = onnx.load(onnx_dir / "csc-denoiser.onnx"), _card(onnx_dir, "csc-denoiser")
     cases, source = tb.engine_gate_cases(card, tb.profile_shapes(model, card, (1, 2, 4), ((16, 16), (64, 64),
                                                                                             (200, 300))))
     assert {c.level for c in cases} == set(card.sigma.gate_levels) and "left out" not in source
     assert all(c.feeds["noisy"].shape[2] <= 200 and c.feeds["noisy"].shape[3] <= 300 for c in cases)  # cropped
     cases, source = tb.engine_gate_cases(card, tb.profile_shapes(model, card, (1, 2, 4), ((300, 300),) * 3))
-    assert 0 < len(cases) < 24 and "smaller than the profile minimum left out" in source
-    with pytest.raises(tb.TrtBuildError, match="none of the 24 gate cases"):
+    assert 0 < len(cases) < 39 and "smaller than the profile minimum left out" in source
+    with pytest.raises(tb.TrtBuildError, match="none of the 39 gate cases"):
         tb.engine_gate_cases(card, tb.profile_shapes(model, card, (1, 2, 4), ((1500, 1500),) * 3))
 
 

@@ -171,6 +171,10 @@ class ModelCard(_Strict):
     #: Precisions worth building/serving; ``serve`` is what ``unroll serve`` deploys.
     precisions: tuple[Precision, ...] = ("fp32", "fp16", "int8")
     serve_precision: Precision = "fp32"
+    #: CPU target: the runtime that runs the fused graph inside Triton's Python backend
+    #: (``serving/cpu_runtime.py``). A per-model choice made by measurement (``unroll bench export``'s
+    #: "served" column); the GPU target always runs TensorRT.
+    cpu_runtime: Literal["onnxruntime", "openvino"] = "onnxruntime"
     #: For a ``lambda-rule`` graph: the classifier it picks λ for.
     companion_of: str | None = None
 

@@ -73,14 +73,15 @@ def _card_facts(spec) -> tuple[str, str, str]:
 
 @app.command()
 def models() -> None:
-    """List the registered models with their card's facts: task, input, labels, λ/σ inputs, weights, recipe."""
+    """List the registered models with their card's facts: task, input, labels, λ/σ inputs, the CPU runtime
+    that serves them, weights, recipe."""
     from unroll.registry import REGISTRY, list_models
 
     list_models()
-    table = Table("name", "task", "input", "labels", "λ / σ inputs", "weights", "recipe", "description")
+    table = Table("name", "task", "input", "labels", "λ / σ inputs", "CPU runtime", "weights", "recipe", "description")
     for spec in REGISTRY.values():
-        table.add_row(spec.name, spec.task, *_card_facts(spec), "yes" if spec.has_weights else "-",
-                      "yes" if spec.recipe else "-", spec.description)
+        table.add_row(spec.name, spec.task, *_card_facts(spec), spec.card.cpu_runtime,
+                      "yes" if spec.has_weights else "-", "yes" if spec.recipe else "-", spec.description)
     console.print(table)
 
 
@@ -376,8 +377,26 @@ def quantize(
         raise fail(str(e)) from None
     console.print(f"[green]✓[/] {name} {precision}: gate passed ({_gate_summary(r['metrics'])}); {r['chosen']} → "
                   f"{out / f'{name}.{precision}.onnx'}")
+    for line in _per_image_lines(r):
+        console.print(line)
     for note in r.get("notes", []):
         console.print(f"[yellow]note:[/] {note}")
+
+
+def _per_image_lines(r: dict) -> list[str]:
+    """The worst image of the gate data (validation + stress) and of the test set (reported only)."""
+    out = []
+    for what, m in (("gate (" + r.get("gate_data", "").split(":")[0] + ")", r.get("metrics") or {}),
+                    ("test, reported only", (r.get("test") or {}).get("metrics") or {})):
+        if "worst_image" in m:
+            out.append(f"  worst image, {what}: {m['worst_image']} loses {m['psnr_loss_db_worst']:.3f} dB; "
+                       f"mean loss {m['psnr_loss_db']:.3f} dB at {m['worst_sigma']}")
+        elif "top1_agreement" in m and what.startswith("test"):
+            out.append(f"  {what}: {_gate_summary(m)}")
+    if r.get("metrics", {}).get("per_image"):
+        out.append(f"  every image's loss per σ: {r['source'].removesuffix('.onnx')}.{r['precision']}.report.json "
+                   "(metrics.per_image, test.metrics.per_image)")
+    return out
 
 
 def _gate_summary(m: dict) -> str:
@@ -456,7 +475,14 @@ def bench_export(
 
 def _register_subsystem_commands() -> None:
     """Commands whose code lives with its subsystem (serving, TensorRT, the machine check)."""
-    from unroll.benchmarks.cli import bench_all, bench_models, bench_quality, bench_serve, bench_soak
+    from unroll.benchmarks.cli import (
+        bench_all,
+        bench_gateway_profile,
+        bench_models,
+        bench_quality,
+        bench_serve,
+        bench_soak,
+    )
     from unroll.doctor import doctor_command
     from unroll.export.trt_cli import build
     from unroll.serving.serve import serve_command
@@ -471,6 +497,7 @@ def _register_subsystem_commands() -> None:
     bench_app.command("models")(bench_models)
     bench_app.command("quality")(bench_quality)
     bench_app.command("soak")(bench_soak)
+    bench_app.command("gateway-profile")(bench_gateway_profile)
     bench_app.command("all")(bench_all)
 
 

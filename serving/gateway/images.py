@@ -137,6 +137,24 @@ def decode(data: bytes, max_pixels: int, max_aspect_ratio: float = math.inf,
     return img
 
 
+#: Images up to this many pixels (header) into a model input up to this many are prepared on the event loop.
+INLINE_PIXELS = 64 * 64
+
+
+def is_small(data: bytes, card: InputCard) -> bool:
+    """Whether the upload's header says ≤ :data:`INLINE_PIXELS` pixels and the card's fixed input is no larger:
+    cheap enough to decode and fit without leaving the event loop. Unreadable headers say no (the threadpool
+    path reports them)."""
+    fixed = card.fixed_hw
+    if fixed is None or fixed[0] * fixed[1] > INLINE_PIXELS:
+        return False
+    try:
+        w, h = Image.open(io.BytesIO(data), formats=FORMATS).size
+    except Exception:
+        return False
+    return w * h <= INLINE_PIXELS
+
+
 #: ``((min_h, min_w), (max_h, max_w))``: the image sizes a GPU model's TensorRT profile covers.
 HWRange = tuple[tuple[int, int], tuple[int, int]]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 from prometheus_client import (
@@ -31,31 +32,53 @@ log = logging.getLogger("unroll.gateway")
 #: Status recorded for a request whose client disconnected before its response was sent.
 CLIENT_CLOSED = 499
 
+#: prometheus_client's multiprocess directory: set when the gateway runs as several workers.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class Metrics:
-    """The gateway's collectors."""
+    """The gateway's collectors.
+
+    With ``PROMETHEUS_MULTIPROC_DIR`` set (the gateway runs as several worker processes, see :mod:`.workers`),
+    every value is written to that directory and :attr:`registry` aggregates all workers' files, so counters
+    and histograms add up across workers and the gauges are summed over the live ones (``livesum``); the
+    per-process collectors (``process_*``, ``python_gc_*``) are left out there (they would describe whichever
+    worker answered), and ``unroll_gateway_worker_requests{pid}`` counts the requests of each live worker.
+    """
 
     def __init__(self) -> None:
+        self.multiprocess = bool(os.environ.get(MULTIPROC_ENV))
         self.registry = CollectorRegistry(auto_describe=True)
+        # In multiprocess mode the metric objects write to files and are read back by the collector below;
+        # registering them too would show this process's values twice.
+        reg = None if self.multiprocess else self.registry
         self.requests = Counter("unroll_gateway_requests", "HTTP requests by route, method and status",
-                                ["route", "method", "status"], registry=self.registry)
+                                ["route", "method", "status"], registry=reg)
         self.latency = Histogram("unroll_gateway_request_duration_seconds", "HTTP request latency by route",
-                                 ["route", "method"], buckets=LATENCY_BUCKETS, registry=self.registry)
+                                 ["route", "method"], buckets=LATENCY_BUCKETS, registry=reg)
         self.in_flight = Gauge("unroll_gateway_requests_in_flight", "HTTP requests being handled now",
-                               registry=self.registry)
+                               registry=reg, multiprocess_mode="livesum")
         self.queued = Gauge("unroll_gateway_queue_depth", "Inference requests waiting for a concurrency slot",
-                            registry=self.registry)
+                            registry=reg, multiprocess_mode="livesum")
         self.uploads = Gauge("unroll_gateway_uploads_in_progress", "Request bodies being read now",
-                             registry=self.registry)
-        # Process and runtime metrics, on this registry (the default one is not served).
-        ProcessCollector(registry=self.registry)
-        PlatformCollector(registry=self.registry)
-        GCCollector(registry=self.registry)
+                             registry=reg, multiprocess_mode="livesum")
+        self.worker: Gauge | None = None
+        if self.multiprocess:
+            from prometheus_client import multiprocess
+
+            multiprocess.MultiProcessCollector(self.registry)
+            self.worker = Gauge("unroll_gateway_worker_requests", "HTTP requests handled by each live gateway worker "
+                                "process (multi-worker mode only)", registry=None, multiprocess_mode="liveall")
+        else:
+            # Process and runtime metrics, on this registry (the default one is not served).
+            ProcessCollector(registry=self.registry)
+            PlatformCollector(registry=self.registry)
+            GCCollector(registry=self.registry)
         self.triton = Histogram("unroll_gateway_triton_request_duration_seconds",
                                 "Round trip of one Triton inference call, by model and outcome",
-                                ["model", "outcome"], buckets=LATENCY_BUCKETS, registry=self.registry)
+                                ["model", "outcome"], buckets=LATENCY_BUCKETS, registry=reg)
 
     def observe_triton(self, model: str, outcome: str, seconds: float) -> None:
         self.triton.labels(model, outcome).observe(seconds)
@@ -114,6 +137,8 @@ class MetricsMiddleware:
             method = scope.get("method", "")
             m.requests.labels(route, method, str(status)).inc()
             m.latency.labels(route, method).observe(time.perf_counter() - t0)
+            if m.worker is not None:
+                m.worker.inc()
 
 
 def _client(scope: Scope) -> str:

@@ -28,10 +28,18 @@ class GatewayStartError(RuntimeError):
 
 @contextlib.contextmanager
 def gateway_process(settings: Settings, log: Path, ready_path: str = "/readyz",
-                    timeout_s: float = 90.0, http: HttpSettings | None = None) -> Iterator[str]:
+                    timeout_s: float = 90.0, http: HttpSettings | None = None, workers: int = 1) -> Iterator[str]:
     """Start the gateway with ``settings`` (and the HTTP layer's ``http`` limits, else their defaults), logging
     to ``log``; yield its base URL once ``ready_path`` answers 200, and always stop it (SIGTERM, then SIGKILL
-    after 15 s)."""
+    after 15 s). ``workers`` > 1: that many worker processes behind the port (:mod:`.workers`)."""
+    with gateway_popen(settings, log, ready_path, timeout_s, http, workers) as (base, _):
+        yield base
+
+
+@contextlib.contextmanager
+def gateway_popen(settings: Settings, log: Path, ready_path: str = "/readyz", timeout_s: float = 90.0,
+                  http: HttpSettings | None = None, workers: int = 1) -> Iterator[tuple[str, subprocess.Popen]]:
+    """:func:`gateway_process`, yielding the base URL and the process (the parent of the workers, if any)."""
     port = free_ports(1)[0]
     env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
     env.update(settings.env())
@@ -39,11 +47,12 @@ def gateway_process(settings: Settings, log: Path, ready_path: str = "/readyz",
         env.update(http.env())
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "unroll.serving.gateway", "--port", str(port), "--log-level",
-                                 "warning"], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=_REPO_ROOT)
+                                 "warning", "--workers", str(workers)], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                cwd=_REPO_ROOT)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base + ready_path, timeout_s, proc, log)
-        yield base
+        yield base, proc
     finally:
         if proc.poll() is None:
             proc.terminate()

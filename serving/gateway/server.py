@@ -172,6 +172,17 @@ def _peer(client: tuple[str, int] | None) -> str:
     return f"{client[0]}:{client[1]}" if client else "a client"
 
 
+class EnvGatewayH11Protocol(GatewayH11Protocol):
+    """:class:`GatewayH11Protocol` with its limits from the ``UNROLL_*`` variables, read once per process: importable
+    by name, which is how uvicorn's spawned workers get it (``--workers``, :mod:`.workers`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        cls = type(self)
+        if "limits" not in cls.__dict__:
+            cls.limits = HttpSettings()
+        super().__init__(*args, **kwargs)
+
+
 def protocol_class(limits: HttpSettings) -> type[GatewayH11Protocol]:
     """:class:`GatewayH11Protocol` bound to ``limits`` (uvicorn instantiates the class it is given)."""
     return type("GatewayH11Protocol", (GatewayH11Protocol,), {"limits": limits})

@@ -12,6 +12,15 @@ A stride-2 convolution with ``2k×2k`` atoms is computed exactly as a stride-1 `
 the image's four polyphase components (``pixel_unshuffle``), and the stride-2 synthesis as a stride-1
 convolution followed by ``pixel_shuffle``. Same dictionary, far better kernels on CPUs and GPUs.
 
+The synthesis convolutions (``M`` codes → 4 polyphase channels) are written differently in PyTorch and
+in the exported graph. PyTorch runs them as ``conv2d`` (oneDNN is fast at it). In an ONNX export they
+are the same linear map written as a ``ConvTranspose`` with the adjoint weight (swap in/out, flip the
+kernel): ONNX Runtime's CPU convolution (NCHWc) pads a 4-channel output to its 16-channel block and
+runs 4× the arithmetic, while its ``ConvTranspose`` is one GEMM (``[4·k², M] × [M, pixels]``) and a
+col2im: about half the CPU time per synthesis (measured with ONNX Runtime 1.32 at 256² and 512²), and
+the whole graph about 1.3–1.5× less CPU time (``benchmarks/results/export_speed.md`` has the latency).
+Exact up to float summation order; the export's parity check covers it.
+
 The image mean is removed first (the dictionary codes the zero-mean part) and the input is
 reflect-padded so borders are coded like the interior. Grayscale by design: colour images are
 denoised per channel (the gateway sends the channels as one batch).
@@ -26,7 +35,7 @@ from torch import Tensor, nn
 from unroll.card import InputCard, SigmaCard
 from unroll.registry import register_model
 from unroll.solvers.csc import normalize_atoms
-from unroll.solvers.shrink import soft_threshold
+from unroll.solvers.shrink import is_textbook, soft_threshold
 
 #: σ (0–1 scale) is divided by this before entering the threshold affine map, for conditioning.
 SIGMA_REF = 50.0 / 255.0
@@ -71,6 +80,13 @@ class CSCDenoiser(nn.Module):
     def _conv(self, x: Tensor, w: Tensor) -> Tensor:
         return F.conv2d(x, w, padding=self.padding)
 
+    def _synthesize(self, z: Tensor, w: Tensor) -> Tensor:
+        """``conv2d(z, w)`` with ``w`` ``[4, M, k, k]`` (codes → polyphase image); as ``ConvTranspose`` with
+        the adjoint weight when exporting to ONNX (see the module docstring), unless in textbook mode."""
+        if torch.onnx.is_in_onnx_export() and not is_textbook():
+            return F.conv_transpose2d(z, w.transpose(0, 1).flip(-1, -2), padding=self.padding)
+        return self._conv(z, w)
+
     def thresholds(self, sigma: Tensor) -> list[Tensor]:
         """τ_k(σ) per step, ``[B, M, 1, 1]`` each."""
         level = (sigma / SIGMA_REF).reshape(-1, 1, 1, 1)
@@ -90,8 +106,8 @@ class CSCDenoiser(nn.Module):
         taus = self.thresholds(sigma)
         z = soft_threshold(self._conv(y, self.analysis[0]), taus[0])
         for k in range(1, self.n_steps):
-            z = soft_threshold(z - self._conv(self._conv(z, self.synthesis[k]) - y, self.analysis[k]), taus[k])
-        out = F.pixel_shuffle(self._conv(z, self.decoder), STRIDE)
+            z = soft_threshold(z - self._conv(self._synthesize(z, self.synthesis[k]) - y, self.analysis[k]), taus[k])
+        out = F.pixel_shuffle(self._synthesize(z, self.decoder), STRIDE)
         return out[..., b:b + h, b:b + w] + mean
 
 
@@ -102,8 +118,13 @@ class CSCDenoiser(nn.Module):
         description="Noise-level-aware convolutional LISTA denoiser, stride-2 dictionary (trained demo, grayscale)",
         input=InputCard(name="noisy", shape=(1, -1, -1), min_size=16, colour="gray"),
         output="denoised", sigma=SigmaCard(),
-        data=dict(train="denoise-train", test="denoise-test"),
+        data=dict(train="denoise-train", validation="denoise-validation", test="denoise-test", stress="denoise-stress",
+                  gate="validation"),
+        gates={"fp16": {"psnr_loss_db_worst": 0.02}, "int8": {"psnr_loss_db_worst": 0.15}},
         trt_profile=dict(batch=(1, 4, 8), dims={"1": (16, 256, 1024), "2": (16, 256, 1024)}),
+        # OpenVINO fuses the per-channel shrinkage into its convolutions: 1.1-1.3x ONNX Runtime at 256-512 px
+        # (benchmarks/results/export_speed.md, `unroll bench export`)
+        cpu_runtime="openvino",
     ))
 def csc_denoiser(**kw) -> CSCDenoiser:
     return CSCDenoiser(**kw)

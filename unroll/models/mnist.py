@@ -84,7 +84,7 @@ class MNISTSDNet(nn.Module):
         input=InputCard(name="image", shape=(1, 28, 28), colour="gray", resize="pad-square", polarity="light-on-dark"),
         output="logits", labels=tuple(str(i) for i in range(10)),
         lam=LamCard(default=None, max=10.0, auto="sdnet-mnist-autolam"),
-        data=dict(train="mnist-train", test="mnist-test"),
+        data=dict(train="mnist-train", validation="mnist-validation", test="mnist-test", gate="validation"),
     ))
 def sdnet_mnist(**kw) -> MNISTSDNet:
     return MNISTSDNet(**kw)

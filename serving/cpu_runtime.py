@@ -1,0 +1,143 @@
+"""One CPU inference call for an exported graph, on ONNX Runtime or OpenVINO: the per-model CPU runtime.
+
+Which runtime is faster depends on the graph (measured: OpenVINO fuses the denoiser's per-channel
+shrinkage into its convolutions, ONNX Runtime has less per-call overhead for a small classifier), so the
+choice is made per model by measurement and recorded on its card. Both runtimes read the same fused ONNX
+file; :func:`open_session` hides their differences behind one callable::
+
+    run = open_session("build/onnx/NAME.onnx", "openvino", threads=2)
+    outputs = run({"noisy": x, "sigma": s})        # {"denoised": array}
+    run.inputs                                     # {"noisy": [None, 1, None, None], "sigma": [None]}
+
+The Triton Python backend (``serving/triton_backend_model.py``) and ``unroll bench export`` both run graphs
+through it, with the runtime the model card names (``card.cpu_runtime``).
+
+Settings, the same for both: ``threads`` intra-op threads and nothing else (one inference at a time,
+latency first). ONNX Runtime: CPU provider, all graph optimizations, one inter-op thread, sequential
+execution, idle threads sleep instead of spinning unless ``spinning`` (spinning costs latency when other
+processes share the cores). OpenVINO: the ``CPU`` device with the ``LATENCY`` hint and **FP32 inference precision**: on
+CPUs with AVX-512 BF16 or AMX its default is bfloat16, which changes the denoiser's output by ~5e-3 —
+far outside the export's parity tolerance — so FP32 is forced. OpenVINO is optional
+(``pip install openvino``); :func:`available` says whether a runtime can be used here.
+
+Nothing here imports PyTorch (the CPU serving image has none).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+RUNTIMES = ("onnxruntime", "openvino")
+DEFAULT_RUNTIME = "onnxruntime"
+
+Session = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+"""Also carries ``.runtime`` (its name) and ``.inputs`` ({graph input: dims, ``None`` where dynamic})."""
+
+
+class RuntimeUnavailable(RuntimeError):
+    """The requested CPU runtime is not installed (or not a known runtime)."""
+
+
+def available(runtime: str) -> bool:
+    """Whether ``runtime`` (one of :data:`RUNTIMES`) can be imported here."""
+    if runtime not in RUNTIMES:
+        return False
+    return importlib.util.find_spec(runtime) is not None
+
+
+def unavailable_reason(runtime: str) -> str | None:
+    """``None`` when ``runtime`` is usable, else why not (for benchmark cells and errors)."""
+    if runtime not in RUNTIMES:
+        return f"unknown CPU runtime {runtime!r} (known: {', '.join(RUNTIMES)})"
+    if not available(runtime):
+        return f"{runtime} not installed (pip install {runtime})"
+    return None
+
+
+def version(runtime: str) -> str | None:
+    """The installed version of ``runtime``, or ``None``."""
+    if not available(runtime):
+        return None
+    mod = __import__(runtime)
+    return str(getattr(mod, "__version__", None) or getattr(mod, "get_version", lambda: "?")())
+
+
+def open_session(path: str | Path, runtime: str = DEFAULT_RUNTIME, threads: int = 2, spinning: bool = False) -> Session:
+    """A callable running the graph at ``path`` on ``runtime`` with ``threads`` threads.
+
+    It takes ``{input name: array}`` (extra names are an error, as in ONNX Runtime) and returns
+    ``{output name: array}`` for every graph output, in graph order, as arrays the caller owns. Safe
+    to call from several threads (OpenVINO calls are serialised on one infer request).
+    """
+    why = unavailable_reason(runtime)
+    if why:
+        raise RuntimeUnavailable(why)
+    if threads < 1:
+        raise ValueError(f"threads must be ≥ 1, got {threads}")
+    if runtime == "onnxruntime":
+        return _ort_session(str(path), threads, spinning)
+    return _openvino_session(str(path), threads)
+
+
+def ort_session(path: str | Path, threads: int, spinning: bool = False):
+    """The ONNX Runtime CPU session behind :func:`open_session` (the settings in the module docstring).
+
+    The benchmarks' in-process baseline uses it too, so "in-process ONNX Runtime" and Triton's model run the
+    graph with the same settings.
+    """
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _ort_session(path: str, threads: int, spinning: bool) -> Session:
+    sess = ort_session(path, threads, spinning)
+    names = [o.name for o in sess.get_outputs()]
+
+    def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(names, sess.run(names, feeds), strict=True))
+
+    run.runtime = "onnxruntime"  # type: ignore[attr-defined]
+    run.inputs = {i.name: [d if isinstance(d, int) else None for d in i.shape]  # type: ignore[attr-defined]
+                  for i in sess.get_inputs()}
+    return run
+
+
+def openvino_config(threads: int) -> dict[str, object]:
+    """OpenVINO CPU settings matching :func:`_ort_session`'s (latency, ``threads`` threads, FP32 maths)."""
+    return {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32",
+            "NUM_STREAMS": 1}
+
+
+def _openvino_session(path: str, threads: int) -> Session:
+    import openvino as ov
+
+    compiled = ov.Core().compile_model(path, "CPU", openvino_config(threads))
+    inputs = {p.get_any_name() for p in compiled.inputs}
+    outputs = [(p.get_any_name(), p) for p in compiled.outputs]
+    request = compiled.create_infer_request()
+    lock = threading.Lock()
+
+    def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        extra = set(feeds) - inputs
+        if extra:
+            raise ValueError(f"unknown input(s) {sorted(extra)}; the graph's inputs are {sorted(inputs)}")
+        with lock:
+            result = request.infer({k: np.ascontiguousarray(v) for k, v in feeds.items()})
+            return {name: np.array(result[port], copy=True) for name, port in outputs}
+
+    run.runtime = "openvino"  # type: ignore[attr-defined]
+    run.inputs = {p.get_any_name(): [d.get_length() if d.is_static else None  # type: ignore[attr-defined]
+                                     for d in p.get_partial_shape()] for p in compiled.inputs}
+    return run
