@@ -21,6 +21,8 @@ venv: $(STAMP)  ## create .venv and install unroll with its serving and dev extr
 test: $(STAMP)  ## run the whole test suite (CI calls this)
 	$(PY) -m ruff check unroll export serving benchmarks tests examples scripts deploy
 	$(VENV)/bin/hadolint Dockerfile
+	@echo "==> perf_analyzer (Triton's own client) in build/perf_analyzer-venv; its tests skip with the reason without it"
+	-bash scripts/perf_analyzer_setup.sh
 	$(PY) -m pytest -q --durations=15
 
 serve: $(STAMP)  ## build what is missing, then start Triton and the REST gateway

@@ -411,7 +411,7 @@ def write_repositories(onnx_dir: Path, root: Path, served: Served) -> tuple[Path
     """The batching repository (project defaults) and a no-batching one for the classifier.
 
     No batching = ``max_batch_size: 1`` and the ``dynamic_batching`` block removed (Triton's default
-    scheduler: one request per execution).
+    scheduler: one request per execution). The no-batching repository also holds :data:`FLOOR_MODEL`.
     """
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2 as mc
@@ -430,7 +430,41 @@ def write_repositories(onnx_dir: Path, root: Path, served: Served) -> tuple[Path
     path.write_text(header + "# unroll bench serve: dynamic batching removed (max_batch_size 1, default scheduler).\n"
                     + text_format.MessageToString(cfg))
     validate_model(off / served.classifier, reference_onnx=onnx_dir / f"{served.classifier}.onnx")
+    write_floor_model(off, on / served.classifier / "config.pbtxt")
     return on, off
+
+
+#: A do-nothing Python-backend model (output = input, zero-copy) beside the classifier in the no-batching repository:
+#: what Triton + gRPC + the Python backend's stub cost per request before any model runs (the floor under
+#: "Triton direct ≤ in-process ONNX Runtime + 0.5 ms").
+FLOOR_MODEL = "python-backend-floor"
+_FLOOR_PY = '''import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """unroll bench serve: output = input, zero-copy (DLPack), nothing else."""
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor.from_dlpack(
+            "y", pb_utils.get_input_tensor_by_name(r, "x").to_dlpack())]) for r in requests]
+'''
+
+
+def write_floor_model(repo: Path, like: Path) -> None:
+    """:data:`FLOOR_MODEL` in ``repo``: the classifier's main input shape (config ``like``), batching as the default."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    src = text_format.Parse(like.read_text(), mc.ModelConfig())
+    cfg = mc.ModelConfig(name=FLOOR_MODEL, backend="python", max_batch_size=src.max_batch_size or 32)
+    first = src.input[0]
+    cfg.input.add(name="x", data_type=first.data_type, dims=first.dims)
+    cfg.output.add(name="y", data_type=first.data_type, dims=first.dims)
+    cfg.dynamic_batching.max_queue_delay_microseconds = 0
+    cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
+    (repo / FLOOR_MODEL / "1").mkdir(parents=True, exist_ok=True)
+    (repo / FLOOR_MODEL / "config.pbtxt").write_text(text_format.MessageToString(cfg))
+    (repo / FLOOR_MODEL / "1" / "model.py").write_text(_FLOOR_PY)
 
 
 def write_delay_repository(onnx_dir: Path, root: Path, served: Served, queue_delay_us: int) -> Path:
@@ -594,6 +628,15 @@ def targets(payload: dict) -> list[dict]:
     return out
 
 
+def _floor_note(pa_: dict) -> str:
+    """"; floor …": the do-nothing Python-backend model's p50 at concurrency 1, when it was measured."""
+    f = pa_.get("floor")
+    if not f:
+        return ""
+    return (f"; a do-nothing Python-backend model on the same Triton: p50 {f['latency_ms']['p50']:.2f} ms, so the "
+            f"floor for this target is ONNX Runtime + {f['latency_ms']['p50']:.2f} ms")
+
+
 def _direct_targets(payload: dict) -> list[dict]:
     """Triton direct (perf_analyzer) vs in-process ONNX Runtime: latency at concurrency 1, and throughput at the
     batching level (its own level, else the batching comparison's "on" side when perf_analyzer measured it) vs
@@ -617,7 +660,7 @@ def _direct_targets(payload: dict) -> list[dict]:
     out.append({"target": f"Triton direct (perf_analyzer) ≤ in-process ONNX Runtime + {TARGET_DIRECT_OVERHEAD_MS:g} ms "
                           f"p50 (one {what['input']} for {what['model']}, concurrency 1)",
                 "measured": why if over is None else f"{over:+.2f} ms (Triton direct p50 {d1['latency_ms']['p50']:.2f} "
-                                                     f"ms, ONNX Runtime p50 {ort_p50:.2f} ms)",
+                                                     f"ms, ONNX Runtime p50 {ort_p50:.2f} ms{_floor_note(pa_)})",
                 "value": over, "met": None if over is None else over <= TARGET_DIRECT_OVERHEAD_MS})
     b = payload.get("batching") or {}
     c = b.get("concurrency", max(PERF_ANALYZER_CONCURRENCY))
@@ -691,6 +734,7 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
         served = served_models()
         log(f"writing Triton repositories from {onnx_dir}")
         repo_on, repo_off = write_repositories(onnx_dir, tmp, served)
+        classify_input = exported_card(served.classifier, onnx_dir).input.name
         delays = [d for d in dict.fromkeys(compare_queue_delays_us) if d != DEFAULT_QUEUE_DELAY_US]
         repo_delays = {d: write_delay_repository(onnx_dir, tmp / f"delay-{d}", served, d) for d in delays}
         workloads = _workloads(onnx_dir, served, concurrency, denoise_sizes, denoise_concurrency, paths,
@@ -764,6 +808,12 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
             with triton_server(repo_off, tmp / "triton-off.log") as (off_http, off_grpc):
                 off_servers = Servers(off_http, off_grpc, None)
                 off_cfg = triton_config(off_http, served.classifier)
+                if use_pa:  # the Python backend's floor: a do-nothing model, same inputs, concurrency 1
+                    bars.update(level, description="perf_analyzer: Python-backend floor c=1", completed=0, info="")
+                    floor = Workload("floor", FLOOR_MODEL, classify.label,
+                                     [{"x": a[classify_input]} for a in classify.arrays], [], "", "y")
+                    payload["perf_analyzer"]["floor"] = perf_analyzer_level(
+                        floor, 1, off_servers, max(500, int(duration_s * 1000 / 2)))
                 for k in range(batching_rounds):
                     pair = {}
                     for tag, srv in (("on", servers), ("off", off_servers)):
@@ -858,10 +908,12 @@ def _direct_markdown(payload: dict) -> list[str]:
         lines += ["Triton's own client (`perf_analyzer` from tritonclient 2.47.0, synchronous requests, "
                   "`--input-data` from the same real samples). Latency in ms from the client; the server split "
                   "is perf_analyzer's (Triton's statistics over its measurement windows); batch = average batch "
-                  "Triton formed over the run. † = no stable measurement (perf_analyzer's stability demand dropped).",
+                  "Triton formed over the run. † = no stable measurement (perf_analyzer's stability demand dropped). "
+                  f"`{FLOOR_MODEL}`: a do-nothing Python-backend model (output = input, zero-copy) with the "
+                  "classifier's input, on the no-batching server: Triton + gRPC + the Python backend's own cost.",
                   "", "| model | input | conc. | req/s | p50 | p90 | p95 | p99 | queue | in | infer | out | batch |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in pa_["runs"]:
+        for r in pa_["runs"] + ([pa_["floor"]] if pa_.get("floor") else []):
             L, sv = r["latency_ms"], r["server"]
             lines.append(f"| {r['model']} | {r['input']} | {r['concurrency']}{'' if r.get('stable', True) else '†'} "
                          f"| {_f(r['throughput_rps'], 1)} | {_f(L['p50'])} | {_f(L['p90'])} | {_f(L['p95'])} | "

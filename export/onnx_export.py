@@ -360,8 +360,11 @@ class _AutoLam(nn.Module):
 
 
 def _export_auto_lam(card: ModelCard, model: nn.Module, cases: list[example_inputs.Case], out_dir: Path,
-                     opset: int) -> ExportResult:
-    """``out_dir/<card.lam.auto>.onnx``: the λ rule of the classifier ``card`` describes (see export_auto_lam)."""
+                     opset: int, weights: str) -> ExportResult:
+    """``out_dir/<card.lam.auto>.onnx``: the λ rule of the classifier ``card`` describes (see export_auto_lam).
+
+    ``weights`` goes into the report as the classifier's does: ``unroll serve`` re-exports a registered model's
+    graphs whose report does not say "committed" (serving.serve.stale_reason)."""
     if card.lam is None or card.lam.auto is None:
         raise ExportError(f"{card.name}: its card declares no λ rule (lam.auto)")
     if not hasattr(model, "auto_lam"):
@@ -370,7 +373,7 @@ def _export_auto_lam(card: ModelCard, model: nn.Module, cases: list[example_inpu
     comp = card.companion("lambda-rule", card.lam.auto, f"λ rule (lam=auto) for {card.name}", "lam")
     comp_cases = [example_inputs.Case(c.label, {main: c.inputs[main]}) for c in cases]
     extra = {"model": comp.name, "task": comp.task, "rule": "lam = clamp(a * rms(x - D c(x)) + b, lam_min, lam_max)",
-             "coefficients": [float(v) for v in model.lam_auto]}
+             "coefficients": [float(v) for v in model.lam_auto], "weights": weights}
     return export_module(_AutoLam(model), comp_cases, [main], ["lam"], {main: {0: "batch"}, "lam": {0: "batch"}},
                          Path(out_dir) / f"{comp.name}.onnx", opset, extra, naive=False, card=comp)
 
@@ -387,10 +390,8 @@ def export_auto_lam(name: str, out_dir: Path = Path("build/onnx"), opset: int = 
     if spec.card.lam is None or spec.card.lam.auto is None:
         raise ExportError(f"{name}: its card declares no λ rule (lam.auto)")
     model = model if model is not None else unroll.load(name, pretrained=spec.has_weights)
-    result = _export_auto_lam(spec.card, model, example_inputs.cases(spec, lam_input=False), out_dir, opset)
-    result.report["weights"] = "committed" if spec.has_weights else "seeded random init"
-    result.report_path.write_text(json.dumps(result.report, indent=2) + "\n")
-    return result
+    return _export_auto_lam(spec.card, model, example_inputs.cases(spec, lam_input=False), out_dir, opset,
+                            "committed" if spec.has_weights else "seeded random init")
 
 
 Examples = (example_inputs.Case | list[example_inputs.Case] | dict[str, torch.Tensor] | torch.Tensor
@@ -498,7 +499,8 @@ def export(module: nn.Module, card: ModelCard | dict, example_inputs: Examples |
     inner = module.model if isinstance(module, _Classifier) else module
     if companions and lam_input and card.lam.auto is not None and hasattr(inner, "auto_lam"):
         try:
-            result.companions.append(_export_auto_lam(card, inner, cases, Path(out_dir), opset))
+            result.companions.append(_export_auto_lam(card, inner, cases, Path(out_dir), opset,
+                                                      result.report.get("weights", "given module")))
         except BaseException:  # all or nothing: the classifier without its λ rule is not served half-way
             result.onnx_path.unlink(missing_ok=True)
             result.report_path.unlink(missing_ok=True)

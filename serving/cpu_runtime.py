@@ -1,7 +1,7 @@
 """One CPU inference call for an exported graph, on ONNX Runtime or OpenVINO: the per-model CPU runtime.
 
-Which runtime is faster depends on the graph (measured: OpenVINO fuses the denoiser's per-channel
-shrinkage into its convolutions, ONNX Runtime has less per-call overhead for a small classifier), so the
+Which runtime is faster depends on the graph (measured by ``unroll bench export``: OpenVINO runs the denoiser
+1.15–1.26× faster, ONNX Runtime has less per-call overhead for the small classifier), so the
 choice is made per model by measurement and recorded on its card. Both runtimes read the same fused ONNX
 file; :func:`open_session` hides their differences behind one callable::
 
@@ -16,9 +16,9 @@ Settings, the same for both: ``threads`` intra-op threads and nothing else (one 
 latency first). ONNX Runtime: CPU provider, all graph optimizations, one inter-op thread, sequential
 execution, idle threads sleep instead of spinning unless ``spinning`` (spinning costs latency when other
 processes share the cores). OpenVINO: the ``CPU`` device with the ``LATENCY`` hint and **FP32 inference precision**: on
-CPUs with AVX-512 BF16 or AMX its default is bfloat16, which changes the denoiser's output by ~5e-3 —
-far outside the export's parity tolerance — so FP32 is forced. OpenVINO is optional
-(``pip install openvino``); :func:`available` says whether a runtime can be used here.
+CPUs with AVX-512 BF16 or AMX its default is bfloat16, which is far outside the export's parity tolerance,
+so FP32 is forced. OpenVINO comes with the ``serve`` extra and the serving image; where it is missing,
+:func:`available` says so and a model whose card names it refuses to load with that reason.
 
 Nothing here imports PyTorch (the CPU serving image has none).
 """

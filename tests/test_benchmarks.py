@@ -397,5 +397,9 @@ def test_serve_bench_quick(onnx_dir: Path, tmp_path: Path) -> None:
     assert b["config_off"].get("dynamic_batching") is None and b["speedup"] > 0
     assert len(b["rounds"]) == 2 and b["speedup"] == min(b["speedups"])  # lower median of two rounds
     pa_ok = payload["perf_analyzer"]["available"]  # the Triton-direct targets need perf_analyzer
+    if pa_ok:  # the Python backend's floor: a do-nothing model, measured and named in the latency target
+        floor = payload["perf_analyzer"]["floor"]
+        assert floor["model"] == "python-backend-floor" and floor["server"]["avg_batch"] == 1.0, floor
+        assert 0 < floor["latency_ms"]["p50"] and "do-nothing Python-backend model" in payload["targets"][2]["measured"]
     assert [t["met"] is not None for t in payload["targets"]] == [True, True, pa_ok, pa_ok, True]
     assert "## Targets" in md and "measured" in md and "Dynamic batching on vs off" in md

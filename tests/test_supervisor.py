@@ -393,3 +393,13 @@ def test_an_outdated_model_py_in_the_repository_is_rewritten(demo_onnx_dir: Path
     model_py.write_text(model_py.read_text() + "\n# an older unroll's backend\n")
     assert ensure_repository(repo, demo_onnx_dir, "cpu", ["sdnet-mnist-autolam"]) == ["sdnet-mnist-autolam"]
     assert model_py.read_bytes() == BACKEND_MODEL.read_bytes()
+
+
+def test_a_fresh_export_of_the_served_models_is_not_stale(demo_onnx_dir: Path) -> None:
+    """Every graph `unroll serve` needs, λ-rule companion included, is up to date right after an export (a companion
+    report without "weights" made every start re-export the classifier)."""
+    from unroll.serving.serve import graphs_of, stale_reason
+
+    graphs = graphs_of(["sdnet-mnist", "csc-denoiser"], demo_onnx_dir)
+    assert "sdnet-mnist-autolam" in graphs
+    assert {g: stale_reason(g, demo_onnx_dir) for g in graphs} == dict.fromkeys(graphs)

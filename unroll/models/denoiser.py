@@ -17,8 +17,8 @@ in the exported graph. PyTorch runs them as ``conv2d`` (oneDNN is fast at it). I
 are the same linear map written as a ``ConvTranspose`` with the adjoint weight (swap in/out, flip the
 kernel): ONNX Runtime's CPU convolution (NCHWc) pads a 4-channel output to its 16-channel block and
 runs 4× the arithmetic, while its ``ConvTranspose`` is one GEMM (``[4·k², M] × [M, pixels]``) and a
-col2im: about half the CPU time per synthesis (measured with ONNX Runtime 1.32 at 256² and 512²), and
-the whole graph about 1.3–1.5× less CPU time (``benchmarks/results/export_speed.md`` has the latency).
+col2im: the whole graph ran 1.37× faster on ONNX Runtime 1.32 at 256² and 512² (2 threads; the README's Speed
+section has the numbers). OpenVINO, the runtime this model's card picks, runs both forms at the same speed.
 Exact up to float summation order; the export's parity check covers it.
 
 The image mean is removed first (the dictionary codes the zero-mean part) and the input is
@@ -122,8 +122,8 @@ class CSCDenoiser(nn.Module):
                   gate="validation"),
         gates={"fp16": {"psnr_loss_db_worst": 0.02}, "int8": {"psnr_loss_db_worst": 0.15}},
         trt_profile=dict(batch=(1, 4, 8), dims={"1": (16, 256, 1024), "2": (16, 256, 1024)}),
-        # OpenVINO fuses the per-channel shrinkage into its convolutions: 1.1-1.3x ONNX Runtime at 256-512 px
-        # (benchmarks/results/export_speed.md, `unroll bench export`)
+        # OpenVINO runs this graph 1.15-1.26x faster than ONNX Runtime at 256-512 px on 2 threads
+        # (benchmarks/results/export_speed.md, `unroll bench export`: the "served" column)
         cpu_runtime="openvino",
     ))
 def csc_denoiser(**kw) -> CSCDenoiser:
