@@ -633,8 +633,8 @@ def _floor_note(pa_: dict) -> str:
     f = pa_.get("floor")
     if not f:
         return ""
-    return (f"; a do-nothing Python-backend model on the same Triton: p50 {f['latency_ms']['p50']:.2f} ms, so the "
-            f"floor for this target is ONNX Runtime + {f['latency_ms']['p50']:.2f} ms")
+    return (f"; a do-nothing Python-backend model on the same tritonserver build: p50 {f['latency_ms']['p50']:.2f} "
+            f"ms, so the floor for this target is ONNX Runtime + {f['latency_ms']['p50']:.2f} ms")
 
 
 def _direct_targets(payload: dict) -> list[dict]:
