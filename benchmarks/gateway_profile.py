@@ -173,8 +173,10 @@ def _ort_p50(onnx_dir: Path, model: str, workload, duration_s: float) -> dict:
     """In-process ONNX Runtime at concurrency 1 on the same inputs (the +2 ms target's reference)."""
     from unroll.benchmarks.common import ort_session
     from unroll.benchmarks.serve_bench import closed_loop, ort_client
+    from unroll.serving.repository import INTRA_OP_SPINNING
 
-    res = closed_loop(ort_client(ort_session(onnx_dir / f"{model}.onnx", threads=2), workload), 1, duration_s, 0.5)
+    session = ort_session(onnx_dir / f"{model}.onnx", threads=2, spinning=INTRA_OP_SPINNING)  # as Triton's model
+    res = closed_loop(ort_client(session, workload), 1, duration_s, 0.5)
     return {"requests": len(res.latencies_ms), "errors": len(res.errors),
             "latency_ms": latency_summary(res.latencies_ms)}
 

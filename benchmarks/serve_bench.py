@@ -722,7 +722,7 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
                          "statistics)")
     onnx_dir = Path(onnx_dir)
     from unroll.benchmarks import perf_analyzer as pa
-    from unroll.serving.repository import DEFAULT_QUEUE_DELAY_US
+    from unroll.serving.repository import DEFAULT_QUEUE_DELAY_US, INTRA_OP_SPINNING
 
     pa_binary = pa.find()
     payload: dict = {"benchmark": "serve", "machine": machine_info(threads),
@@ -741,7 +741,7 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
                                classify_samples)
         cells = [(w, p, c) for w in workloads for p in w.paths for c in w.concurrency]
         payload["config"] = {
-            "duration_s": duration_s, "warmup_s": warmup_s, "threads": threads,
+            "duration_s": duration_s, "warmup_s": warmup_s, "threads": threads, "spinning": INTRA_OP_SPINNING,
             "workloads": {w.key: {"model": w.model, "input": w.label, "paths": list(w.paths),
                                   "concurrency": list(w.concurrency)} for w in workloads},
             "batching_concurrency": batching_concurrency,
@@ -771,7 +771,8 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
                 servers.gateway = url.rstrip("/")
                 servers.gateway_protocol = "unknown (attached)"
                 _wait_ready(servers.gateway + "/readyz", 10)
-        sessions = {m: ort_session(onnx_dir / f"{m}.onnx", threads) for m in (served.classifier, served.denoiser)}
+        sessions = {m: ort_session(onnx_dir / f"{m}.onnx", threads, spinning=INTRA_OP_SPINNING)
+                    for m in (served.classifier, served.denoiser)}
         payload["servers"] = {"triton_http": servers.triton_http, "triton_grpc": servers.triton_grpc,
                               "gateway": servers.gateway, "started_triton": servers.started_triton,
                               "started_gateway": servers.started_gateway,
@@ -956,7 +957,8 @@ def markdown(payload: dict) -> str:
              "(queue, compute input, infer, output); batch = average batch size Triton formed. Gateway share = "
              f"gateway latency − {PATH_LABELS[own]} latency at the same concurrency (p50). "
              f"Triton {classifier}: {_batching(gw_cfg)}; in-process ONNX Runtime uses the same session options "
-             f"as Triton's model ({cfg['threads']} threads, no spinning). {load_note(m)}", ""]
+             f"as Triton's model ({cfg['threads']} threads, "
+             f"{'spinning' if cfg.get('spinning') else 'no spinning'}). {load_note(m)}", ""]
     lines += ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
     for t in payload["targets"]:
         met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")

@@ -96,6 +96,12 @@ DEFAULT_MAX_BATCH_SIZE = 32
 CPU_MAX_BATCH_SIZE = {"denoising": 4}
 #: No delay: see the module docstring (a lone request must not wait; busy instances batch what queued).
 DEFAULT_QUEUE_DELAY_US = 0
+#: ONNX Runtime's intra-op threads spin briefly for the next piece of work before they sleep (ONNX Runtime's own
+#: default; they block when idle). Measured with perf_analyzer, one digit: concurrency 1 p50 0.70-0.73 ms vs
+#: 0.86-0.90 ms without, concurrency 16 2,937-3,084 vs 2,543-2,591 req/s (two rounds each, this 2-core machine).
+#: The cost: spinning threads take CPU from neighbours on the same cores; with the gateway on the same 2 cores its
+#: concurrency-32 throughput fell from 588 to 533 req/s (the README's Speed section). `unroll repo --no-spinning`.
+INTRA_OP_SPINNING = True
 VERSION = "1"
 LABELS_FILE = "labels.txt"
 #: The plan's JSON (``unroll build``), copied beside config.pbtxt so validation can re-check the plan.
@@ -361,7 +367,8 @@ def default_max_batch_size(target: Target, card: ModelCard, profile: ServedProfi
 
 def build_config(src: Source, target: Target, precision: str = "fp32", threads: int = 2,
                  max_batch_size: int | None = None, queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
-                 instances: int = 1, cpu_stand_in: bool = False) -> tuple[mc.ModelConfig, list[str] | None]:
+                 instances: int = 1, cpu_stand_in: bool = False,
+                 spinning: bool = INTRA_OP_SPINNING) -> tuple[mc.ModelConfig, list[str] | None]:
     """The ModelConfig for one model, and its labels (classifiers) or None (``cpu_stand_in``: see the module doc)."""
     if max_batch_size is None:
         max_batch_size = default_max_batch_size(target, src.card, src.profile)
@@ -400,8 +407,9 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
     cfg.instance_group.add(kind=kind, count=instances)
     params = {"unroll_source_onnx": src.onnx.name, CARD_KEY: src.card.to_json()}
     if target == "cpu":
-        params |= {"onnx_file": "model.onnx", "intra_op_num_threads": str(threads), "intra_op_spinning": "0",
-                   "cpu_runtime": src.card.cpu_runtime, "input_defaults": json.dumps(defaults)}
+        params |= {"onnx_file": "model.onnx", "intra_op_num_threads": str(threads),
+                   "intra_op_spinning": "1" if spinning else "0", "cpu_runtime": src.card.cpu_runtime,
+                   "input_defaults": json.dumps(defaults)}
     else:
         profile = src.profile if src.profile is not None else card_profile(src, cfg)
         params[PROFILE_KEY] = profile.to_json()
@@ -427,7 +435,8 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
         cfg.ClearField("optimization")
         cfg.backend = "python"
         cfg.instance_group[0].kind = mc.ModelInstanceGroup.KIND_CPU
-        params |= {"onnx_file": "model.onnx", "intra_op_num_threads": str(threads), "intra_op_spinning": "0"}
+        params |= {"onnx_file": "model.onnx", "intra_op_num_threads": str(threads),
+                   "intra_op_spinning": "1" if spinning else "0"}
     for k, v in params.items():
         cfg.parameters[k].string_value = v
     _warmup(src, cfg, sorted({1, max_batch_size}) if batching else [1])
@@ -476,7 +485,7 @@ def _header(src: Source, target: Target, precision: str, cfg: mc.ModelConfig, cp
 def write_repository(target: Target, models: list[str], out: Path, precision: str = "fp32",
                      onnx_dir: Path = Path("build/onnx"), plan_dir: Path = Path("build/trt"), threads: int = 2,
                      max_batch_size: int | None = None, queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
-                     instances: int = 1, cpu_stand_in: bool = False) -> list[Path]:
+                     instances: int = 1, cpu_stand_in: bool = False, spinning: bool = INTRA_OP_SPINNING) -> list[Path]:
     """Write ``out/<model>/config.pbtxt`` + ``out/<model>/1/…`` (+ ``labels.txt``) for each model; validate.
 
     ``models`` are ONNX file stems in ``onnx_dir`` (a model's name; its λ-rule companion is a model of its
@@ -503,7 +512,7 @@ def write_repository(target: Target, models: list[str], out: Path, precision: st
     written: list[Path] = []
     for src in sources:
         cfg, labels = build_config(src, target, precision, threads, max_batch_size, queue_delay_us, instances,
-                                   cpu_stand_in)
+                                   cpu_stand_in, spinning)
         tmp = out / f".{src.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / VERSION).mkdir(parents=True)

@@ -9,8 +9,9 @@ a ``--target cpu`` repository; everything model-specific comes from ``config.pbt
   ``unroll serve`` and the serving image arrange);
 * ``parameters { key: "intra_op_num_threads" }`` — threads per instance (one session per instance,
   created here in ``initialize`` and reused for every request);
-* ``parameters { key: "intra_op_spinning" }`` — ``"0"`` (default): idle ORT threads sleep, since
-  several models share the cores; ``"1"`` trades CPU for latency on a dedicated machine;
+* ``parameters { key: "intra_op_spinning" }`` — ``"1"`` (what ``unroll repo`` writes): ONNX Runtime's threads
+  spin briefly for the next piece of work before they sleep, which cuts latency and raises throughput
+  (measured, serving/repository.py); ``"0"``: they sleep at once (for cores shared with busier neighbours);
 * ``parameters { key: "input_defaults" }`` — JSON ``{name: value}`` for ``optional: true`` inputs
   (the λ input a card declares), filled per request when the client leaves them out;
 * ``parameters { key: "unroll.profile" }`` — only in the test-only CPU stand-in of a GPU config
@@ -68,7 +69,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("config.pbtxt needs parameters { key: \"intra_op_num_threads\" }")
         runtime = params.get("cpu_runtime", DEFAULT_RUNTIME)
         try:
-            # Several models (and the gateway) share the CPU cores: idle threads sleep unless told to spin.
+            # intra_op_spinning "1": threads spin briefly before sleeping (serving/repository.py's measurement).
             self.session = open_session(onnx_path, runtime, int(params["intra_op_num_threads"]),
                                         spinning=params.get("intra_op_spinning", "0") == "1")
         except RuntimeUnavailable as e:  # e.g. the card names OpenVINO and it is not installed here

@@ -19,6 +19,7 @@ from unroll.serving.repository import (
     CPU_MAX_BATCH_SIZE,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_QUEUE_DELAY_US,
+    INTRA_OP_SPINNING,
     PRECISIONS,
     RepositoryError,
     validate_model,
@@ -104,6 +105,11 @@ def repo(
     plan_dir: Annotated[Path, typer.Option(help="Where `unroll build` wrote TensorRT plans (gpu)")] = Path("build/trt"),
     threads: Annotated[int, typer.Option(help="cpu: ONNX Runtime intra-op threads per model instance")] = 2,
     instances: Annotated[int, typer.Option(help="Model instances (parallel executions) per model")] = 1,
+    spinning: Annotated[bool, typer.Option(
+        "--spinning/--no-spinning",
+        help="cpu: ONNX Runtime's threads spin briefly for the next work before sleeping: lower latency and more "
+             "throughput from Triton, but less CPU left for a gateway on the same cores (measured: "
+             "serving/repository.py)")] = INTRA_OP_SPINNING,
     max_batch_size: Annotated[int | None, typer.Option(
         help=f"Largest batch Triton's dynamic batcher forms (and the TensorRT profile's max batch); default: cpu "
              f"{DEFAULT_MAX_BATCH_SIZE} ({', '.join(f'{t} {n}' for t, n in CPU_MAX_BATCH_SIZE.items())}), gpu the "
@@ -141,7 +147,7 @@ def repo(
     try:
         written = write_repository(target, served, out, precision=precision, onnx_dir=onnx_dir, plan_dir=plan_dir,
                                    threads=threads, max_batch_size=max_batch_size, queue_delay_us=queue_delay_us,
-                                   instances=instances)
+                                   instances=instances, spinning=spinning)
     except RepositoryError as e:
         raise _fail(str(e)) from None
     table = Table("model", "runs as", "inputs", "outputs", "files", title=f"{out} (target {target}, {precision})")

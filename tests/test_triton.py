@@ -508,3 +508,17 @@ def test_stub_install_is_idempotent() -> None:
     b = triton.server_layout()
     assert a == b and stub.stat().st_mtime_ns == mtime and os.access(stub, os.X_OK)
     assert os.access(a.binary, os.X_OK) and all(d.is_dir() for d in a.lib_dirs)
+
+
+def test_cpu_configs_carry_the_cards_runtime_and_the_spinning_choice(onnx_dir: Path, tmp_path: Path) -> None:
+    """`cpu_runtime` comes from the card (the denoiser's names OpenVINO); spinning is on unless asked otherwise."""
+    def params(repo: Path, model: str) -> dict[str, str]:
+        cfg = text_format.Parse((repo / model / "config.pbtxt").read_text(), mc.ModelConfig())
+        return {k: v.string_value for k, v in cfg.parameters.items()}
+
+    write_repository("cpu", DEMO, tmp_path / "on", onnx_dir=onnx_dir)
+    write_repository("cpu", ["sdnet-mnist"], tmp_path / "off", onnx_dir=onnx_dir, spinning=False)
+    assert params(tmp_path / "on", "csc-denoiser")["cpu_runtime"] == "openvino"
+    assert params(tmp_path / "on", "sdnet-mnist")["cpu_runtime"] == "onnxruntime"
+    assert params(tmp_path / "on", "sdnet-mnist")["intra_op_spinning"] == "1"
+    assert params(tmp_path / "off", "sdnet-mnist")["intra_op_spinning"] == "0"
