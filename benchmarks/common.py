@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -30,8 +31,8 @@ def machine_info(threads: int) -> dict:
     except OSError:
         pass
     versions = {}
-    for pkg in ("torch", "onnxruntime", "onnxruntime-gpu", "tensorrt", "onnx", "onnxslim", "numpy", "tritonclient",
-                "nvidia-pytriton", "bm3d", "scikit-image", "fastapi", "uvicorn", "httpx"):
+    for pkg in ("torch", "onnxruntime", "onnxruntime-gpu", "openvino", "tensorrt", "onnx", "onnxslim", "numpy",
+                "tritonclient", "nvidia-pytriton", "bm3d", "scikit-image", "fastapi", "uvicorn", "httpx"):
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -101,6 +102,16 @@ def progress_bars(enabled: bool = True) -> Iterator[Progress]:
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[info]}"), console=Console(stderr=True), disable=not enabled) as bar:
         yield bar
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of Prometheus metric ``name`` in exposition ``text`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
 
 
 def load_note(machine: dict) -> str:

@@ -26,7 +26,7 @@ import torch
 from unroll.benchmarks.common import load_note, machine_info, time_call, trained_models, write_results
 from unroll.benchmarks.models_bench import case_inputs, cases_for, torch_call
 from unroll.export.onnx_export import _Classifier, _torch_export, io_names, resolve_card
-from unroll.serving.cpu_runtime import open_session, unavailable_reason, version
+from unroll.serving.cpu_runtime import open_session, unavailable_reason
 
 import unroll
 from unroll.registry import REGISTRY, get_spec
@@ -115,9 +115,7 @@ def run(threads: int = 2, rows: list | None = None, with_compile: bool = True, b
             row["served"] = {"engine": engine, "runtime": runtime, "median_ms": row["timings"][engine]["median_ms"],
                              "speedup_vs_eager": eager / row["timings"][engine]["median_ms"], "fastest": fastest(row)}
             results.append(row)
-    machine = machine_info(threads)
-    machine.setdefault("versions", {})["openvino"] = version("openvino")
-    payload = {"benchmark": "export speed", "machine": machine, "rows": results,
+    payload = {"benchmark": "export speed", "machine": machine_info(threads), "rows": results,
                "targets": "the served fused graph (the card's CPU runtime) ≥ 1.5× PyTorch eager and faster than "
                           "torch.compile on every row"}
     write_results("export_speed", payload, markdown(payload), out_dir) if out_dir is not None else None

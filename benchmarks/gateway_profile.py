@@ -29,7 +29,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from unroll.benchmarks.common import latency_summary, load_note, machine_info, write_results
+from unroll.benchmarks.common import latency_summary, load_note, machine_info, metric_sum, write_results
 
 #: (stage, patterns): a stack's stage is that of the innermost frame matching one of the patterns, tried in this
 #: order for each frame. Patterns match py-spy's ``function (file:line)`` frame text.
@@ -130,13 +130,7 @@ def breakdown(stacks: list[tuple[str, list[str], int]], rate: int, duration_s: f
 
 def _metric(base: str, name: str, **labels: str) -> float:
     with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
-        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+        return metric_sum(r.read().decode(), name, **labels)
 
 
 def profile_level(base: str, pid: int, workload, concurrency: int, duration_s: float, rate: int,

@@ -400,11 +400,7 @@ def run(models: list[str] | None = None, threads: int = 2, budget_s: float = 1.0
             bars.advance(task)
         scal = scaling(onnx_dir, threads, budget_s, quick, status) if with_scaling else {}
         bars.advance(task)
-    from unroll.serving.cpu_runtime import version
-
-    machine = machine_info(threads)
-    machine.setdefault("versions", {})["openvino"] = version("openvino")
-    payload = {"benchmark": "models", "machine": machine,
+    payload = {"benchmark": "models", "machine": machine_info(threads),
                "config": {"threads": threads, "budget_s": budget_s, "torch_compile": with_compile, "quick": quick,
                           "timing": f"{1 if quick else 2} warm-up call(s), then repeats until the budget (≥ 3): median",
                           "onnx_dir": str(onnx_dir)},

@@ -510,11 +510,16 @@ def perf_analyzer_level(w: Workload, concurrency: int, servers: Servers, window_
             "stable": row["stable"], "command": row["command"]}
 
 
+def _pa_window_ms(duration_s: float) -> int:
+    """perf_analyzer's measurement window for a level of ``duration_s``: half of it (it needs ≥ 2 windows), ≥ 0.5 s."""
+    return max(500, int(duration_s * 1000 / 2))
+
+
 def direct_level(w: Workload, concurrency: int, servers: Servers, sessions: dict, duration_s: float,
                  warmup_s: float, use_perf_analyzer: bool, tick: Callable[[float], None] | None = None) -> dict:
     """Triton direct: ``perf_analyzer`` when present, else our own gRPC client."""
     if use_perf_analyzer:
-        return perf_analyzer_level(w, concurrency, servers, max(500, int(duration_s * 1000 / 2)))
+        return perf_analyzer_level(w, concurrency, servers, _pa_window_ms(duration_s))
     return measure("triton-grpc", w, concurrency, duration_s, warmup_s, servers, sessions, tick=tick)
 
 
@@ -799,7 +804,7 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
                     for c in (perf_analyzer_concurrency if w is classify else w.concurrency):
                         bars.update(level, description=f"{w.key} perf_analyzer c={c}", completed=0, info="")
                         payload["perf_analyzer"]["runs"].append(perf_analyzer_level(
-                            w, c, servers, max(500, int(duration_s * 1000 / 2))))
+                            w, c, servers, _pa_window_ms(duration_s)))
             bars.advance(total)
             use_pa = pa_binary is not None
             # dynamic batching on (the main server) vs off (its own server), the classifier over gRPC,
@@ -814,7 +819,7 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
                     floor = Workload("floor", FLOOR_MODEL, classify.label,
                                      [{"x": a[classify_input]} for a in classify.arrays], [], "", "y")
                     payload["perf_analyzer"]["floor"] = perf_analyzer_level(
-                        floor, 1, off_servers, max(500, int(duration_s * 1000 / 2)))
+                        floor, 1, off_servers, _pa_window_ms(duration_s))
                 for k in range(batching_rounds):
                     pair = {}
                     for tag, srv in (("on", servers), ("off", off_servers)):

@@ -59,14 +59,6 @@ def unavailable_reason(runtime: str) -> str | None:
     return None
 
 
-def version(runtime: str) -> str | None:
-    """The installed version of ``runtime``, or ``None``."""
-    if not available(runtime):
-        return None
-    mod = __import__(runtime)
-    return str(getattr(mod, "__version__", None) or getattr(mod, "get_version", lambda: "?")())
-
-
 def open_session(path: str | Path, runtime: str = DEFAULT_RUNTIME, threads: int = 2, spinning: bool = False) -> Session:
     """A callable running the graph at ``path`` on ``runtime`` with ``threads`` threads.
 
@@ -124,20 +116,20 @@ def _openvino_session(path: str, threads: int) -> Session:
     import openvino as ov
 
     compiled = ov.Core().compile_model(path, "CPU", openvino_config(threads))
-    inputs = {p.get_any_name() for p in compiled.inputs}
+    dims = {p.get_any_name(): [d.get_length() if d.is_static else None for d in p.get_partial_shape()]
+            for p in compiled.inputs}
     outputs = [(p.get_any_name(), p) for p in compiled.outputs]
     request = compiled.create_infer_request()
     lock = threading.Lock()
 
     def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        extra = set(feeds) - inputs
+        extra = set(feeds) - dims.keys()
         if extra:
-            raise ValueError(f"unknown input(s) {sorted(extra)}; the graph's inputs are {sorted(inputs)}")
+            raise ValueError(f"unknown input(s) {sorted(extra)}; the graph's inputs are {sorted(dims)}")
         with lock:
             result = request.infer({k: np.ascontiguousarray(v) for k, v in feeds.items()})
             return {name: np.array(result[port], copy=True) for name, port in outputs}
 
     run.runtime = "openvino"  # type: ignore[attr-defined]
-    run.inputs = {p.get_any_name(): [d.get_length() if d.is_static else None  # type: ignore[attr-defined]
-                                     for d in p.get_partial_shape()] for p in compiled.inputs}
+    run.inputs = dims  # type: ignore[attr-defined]
     return run

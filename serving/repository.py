@@ -406,10 +406,11 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
     kind = mc.ModelInstanceGroup.KIND_CPU if target == "cpu" else mc.ModelInstanceGroup.KIND_GPU
     cfg.instance_group.add(kind=kind, count=instances)
     params = {"unroll_source_onnx": src.onnx.name, CARD_KEY: src.card.to_json()}
+    # what serving/triton_backend_model.py reads (the CPU target, and the test-only stand-in of a GPU config)
+    python_backend = {"onnx_file": "model.onnx", "intra_op_num_threads": str(threads),
+                      "intra_op_spinning": "1" if spinning else "0"}
     if target == "cpu":
-        params |= {"onnx_file": "model.onnx", "intra_op_num_threads": str(threads),
-                   "intra_op_spinning": "1" if spinning else "0", "cpu_runtime": src.card.cpu_runtime,
-                   "input_defaults": json.dumps(defaults)}
+        params |= python_backend | {"cpu_runtime": src.card.cpu_runtime, "input_defaults": json.dumps(defaults)}
     else:
         profile = src.profile if src.profile is not None else card_profile(src, cfg)
         params[PROFILE_KEY] = profile.to_json()
@@ -435,8 +436,7 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
         cfg.ClearField("optimization")
         cfg.backend = "python"
         cfg.instance_group[0].kind = mc.ModelInstanceGroup.KIND_CPU
-        params |= {"onnx_file": "model.onnx", "intra_op_num_threads": str(threads),
-                   "intra_op_spinning": "1" if spinning else "0"}
+        params |= python_backend
     for k, v in params.items():
         cfg.parameters[k].string_value = v
     _warmup(src, cfg, sorted({1, max_batch_size}) if batching else [1])

@@ -405,14 +405,13 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
         base = f"http://{'127.0.0.1' if shown == '0.0.0.0' else shown}:{port}"
         text = banner(base, cards, samples, settings.api_key is not None, f"{triton_protocol}://{url}")
 
+        def announce() -> None:  # once the gateway listens
+            _say(text)
+            if on_ready is not None:
+                on_ready(base)
+
         if workers > 1:
             os.environ.update(settings.env())  # the workers build their app from the UNROLL_* variables
-
-            def announce() -> None:
-                _say(text)
-                if on_ready is not None:
-                    on_ready(base)
-
             stopper = Stopper()
             server = stopper
             if gave_up:  # Triton failed again while the gateway was being set up
@@ -424,9 +423,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
                 async def startup(self, sockets: list[socket.socket] | None = None) -> None:
                     await super().startup(sockets)
                     if self.started:
-                        _say(text)
-                        if on_ready is not None:
-                            on_ready(base)
+                        announce()
 
             server = _Server(uvicorn.Config(create_app(settings), host=host, port=port, log_level=log_level,
                                             timeout_graceful_shutdown=10, **uvicorn_options()))

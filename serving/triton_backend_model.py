@@ -104,7 +104,7 @@ class TritonPythonModel:
         dims = card.get("shape", ())
         self.min_size = None
         if len(dims) == 3:
-            self.min_size = (card["name"], [3 - i for i in (2, 1) if dims[-i] == -1], int(card.get("min_size", 1)))
+            self.min_size = (card["name"], [ax for ax in (-2, -1) if dims[ax] == -1], int(card.get("min_size", 1)))
 
     def _feed(self, request) -> dict[str, np.ndarray]:
         """One request's inputs (zero-copy), reshaped to the graph's shapes, defaults filled in."""
@@ -129,7 +129,7 @@ class TritonPythonModel:
         if self.min_size is not None and self.min_size[0] in feed:
             name, axes, least = self.min_size
             a = feed[name]
-            sides = [a.shape[ax - 3] for ax in axes]  # the last three dims are the card's (C, H, W)
+            sides = [a.shape[ax] for ax in axes]  # the last two dims are the card's H and W
             if any(d < least for d in sides):
                 raise BadInput(f"input {name!r}: {'×'.join(map(str, sides))} is smaller than the model's minimum "
                                f"image side {least} (its card's input.min_size)")

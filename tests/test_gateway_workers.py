@@ -22,6 +22,7 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
+from unroll.benchmarks.common import metric_sum as metric
 from unroll.serving.gateway.process import gateway_popen
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.gateway.workers import MAX_DEFAULT_WORKERS, WORKERS_ENV, check_workers, default_workers
@@ -59,16 +60,6 @@ def worker_pids(pid: int) -> set[int]:
     """The gateway workers among ``pid``'s children (multiprocessing's spawned processes, not its resource tracker
     nor tritonserver)."""
     return {c for c in children(pid) if "spawn_main" in cmdline(c)}
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
-        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
 
 
 def per_worker(text: str) -> dict[int, float]:
