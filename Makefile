@@ -1,20 +1,27 @@
 # unroll — the two commands a newcomer needs: `make serve` and `make test` (set-up included).
+# `make help` lists the targets. Options go to `unroll serve` through ARGS (see `unroll serve --help`):
+#   make serve ARGS="--models sdnet-mnist --port 8081 --workers 2"
+# and the UNROLL_* variables it reads pass through the environment: UNROLL_MODELS=sdnet-mnist UNROLL_WORKERS=2 make serve
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test serve bench lint clean
+.PHONY: help venv test serve bench lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml scripts/editable_first.py
 	@test -x $(PY) || { echo "==> creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	@echo "==> upgrading pip in $(VENV)"
 	@$(PY) -m pip install -q --upgrade pip
 	@echo "==> installing unroll with its serving and dev extras into $(VENV) (PyTorch, ONNX Runtime, Triton:"
 	@echo "    about 2 minutes and a few GB on the first run; pip reports each package below)"
 	$(PY) -m pip install --progress-bar on -e '.[serve,dev]'
+	@$(PY) scripts/editable_first.py  # `import unroll` works from the folder above a clone named unroll
 	@touch $(STAMP)
 	@echo "==> $(VENV) is ready"
+
+help:  ## list the targets (options for `make serve`: ARGS="…", see `unroll serve --help`)
+	@awk -F':.*## ' '/^[a-z]+:.*## / {printf "  make %-6s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 venv: $(STAMP)  ## create .venv and install unroll with its serving and dev extras
 
@@ -25,18 +32,18 @@ test: $(STAMP)  ## run the whole test suite (CI calls this)
 	-bash scripts/perf_analyzer_setup.sh
 	$(PY) -m pytest -q --durations=15
 
-serve: $(STAMP)  ## build what is missing, then start Triton and the REST gateway
+serve: $(STAMP)  ## build what is missing, then start Triton and the REST gateway; options: ARGS="--port 8081 …"
 	@echo "==> unroll serve: exports and the Triton repository are built first when missing (about a minute)"
-	$(VENV)/bin/unroll serve
+	$(VENV)/bin/unroll serve $(ARGS)
 
 bench: $(STAMP)  ## run the benchmarks and rewrite benchmarks/results/
 	@echo "==> perf_analyzer (Triton's own client) in build/perf_analyzer-venv; without it the Triton-direct rows say why"
 	-bash scripts/perf_analyzer_setup.sh
 	$(VENV)/bin/unroll bench all
 
-lint: $(STAMP)
+lint: $(STAMP)  ## ruff and hadolint
 	$(PY) -m ruff check unroll export serving benchmarks tests examples scripts deploy
 	$(VENV)/bin/hadolint Dockerfile
 
-clean:
+clean:  ## remove build/ and the tool caches
 	rm -rf build .pytest_cache .ruff_cache

@@ -241,11 +241,13 @@ def bench_soak(
     concurrency: Annotated[int, typer.Option(help="Clients in closed loop")] = 32,
     out: OutOpt = RESULTS,
 ) -> None:
-    """Mixed traffic through a real `unroll serve` with tritonserver killed (SIGKILL) halfway.
+    """Traffic through a real `unroll serve` while parts of Triton are killed (SIGKILL).
 
-    Passes when no request is lost (each one succeeded or got the documented 503), traffic went on after
-    the supervisor restarted Triton, and no process or /dev/shm region of any Triton server is left.
-    Writes soak.json and soak.md; exits 1 when the run did not pass.
+    Phase 1: the denoiser's Python-backend process is killed under 512×512 denoise load. Phase 2: mixed
+    traffic with tritonserver killed halfway. Passes when no request is lost (each one succeeded or got the
+    documented 503), phase 1's 503s ended within 3 s of its kill, traffic went on after each restart, and no
+    process or /dev/shm region of any Triton server is left. Writes soak.json and soak.md (and the README's
+    soak paragraph when writing the committed results); exits 1 when the run did not pass.
     """
     from unroll.benchmarks import soak
 
@@ -259,7 +261,29 @@ def bench_soak(
         raise typer.Exit(1)
 
 
-STAGES = ("export", "models", "quality", "serve", "gateway-profile", "soak")
+def bench_memory(
+    requests: Annotated[int, typer.Option(help="Concurrent maximum-size denoise requests")] = 20,
+    out: OutOpt = RESULTS,
+) -> None:
+    """The whole service's memory (gateway + tritonserver + backend processes, PSS) idle, under REQUESTS concurrent
+    denoise requests of UNROLL_MAX_PIXELS pixels each, and after them.
+
+    Passes when every request got 200, the peak stayed within 4 GiB and the service came back within 500 MiB of
+    idle. Writes memory.json and memory.md; exits 1 when the run did not pass.
+    """
+    from unroll.benchmarks import memory
+
+    if requests < 1:
+        raise typer.BadParameter("--requests must be ≥ 1")
+    with err.status("memory") as status:
+        payload = memory.run(requests, out=out, log=lambda m: status.update(m))
+    _wrote(out, ["memory"])
+    err.print(memory.markdown(payload))
+    if not all(payload["passed"].values()):
+        raise typer.Exit(1)
+
+
+STAGES = ("export", "models", "quality", "serve", "gateway-profile", "soak", "memory")
 
 
 def bench_all(
@@ -277,7 +301,7 @@ def bench_all(
     progress: ProgressOpt = True,
 ) -> None:
     """Every benchmark with its defaults (what `make bench` runs): export, models, quality, serve,
-    gateway-profile (py-spy), soak.
+    gateway-profile (py-spy), soak, memory.
 
     Rewrites the result files in --out (about 12–15 minutes on a quiet 2-core machine once build/onnx
     exists; a fresh clone also exports and quantizes first). bench_all.json records each stage's time.
@@ -321,6 +345,8 @@ def bench_all(
                                   onnx_dir=onnx_dir, out=out)
         elif stage == "soak":
             bench_soak(requests=1_000 if quick else 10_000, concurrency=32, out=out)
+        elif stage == "memory":
+            bench_memory(requests=4 if quick else 20, out=out)
         else:
             bench_serve(duration=duration, warmup=0.5, concurrency="1,2,4,8,16,32", denoise_concurrency="1,4",
                         denoise_sizes="256,512", batching_concurrency=16, batching_rounds=3,

@@ -1,16 +1,24 @@
-"""``unroll bench soak``: mixed traffic through a real ``unroll serve`` with a Triton kill in the middle.
+"""``unroll bench soak``: traffic through a real ``unroll serve`` while parts of Triton are killed.
 
 One ``unroll serve`` subprocess (the supervised Triton and the gateway, the trained demo models, spare
-ports, everything under a temporary folder) gets ``requests`` mixed requests from ``concurrency`` clients
-in closed loop: classifications (trained λ and ``lam=auto``), denoisings of small noisy crops, and
-``/v1/models``. When half of them have been sent, ``tritonserver`` is killed with SIGKILL. What is
-recorded: every response's status, when the first success after the kill came, and, after ``unroll
+ports, everything under a temporary folder) goes through two phases:
+
+1. **backend process killed** (issue 22, :mod:`unroll.benchmarks.soak_stub`): 4 clients in closed loop
+   denoise a noisy 512×512 image; after 3 s the denoiser's Python-backend stub is killed with SIGKILL
+   (Triton 2.45 used to die of that with SIGSEGV: see :mod:`unroll.serving.supervisor`). The phase ends once
+   20 requests started after the last failure have succeeded.
+2. **tritonserver killed**: ``requests`` mixed requests from ``concurrency`` clients in closed loop:
+   classifications (trained λ and ``lam=auto``), denoisings of small noisy crops, and ``/v1/models``. When
+   half of them have been sent, ``tritonserver`` is killed with SIGKILL.
+
+What is recorded: every response's status, how long 503s went on after each kill, and, after ``unroll
 serve`` is stopped, whether any process or ``/dev/shm`` region of any of its Triton servers is left.
 
 A request is *lost* when it neither succeeded nor got the documented 503 (Triton unavailable, with
-Retry-After): a 5xx of another kind, a timeout or a dropped connection. The run passes when none is
-lost, traffic went on after recovery (at least a tenth of the requests started after the last 503, and
-all of those succeeded), and nothing is left behind.
+Retry-After): a 5xx of another kind, a timeout or a dropped connection. The run passes when no request of
+either phase is lost, traffic went on after each recovery (phase 2: at least a tenth of the requests started
+after the last 503, and all of those succeeded), the last 503 of phase 1 came at most
+``soak_stub.TARGET_503_S`` (3 s) after its kill, and nothing is left behind.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from collections import Counter
@@ -31,7 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from unroll.benchmarks.common import demo_model, machine_info, png_bytes
+from unroll.benchmarks import soak_stub
+from unroll.benchmarks.common import RESULTS, demo_model, machine_info, png_bytes
 from unroll.serving.triton import SHM_DIR, free_ports, group_members, processes_with, shm_regions
 
 READY_TIMEOUT_S = 300.0
@@ -63,6 +73,12 @@ class ServeProcess:
             if argv[0].endswith("tritonserver"):
                 return pid
         return None
+
+    def stub_pid(self, model: str) -> int | None:
+        """The Python-backend stub serving ``model`` in the current server (its ``model.py`` path names it)."""
+        server = self.triton_pid()
+        members = group_members(server) if server is not None else {}
+        return next((p for p, argv in members.items() if p != server and any(f"/{model}/" in a for a in argv)), None)
 
     def record(self) -> None:
         """Remember the current server, its stubs and their shared-memory regions (to check clean-up later)."""
@@ -198,14 +214,19 @@ async def _traffic(s: ServeProcess, payloads: dict, requests: int, concurrency: 
 
 
 def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = Path("benchmarks/results"),
-        progress: Callable[[str], None] | None = None) -> dict:
-    """The soak; returns the payload (and writes ``soak.json`` / ``soak.md`` into ``out_dir`` unless None)."""
+        progress: Callable[[str], None] | None = None, stub_phase: bool = True) -> dict:
+    """The soak; returns the payload (and writes ``soak.json`` / ``soak.md`` into ``out_dir`` unless None).
+
+    ``stub_phase``: run phase 1 (the denoiser's backend process killed) before the mixed traffic."""
     log = progress or (lambda m: None)
     classifier, denoiser = demo_model("classification"), demo_model("denoising")
     root = Path(tempfile.mkdtemp(prefix="unroll-soak-")).resolve()
     t_start = time.perf_counter()
     s = start_serve(root, [classifier, denoiser], log)
+    stub = None
     try:
+        if stub_phase:
+            stub = soak_stub.run_phase(s, denoiser, log)
         payloads = _payloads(classifier, denoiser, 1000)
         log(f"{requests} requests at concurrency {concurrency}")
         results, killed_at = asyncio.run(_traffic(s, payloads, requests, concurrency, requests // 2, log))
@@ -243,26 +264,36 @@ def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = Pa
         "leaked_shm": leaked, "shm_regions_seen": len(s.regions),
         "restart_logged": "restart" in serve_log,
         "seconds": round(time.perf_counter() - t_start, 1),
+        "stub_kill": stub,
     }
     payload["passed"] = (killed_at is not None and not lost and len(after_recovery) >= requests // 10
-                         and not left and not leaked and not orphans)
+                         and not left and not leaked and not orphans and (stub is None or stub["passed"]))
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "soak.json").write_text(json.dumps(payload, indent=2) + "\n")
         (out_dir / "soak.md").write_text(markdown(payload))
+        if out_dir.resolve() == RESULTS.resolve():  # the committed results: the README quotes them
+            write_readme_paragraph(payload, RESULTS.parent.parent / "README.md")
     return payload
 
 
 def markdown(p: dict) -> str:
     m = p["machine"]
     rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(p["status_counts"].items()))
+    stub = p.get("stub_kill")
     return "\n".join([
+        "# Soak: parts of Triton killed under load" if stub else
         f"# Soak: {p['requests']:,} mixed requests at concurrency {p['concurrency']}, tritonserver killed "
         f"(SIGKILL) at request {p['kill']['at_request']:,}",
         "",
-        f"{m.get('cpu', '?')}, {m.get('logical_cores', '?')} cores; `unroll bench soak` ({p['seconds']} s). Models: "
-        f"{p['models']['classification']} (trained λ and lam=auto), {p['models']['denoising']} (64×64 crops, σ=25), "
-        "and /v1/models.",
+        f"{m.get('cpu', '?')}, {m.get('logical_cores', '?')} cores; `unroll bench soak` ({p['seconds']} s), one "
+        "`unroll serve` throughout.",
+        "",
+        *(soak_stub.markdown(stub) if stub else []),
+        *([f"## Phase 2: {p['requests']:,} mixed requests at concurrency {p['concurrency']}, tritonserver killed "
+           f"(SIGKILL) at request {p['kill']['at_request']:,}", ""] if stub else []),
+        f"Models: {p['models']['classification']} (trained λ and lam=auto), {p['models']['denoising']} (64×64 "
+        "crops, σ=25), and /v1/models.",
         "",
         "| status | requests |", "|---|---|", rows, "",
         f"- succeeded: {p['ok']:,}; answered 503 (Triton unavailable): {p['unavailable_503']:,} "
@@ -272,7 +303,48 @@ def markdown(p: dict) -> str:
         f"requests started after it succeeded (clients pause {p['backoff_on_503_s']} s after a 503)",
         f"- after stopping: processes of any Triton server left: {len(p['left_processes'])}; orphans under the run's "
         f"folder: {len(p['orphans'])}; leaked /dev/shm regions: {len(p['leaked_shm'])} of "
-        f"{p['shm_regions_seen']} seen",
-        f"- **{'passed' if p['passed'] else 'FAILED'}**",
+        f"{p['shm_regions_seen']} seen (every server of the run)",
+        f"- **{'passed' if p['passed'] else 'FAILED'}**" + (" (both phases)" if stub else ""),
         "",
     ])
+
+
+#: The README's soak paragraph sits between these markers; :func:`readme_paragraph` writes it from soak.json.
+README_BEGIN, README_END = "<!-- soak: generated from benchmarks/results/soak.json -->", "<!-- /soak -->"
+
+
+def readme_paragraph(p: dict) -> str:
+    """The README's summary of a soak payload (numbers from the results, never typed by hand)."""
+    text = ""
+    stub = p.get("stub_kill")
+    if stub:
+        text += (f"**Soak** ([`soak.md`](benchmarks/results/soak.md), `unroll bench soak`), one real `unroll serve`. "
+                 f"Phase 1: {stub['clients']} clients denoising {stub['image']} images, the denoiser's "
+                 f"Python-backend stub killed (SIGKILL): {stub['ok']:,} succeeded, {stub['unavailable_503']:,} got 503 "
+                 f"with `Retry-After`, **{stub['lost']} lost**; the last 503 came **{stub['unavailable_s']} s** after "
+                 f"the kill (target ≤ {stub['target_503_s']:g} s)"
+                 + (", tritonserver replaced by the supervisor" if stub["triton_replaced"] else "") + ". Phase 2: ")
+    else:
+        text += "**Soak** ([`soak.md`](benchmarks/results/soak.md), `unroll bench soak`): "
+    text += (f"{p['requests']:,} mixed requests (classify with the trained λ and with `lam=auto`, denoise 64×64 "
+             f"crops, `/v1/models`) at concurrency {p['concurrency']}, `tritonserver` killed (SIGKILL) at request "
+             f"{p['kill']['at_request']:,}: {p['ok']:,} succeeded, {p['unavailable_503']:,} got 503 with "
+             f"`Retry-After`, **{p['lost']} lost**; the last 503 came {p['recovery_s']} s after the kill and all "
+             f"{p['requests_after_recovery']:,} requests started after it succeeded (clients pause "
+             f"{p['backoff_on_503_s']} s after a 503). After stopping, "
+             + ("no process and no `/dev/shm` region of any of its Triton servers was left."
+                if not (p["left_processes"] or p["orphans"] or p["leaked_shm"]) else
+                f"{len(p['left_processes'])} processes and {len(p['leaked_shm'])} `/dev/shm` regions were left."))
+    return textwrap.fill(text, width=116, break_long_words=False, break_on_hyphens=False)
+
+
+def write_readme_paragraph(p: dict, readme: Path) -> bool:
+    """Replace the text between the README's soak markers with :func:`readme_paragraph`; ``False`` if none."""
+    if not readme.exists():
+        return False
+    text = readme.read_text()
+    start, end = text.find(README_BEGIN), text.find(README_END)
+    if start < 0 or end < start:
+        return False
+    readme.write_text(text[:start + len(README_BEGIN)] + "\n" + readme_paragraph(p) + "\n" + text[end:])
+    return True

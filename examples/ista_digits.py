@@ -18,9 +18,15 @@ Export it (the card comes from the options):
 
 ``ista_digits(weights=PATH)`` loads a ``state_dict`` saved with ``torch.save(model.state_dict(), PATH)``;
 without it the weights are a seeded random initialisation (train it first for real predictions).
+
+``python examples/ista_digits.py their_model.onnx`` writes the model the way someone else's code would: a plain
+``torch.onnx.export`` with no unroll card (inputs ``image`` and ``lam``, output ``logits``, dynamic batch), the
+graph the README's third way in (``unroll fuse … --card examples/my-model.card.json``) starts from.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -73,3 +79,16 @@ def ista_digits(weights: str | None = None, k: int = 5) -> ISTADigits:
     if weights is not None:
         model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
     return model.eval()
+
+
+def export_plain_onnx(path: str) -> None:
+    """``torch.onnx.export`` of :func:`ista_digits` to ``path``, no card: an ONNX file as another tool leaves it."""
+    model = ista_digits()
+    batch = torch.export.Dim("batch", min=1, max=4096)  # an example batch of 2: a batch of 1 would be specialised
+    example = (torch.rand(2, 1, 28, 28), torch.full((2,), model.ista.lam))
+    torch.onnx.export(model, example, path, input_names=["image", "lam"], output_names=["logits"],
+                      dynamic_shapes={"x": {0: batch}, "lam": {0: batch}}, external_data=False)
+
+
+if __name__ == "__main__":
+    export_plain_onnx(sys.argv[1] if len(sys.argv) > 1 else "their_model.onnx")

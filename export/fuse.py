@@ -84,6 +84,7 @@ def load_card_file(path: str | Path, name: str) -> ModelCard:
     if data.setdefault("name", name) != name:
         raise CardError(f"--card {path}: the card is named {data['name']!r} but the graph is {name!r} (its file "
                         "stem, the name Triton serves it under); fix the card's name or rename the file")
+    data.update(origin="file", origin_file=path.name)  # messages asking for a field name it in this file
     return ModelCard.from_json(json.dumps(data), f"--card {path}")
 
 

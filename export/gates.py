@@ -143,8 +143,8 @@ def role_dataset(card: ModelCard, role: str) -> data.Dataset:
     """The dataset the card names for ``role`` (train/validation/test/stress); unset is an error naming the field."""
     ds_id = getattr(card.data, role, None)
     if ds_id is None:
-        raise ValueError(f"{card.name}: no {role} data; set card.data.{role} to one of "
-                         f"{', '.join(data.DATASETS)} in the model's registration")
+        raise ValueError(f"{card.name}: no {role} data; set {card.field_hint('data', role, value='<dataset id>')} "
+                         f"(dataset ids: {', '.join(data.DATASETS)})")
     return data.dataset(ds_id)
 
 
@@ -170,12 +170,14 @@ def feature_inputs(card: ModelCard) -> np.ndarray:
         if n < 0:
             rng = card.trt_profile.dims.get(str(axis))
             if rng is None:
-                raise ValueError(f"{card.name}: input axis {axis} is dynamic; set card.trt_profile.dims['{axis}'] "
+                where = card.field_hint("trt_profile", "dims", str(axis), value="<[min, opt, max]>")
+                raise ValueError(f"{card.name}: input axis {axis} is dynamic; set {where} "
                                  "(its opt size is the example inputs' size)")
             shape[axis] = rng[1]
     if len(shape) not in (2, 3):
         raise ValueError(f"{card.name}: no example inputs for a feature input of shape {list(card.input.shape)}; "
-                         "give the card a dataset (card.data) and an image input")
+                         f"give the card a dataset ({card.field_hint('data', 'test', value='<dataset id>')}) "
+                         "and an image input")
     x = photo_features(tuple(shape)).numpy()
     return np.ascontiguousarray(x, dtype=np.float32)
 
@@ -189,8 +191,8 @@ def real_inputs(card: ModelCard, role: str) -> tuple[np.ndarray, np.ndarray | No
         return feature_inputs(card), None, "bundled photos as tokens/feature maps (the export's example inputs)"
     ds = role_dataset(card, role)
     if ds.kind != "labelled":
-        raise ValueError(f"{card.name}: card.data.{role} = {ds.id!r} holds {ds.kind}, but a {card.task} gate "
-                         "needs a labelled (array) dataset")
+        raise ValueError(f"{card.name}: {card.field_hint('data', role, value=ds.id)} holds {ds.kind}, but a "
+                         f"{card.task} gate needs a labelled (array) dataset")
     x, y = ds.load()
     return fit_to_card(card, x), (None if y is None else np.asarray(y)), ds.id
 
@@ -214,7 +216,8 @@ def _center_crop(img: np.ndarray, hw: tuple[int, int] | None) -> np.ndarray:
 def _denoising_cases(card: ModelCard, role: str, max_hw: tuple[int, int] | None) -> list[GateCase]:
     ds = role_dataset(card, role)
     if ds.kind != "images":
-        raise ValueError(f"{card.name}: card.data.{role} = {ds.id!r} holds {ds.kind}, a denoiser gate needs images")
+        raise ValueError(f"{card.name}: {card.field_hint('data', role, value=ds.id)} holds {ds.kind}, a denoiser "
+                         "gate needs images")
     channels = card.input.shape[0]
     cases = []
     for name, img in ds.load().items():

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from unroll.export import inputs as _inputs  # (``export`` has a parameter named example_inputs)
 from unroll.export import inputs as example_inputs
+from unroll.export.tiling_check import tiling_parity
 from unroll.export.trt_lint import format_issues, lint, lint_report
 
 import unroll
@@ -276,6 +277,21 @@ def verify(model_bytes: bytes, module: nn.Module, cases: list[example_inputs.Cas
     return rows
 
 
+def _check_tiling(blob: bytes, card: ModelCard, case: example_inputs.Case, ins: list[str]) -> dict:
+    """The card's ``tiling`` claim checked on the graph (:func:`unroll.export.tiling_check.tiling_parity`);
+    refused beyond the parity tolerance, naming the card field to fix."""
+    sess = ort.InferenceSession(blob, providers=["CPUExecutionProvider"])
+    extra = {k: case.inputs[k][:1].numpy() for k in ins[1:]}
+    result = tiling_parity(sess, card, extra)
+    result["ok"] = bool(result["max_abs_err"] <= MAX_ABS_ERR and result["rel_err"] <= MAX_REL_ERR)
+    if not result["ok"]:
+        raise ExportError(f"card.tiling {card.tiling.model_dump()} does not hold: windows stitched back differ from "
+                          f"the whole image by abs {result['max_abs_err']:.2e}, rel {result['rel_err']:.2e} "
+                          f"(tolerance {MAX_ABS_ERR:g} / {MAX_REL_ERR:g}); widen the margin to the graph's receptive "
+                          "radius, or set mean_centred if the graph removes its input's mean")
+    return result
+
+
 def export_module(module: nn.Module, cases: list[example_inputs.Case], ins: list[str], outs: list[str],
                   axes: dict, out_path: Path, opset: int = 17, extra_report: dict | None = None,
                   naive: bool = True, card: ModelCard | None = None) -> ExportResult:
@@ -306,6 +322,7 @@ def export_module(module: nn.Module, cases: list[example_inputs.Case], ins: list
             parity = verify(blob, module, cases, ins)
         except ExportError as e:
             raise ExportError(f"{e}{_frozen_values_hint(caught)}") from e
+        tiling = _check_tiling(blob, card, cases[0], ins) if card is not None and card.tiling is not None else None
         bad = [r for r in parity if not r["ok"]]
         if bad:
             raise ExportError("ONNX Runtime output differs from PyTorch beyond max abs 1e-4 / rel 1e-5: " +
@@ -330,6 +347,7 @@ def export_module(module: nn.Module, cases: list[example_inputs.Case], ins: list
         "parity": {"max_abs_tol": MAX_ABS_ERR, "rel_tol": MAX_REL_ERR, "runtime": f"onnxruntime {ort.__version__} CPU",
                    "cases": parity},
         "trt_lint": trt_lint,
+        **({"tiling": tiling} if tiling is not None else {}),
         "cleanup": f"onnxslim {onnxslim.__version__}; onnx.checker full_check; strict shape inference",
         "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": ort.__version__},
         "export_seconds": round(time.perf_counter() - t0, 2),
@@ -471,7 +489,7 @@ def export(module: nn.Module, card: ModelCard | dict, example_inputs: Examples |
 
     if isinstance(card, dict):
         try:
-            card = ModelCard.model_validate(card)
+            card = ModelCard.model_validate({**card, "origin": "python"})  # field hints name this dict
         except Exception as e:
             raise CardError(f"invalid model card: {e}") from None
     if name is not None and name != card.name:

@@ -138,12 +138,13 @@ class GateFailed(RuntimeError):
 def _denoising_calibration(card: ModelCard, n: int, rng: np.random.Generator) -> list[dict[str, np.ndarray]]:
     ds = gate.role_dataset(card, "train")
     if ds.kind != "images":
-        raise ValueError(f"{card.name}: card.data.train = {ds.id!r} holds {ds.kind}, denoiser calibration "
-                         "needs images")
+        raise ValueError(f"{card.name}: {card.field_hint('data', 'train', value=ds.id)} holds {ds.kind}, "
+                         "denoiser calibration needs images")
     side = max(CALIB_PATCH, card.input.min_size)
     imgs = [img for img in ds.load().values() if min(img.shape) > side]
     if not imgs:
-        raise ValueError(f"{card.name}: no image in card.data.train = {ds.id!r} is larger than {side}×{side}")
+        raise ValueError(f"{card.name}: no image in {card.field_hint('data', 'train', value=ds.id)} is larger than "
+                         f"{side}×{side}")
     channels = card.input.shape[0]
     feeds = []
     for _ in range(n):

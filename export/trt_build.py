@@ -346,7 +346,8 @@ def profile_shapes(model: onnx.ModelProto, card: ModelCard, batch: Range | None 
                 r = ranges[key]
             else:
                 label = d.dim_param or f"axis {axis}"
-                hint = f" (set card.trt_profile.dims['{axis - 1}']" if main else " (give"
+                hint = (f" (set {card.field_hint('trt_profile', 'dims', str(axis - 1), value='<[min, opt, max]>')}"
+                        if main else " (give")
                 hint += f" or --dim-range {d.dim_param or key}=MIN:OPT:MAX)"
                 raise ValueError(f"input {v.name!r} has a dynamic dimension {label!r} with no range{hint}")
             lo.append(r[0])

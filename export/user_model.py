@@ -87,7 +87,7 @@ def card_from_options(name: str, task: str, input_shape: tuple[int, ...], update
     inp, out = DEFAULT_IO[task]
     image = len(shape) == 3 and shape[0] in (1, 3) and task != "block"
     base: dict[str, Any] = {
-        "name": check_name(name), "task": task, "output": out,
+        "name": check_name(name), "task": task, "output": out, "origin": "options",
         "input": {"name": inp, "shape": list(shape), "colour": ({1: "gray", 3: "rgb"}[shape[0]] if image else None),
                   "resize": "stretch" if task == "classification" and min(shape[1:]) > 0 else "none"},
     }

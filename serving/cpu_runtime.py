@@ -25,8 +25,10 @@ Nothing here imports PyTorch (the CPU serving image has none).
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,8 +61,13 @@ def unavailable_reason(runtime: str) -> str | None:
     return None
 
 
-def open_session(path: str | Path, runtime: str = DEFAULT_RUNTIME, threads: int = 2, spinning: bool = False) -> Session:
+def open_session(path: str | Path, runtime: str = DEFAULT_RUNTIME, threads: int = 2, spinning: bool = False,
+                 release_idle_s: float | None = None) -> Session:
     """A callable running the graph at ``path`` on ``runtime`` with ``threads`` threads.
+
+    OpenVINO gives its intermediate buffers back after ``release_idle_s`` seconds without an inference
+    (:class:`IdleRelease`; default :data:`RELEASE_IDLE_S`); ONNX Runtime's are bounded by the largest input it
+    has run (the gateway's tiling bounds that).
 
     It takes ``{input name: array}`` (extra names are an error, as in ONNX Runtime) and returns
     ``{output name: array}`` for every graph output, in graph order, as arrays the caller owns. Safe
@@ -73,7 +80,7 @@ def open_session(path: str | Path, runtime: str = DEFAULT_RUNTIME, threads: int 
         raise ValueError(f"threads must be ≥ 1, got {threads}")
     if runtime == "onnxruntime":
         return _ort_session(str(path), threads, spinning)
-    return _openvino_session(str(path), threads)
+    return _openvino_session(str(path), threads, RELEASE_IDLE_S if release_idle_s is None else release_idle_s)
 
 
 def ort_session(path: str | Path, threads: int, spinning: bool = False):
@@ -112,7 +119,52 @@ def openvino_config(threads: int) -> dict[str, object]:
             "NUM_STREAMS": 1}
 
 
-def _openvino_session(path: str, threads: int) -> Session:
+#: Seconds without an inference after which an OpenVINO model gives its intermediate buffers back.
+RELEASE_IDLE_S = 2.0
+
+
+class IdleRelease:
+    """Calls ``release`` (OpenVINO's ``CompiledModel.release_memory``) once no inference has run for
+    :attr:`idle_s`, then returns freed heap to the OS (glibc ``malloc_trim``).
+
+    OpenVINO keeps the intermediate buffers of the largest shape it has run (about 0.5 KB per pixel for the
+    denoiser): without this a burst of large images would leave the backend process that large for good. The
+    next inference after a release allocates them again (a fraction of one inference's time), which only a
+    request arriving after an idle pause pays. ``lock`` is the one the inferences hold.
+    """
+
+    def __init__(self, release: Callable[[], None], lock: threading.Lock, idle_s: float = RELEASE_IDLE_S) -> None:
+        self._release, self._lock, self.idle_s = release, lock, idle_s
+        self._last, self._dirty = 0.0, False
+        self._wake = threading.Event()
+        threading.Thread(target=self._loop, name="unroll-release-idle", daemon=True).start()
+
+    def touch(self) -> None:
+        """Record an inference (called with ``lock`` held)."""
+        self._last, self._dirty = time.monotonic(), True
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            while (left := self._last + self.idle_s - time.monotonic()) > 0:
+                time.sleep(left)
+            with self._lock:
+                if self._dirty and time.monotonic() - self._last >= self.idle_s:
+                    self._release()
+                    self._dirty = False
+                    _malloc_trim()
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
+def _openvino_session(path: str, threads: int, release_idle_s: float) -> Session:
     import openvino as ov
 
     compiled = ov.Core().compile_model(path, "CPU", openvino_config(threads))
@@ -121,6 +173,7 @@ def _openvino_session(path: str, threads: int) -> Session:
     outputs = [(p.get_any_name(), p) for p in compiled.outputs]
     request = compiled.create_infer_request()
     lock = threading.Lock()
+    idle = IdleRelease(compiled.release_memory, lock, release_idle_s)
 
     def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         extra = set(feeds) - dims.keys()
@@ -128,7 +181,9 @@ def _openvino_session(path: str, threads: int) -> Session:
             raise ValueError(f"unknown input(s) {sorted(extra)}; the graph's inputs are {sorted(dims)}")
         with lock:
             result = request.infer({k: np.ascontiguousarray(v) for k, v in feeds.items()})
-            return {name: np.array(result[port], copy=True) for name, port in outputs}
+            out = {name: np.array(result[port], copy=True) for name, port in outputs}
+            idle.touch()
+            return out
 
     run.runtime = "openvino"  # type: ignore[attr-defined]
     run.inputs = dims  # type: ignore[attr-defined]

@@ -5,7 +5,9 @@ each brings the companion graphs its card names (its λ rule, ``card.lam.auto``)
 to ONNX when one of its graphs is missing or stale (``build/onnx``; staleness is read from each graph's
 card and report, see :func:`stale_reason`), write the Triton repository when a model directory is missing,
 stale or for another target (``model_repository``), start the bundled tritonserver on 127.0.0.1 (unless
-``--triton-url`` points at one already running, e.g. the NGC container on a GPU server), write one sample
+``--triton-url`` points at one already running, e.g. the NGC container on a GPU server) loading exactly
+those graphs (Triton's explicit model control, :func:`triton_load_args`: other models a repository holds stay
+unloaded, so ``/v1/models`` and ``/readyz`` show only what was asked for), write one sample
 input per served model to ``build/samples`` (chosen from its card), then run the gateway with uvicorn and
 print the URLs and a ``curl`` per model. The gateway finds the models and their cards in Triton.
 ``--workers N`` (``UNROLL_WORKERS``; default half the cores, 1 to 4) runs N gateway processes behind the
@@ -85,6 +87,18 @@ def graphs_of(models: list[str], onnx_dir: Path | None = None) -> list[str]:
         card = card_of(m, onnx_dir)
         out += [m] + ([card.lam.auto] if card.lam is not None and card.lam.auto is not None else [])
     return list(dict.fromkeys(out))
+
+
+def triton_load_args(graphs: list[str]) -> tuple[str, list[str]]:
+    """Triton's model-control mode and flags that load exactly ``graphs`` at start and nothing else.
+
+    ``model_repository/`` keeps every model ever written to it; with ``--model-control-mode=none`` Triton would
+    load them all. ``explicit`` with one ``--load-model`` per graph loads only these (the others are listed in
+    its repository index without a state). The load/unload API this mode opens is behind the run's key.
+    """
+    if not graphs:
+        raise ServeError("no model to serve")
+    return "explicit", [f"--load-model={g}" for g in graphs]
 
 
 def stale_reason(graph: str, onnx_dir: Path) -> str | None:
@@ -268,7 +282,7 @@ def banner(base: str, cards: list[ModelCard], samples: dict[str, Path], api_key:
         "try:",
         *tries,
         f"  curl{auth} {base}/v1/models",
-        f"  curl {base}/healthz    curl {base}/readyz    curl {base}/metrics",
+        *(f"  curl {base}/{path}" for path in ("healthz", "readyz", "metrics")),
         *([f"  (served by Triton only, no gateway route: {', '.join(triton_only)})"] if triton_only else []),
         "",
         "Ctrl-C stops the gateway and Triton.",
@@ -374,7 +388,9 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
                 _check_port_free("127.0.0.1", p, what)
             onnx_dir.mkdir(parents=True, exist_ok=True)
             rebuilt = ensure_onnx(onnx_dir, models, force=rebuild)
-            ensure_repository(repo, onnx_dir, target, graphs_of(models, onnx_dir), force=rebuild or bool(rebuilt))
+            graphs = graphs_of(models, onnx_dir)
+            ensure_repository(repo, onnx_dir, target, graphs, force=rebuild or bool(rebuilt))
+            control, load_args = triton_load_args(graphs)
             log_file = (onnx_dir.parent / "triton.log").resolve()
             _say(f"start tritonserver on 127.0.0.1:{triton_http_port} (log: {log_file}, rotated at each start)")
             triton_key = new_api_key()  # this run's: Triton's APIs but health need it; only the gateway has it
@@ -383,7 +399,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
             def launch() -> TritonHandle:
                 return start(repo, http_port=triton_http_port, grpc_port=triton_grpc_port,
                              metrics_port=triton_metrics_port, host="127.0.0.1", log_file=log_file,
-                             api_key=triton_key, any_thread=True)
+                             api_key=triton_key, any_thread=True, model_control=control, extra_args=load_args)
 
             def give_up(why: str) -> None:
                 gave_up.append(why)
@@ -446,6 +462,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
 
 def serve_command(
     models: Annotated[str | None, typer.Option(
+        envvar="UNROLL_MODELS", show_envvar=True,
         help="Comma-separated models to serve: registered names (see `unroll models`) or graphs exported into "
              "--onnx-dir with a card (`unroll export --model`, `unroll fuse --card`), each with the companion "
              "graphs its card names; default: every registered model with committed weights")] = None,
@@ -464,10 +481,11 @@ def serve_command(
                                                 help="Require this key on /v1/* (X-API-Key or Bearer)")] = None,
     repo: Annotated[Path, typer.Option(help="Triton model repository")] = Path("model_repository"),
     onnx_dir: Annotated[Path, typer.Option(help="ONNX exports")] = Path("build/onnx"),
-    rebuild: Annotated[bool, typer.Option(help="Re-export and rewrite the repository even if up to date")] = False,
+    rebuild: Annotated[bool, typer.Option("--rebuild", help="Re-export and rewrite the repository even if up to "
+                                                            "date")] = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
     workers: Annotated[int | None, typer.Option(
-        envvar="UNROLL_WORKERS", show_envvar=True, min=1,
+        envvar="UNROLL_WORKERS", show_envvar=True, min=1, metavar="N",
         help="Gateway worker processes behind the one port (metrics add up across them); default: half the "
              "cores, 1 to 4 (Triton's models take the rest)")] = None,
 ) -> None:

@@ -6,13 +6,25 @@ left the gateway answering 503 for good, the server a zombie, its stubs running 
 
 * it launches the server (the first time too) from that thread, which lives as long as the server must:
   Triton's parent-death signal follows the thread that forked it (see :mod:`unroll.serving.triton`);
-* it polls the server: an exit is reaped at once; a server that is alive but not ready for
-  ``unready_restart_s`` (a model that never comes back) is stopped;
+* it watches the server and its Python-backend stubs (:class:`~unroll.serving.process_watch.ExitWatch`: woken
+  the moment one exits) and probes readiness: an exit of the server is reaped at once; a server that is alive
+  but not ready for ``unready_restart_s`` (a model that never comes back) is stopped;
+* a stub that dies while its server runs (``kill -9``, the OOM killer) makes the supervisor replace the whole
+  server at once (SIGKILL, no drain), because Triton 2.45 cannot be trusted after it: its Python backend
+  restarts the stub in place, unmapping the stub's shared-memory pool, and then still writes to, reads from
+  and frees the failed batch's requests in that pool. Where the new pool is mapped elsewhere (always, once the
+  pool had grown for large tensors, as the denoiser's 512×512 batches make it) that is a SIGSEGV in
+  ``InferRequest::SetReleaseFlags`` or ``~InferRequest``; where the new pool happens to land on the old
+  address it is a write into the new stub's memory. A stub killed while it held the pool's mutex makes Triton
+  abort (``boost::interprocess::lock_exception``) even before that. A clean restart costs about as long as the
+  in-place one and has none of these (``restart_on_stub_exit=False`` leaves it to Triton); the gateway answers
+  the requests that were inside the dead stub with 503 and ``Retry-After``, like those during the restart;
 * :meth:`TritonHandle.stop` then kills what is left of the server's process group (its stubs), reaps
   them (this process is made a child subreaper, so orphaned stubs are re-parented to us, not to PID 1)
   and unlinks the shared-memory regions of that server's stubs only;
-* it starts a new server on the same ports after a back-off (``backoff_s``, longer after each crash in a
-  row, reset once a server stayed up ``stable_s``), and gives up after ``max_restarts`` restarts within
+* it starts a new server on the same ports after a back-off (``backoff_s``: none after a first failure, so a
+  lone crash costs only the restart; longer after each crash in a row, reset once a server stayed up
+  ``stable_s``), and gives up after ``max_restarts`` restarts within
   ``window_s`` — then ``on_give_up`` is called (``unroll serve`` exits with the reason) rather than
   serving 503 forever. Every step is logged.
 
@@ -32,12 +44,26 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from unroll.serving.process_watch import ExitWatch
 from unroll.serving.triton import STOP_GRACE_S, TritonHandle, TritonStartError, group_members, reap_children
 
 log = logging.getLogger("unroll.serve")
 
 #: ``prctl`` option (linux/prctl.h): orphaned descendants are re-parented to this process, not PID 1.
 PR_SET_CHILD_SUBREAPER = 36
+#: The Python backend's per-instance process (a transient helper Triton runs while launching one is not one).
+STUB_BINARY = "triton_python_backend_stub"
+#: Grace (SIGTERM → SIGKILL) when stopping a server that crashed or hung, and when one lost a stub (none: its
+#: in-flight work cannot finish cleanly, and every moment it lives is a moment more of 503s).
+CRASHED_GRACE_S, STUB_LOST_GRACE_S = 5.0, 0.0
+
+
+def stub_name(argv: list[str]) -> str:
+    """The model instance a Python-backend stub serves (``csc-denoiser_0_0``; its arguments are the model's
+    ``<repo>/<model>/<version>/model.py``, …, the instance name, the runtime)."""
+    model = next((Path(a).parent.parent.name for a in argv[1:] if a.endswith(".py")), None)
+    instance = next((a for a in argv[2:] if model and a.startswith(f"{model}_")), None)
+    return instance or model or " ".join(argv)[:80]
 
 
 def become_subreaper() -> bool:
@@ -64,15 +90,17 @@ class TritonSupervisor:
     ``launch`` must accept being called from the supervisor's thread (``triton.start(..., any_thread=True)``).
     """
 
-    def __init__(self, launch: Callable[[], TritonHandle], *, backoff_s: Sequence[float] = (0.5, 1, 2, 4, 8, 15, 30),
+    def __init__(self, launch: Callable[[], TritonHandle], *,
+                 backoff_s: Sequence[float] = (0, 0.5, 1, 2, 4, 8, 15, 30),
                  max_restarts: int = 10, window_s: float = 600.0, stable_s: float = 60.0,
-                 probe_every_s: float = 0.5, unready_restart_s: float = 20.0,
+                 probe_every_s: float = 0.5, unready_restart_s: float = 20.0, restart_on_stub_exit: bool = True,
                  on_give_up: Callable[[str], None] | None = None) -> None:
         if not backoff_s or min(backoff_s) < 0 or max_restarts < 0:
             raise ValueError("backoff_s must be non-empty and non-negative, max_restarts >= 0")
         self._launch = launch
         self.backoff_s, self.max_restarts, self.window_s = tuple(backoff_s), max_restarts, window_s
         self.stable_s, self.probe_every_s, self.unready_restart_s = stable_s, probe_every_s, unready_restart_s
+        self.restart_on_stub_exit = restart_on_stub_exit
         self._on_give_up = on_give_up
         self._stop = threading.Event()
         self._started = threading.Event()
@@ -134,13 +162,16 @@ class TritonSupervisor:
             while not self._stop.is_set():
                 if handle is not None:
                     up_since = time.monotonic()
-                    reason = self._watch(handle)
-                    if reason is None:  # asked to stop
+                    watched = self._watch(handle)
+                    if watched is None:  # asked to stop
                         break
+                    reason, grace_s = watched
                     self._handle = None
+                    if grace_s == 0:  # the server still runs: end it before reading its log
+                        handle.stop(grace_s=grace_s)
                     log.warning("tritonserver (pid %d) %s; last lines of its log %s:\n%s", handle.pid, reason,
                                 handle.log_path, handle.log_tail(15))
-                    handle.stop(grace_s=5)
+                    handle.stop(grace_s=grace_s)
                     self._leftovers |= set(group_members(handle.pid, zombies=True))
                     log.warning("tritonserver (pid %d): stopped what was left of its process group and removed its "
                                 "shared memory (%d regions)", handle.pid, len(handle.regions))
@@ -178,22 +209,41 @@ class TritonSupervisor:
                 handle.stop()
             self._handle = None
 
-    def _watch(self, handle: TritonHandle) -> str | None:
-        """Block until the server exits (reaped here) or stays unready too long; ``None`` once asked to stop."""
+    def _watch(self, handle: TritonHandle) -> tuple[str, float] | None:
+        """Block until the server exits (reaped here), loses a stub, or stays unready too long: why, and the grace
+        to stop it with; ``None`` once asked to stop."""
         unready_since: float | None = None
-        while not self._stop.wait(self.probe_every_s):
-            self._reap_leftovers(keep=handle.pid)
-            code = handle.poll()
-            if code is not None:
-                return describe_exit(code)
-            handle.snapshot()
-            if handle.ready():
-                unready_since = None
-                continue
-            now = time.monotonic()
-            unready_since = unready_since if unready_since is not None else now
-            if now - unready_since >= self.unready_restart_s:
-                return f"has not been ready for {now - unready_since:.0f} s"
+        stubs: dict[int, str] = {}
+        next_probe = time.monotonic()
+        with ExitWatch() as watch:
+            watch.add([handle.pid])
+            while not self._stop.is_set():
+                exited = watch.wait(max(0.0, next_probe - time.monotonic()))
+                code = handle.wait() if handle.pid in exited else handle.poll()  # exited: the wait returns at once
+                if code is not None:
+                    return describe_exit(code), CRASHED_GRACE_S
+                lost = sorted(p for p in exited if p in stubs)
+                if lost:
+                    names = ", ".join(f"{stubs[p]} (pid {p})" for p in lost)
+                    return (f"lost its Python-backend stub {names}; replacing the server (Triton 2.45's in-place "
+                            "stub restart uses the dead stub's unmapped shared memory)", STUB_LOST_GRACE_S)
+                if time.monotonic() < next_probe:
+                    continue
+                next_probe = time.monotonic() + self.probe_every_s
+                self._reap_leftovers(keep=handle.pid)
+                handle.snapshot()
+                if self.restart_on_stub_exit:
+                    fresh = {p: stub_name(a) for p, a in group_members(handle.pid).items()
+                             if p != handle.pid and p not in watch.pids and a and a[0].endswith(STUB_BINARY)}
+                    stubs.update(fresh)
+                    watch.add(fresh)
+                if handle.ready():
+                    unready_since = None
+                    continue
+                now = time.monotonic()
+                unready_since = unready_since if unready_since is not None else now
+                if now - unready_since >= self.unready_restart_s:
+                    return f"has not been ready for {now - unready_since:.0f} s", CRASHED_GRACE_S
         return None
 
     def _reap_leftovers(self, keep: int) -> None:

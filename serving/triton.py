@@ -84,6 +84,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, TracebackType
 
+from unroll.serving import malloc
+
 LOG_TAIL_LINES = 40
 #: The server inside the pinned nvidia-pytriton wheel (pyproject.toml); the tests check the running one says so.
 BUNDLED_TRITON_VERSION = "2.45.0"
@@ -101,6 +103,8 @@ GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
 #: Triton's API groups that need the key: all but ``health`` (live/ready probes stay open on loopback).
 RESTRICTED_APIS = ("metadata", "inference", "shared-memory", "model-config", "model-repository", "statistics",
                    "trace", "logging")
+#: How often :func:`start` asks a starting server whether it is ready (a restart's 503s last until it says so).
+READY_POLL_S = 0.05
 #: Earlier logs kept beside the current one (``<log>.1`` is the newest).
 LOG_KEEP = 5
 #: Name prefix of the Python backend's shared-memory regions in ``/dev/shm``.
@@ -213,6 +217,7 @@ def server_env(layout: ServerLayout) -> dict[str, str]:
     env = os.environ.copy()
     env["LD_LIBRARY_PATH"] = os.pathsep.join([*map(str, layout.lib_dirs), *filter(None, [env.get("LD_LIBRARY_PATH")])])
     env["PATH"] = os.pathsep.join([str(Path(sys.prefix) / "bin"), *filter(None, [env.get("PATH")])])
+    env.update(malloc.env())  # freed tensors go back to the OS after large requests (serving/malloc.py)
     return env
 
 
@@ -582,7 +587,7 @@ def start(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port
                 raise _start_failure(f"tritonserver was not ready after {timeout_s:g} s ("
                                      + (f"models: {states}" if states else "still loading or warming up models; "
                                         "raise timeout_s if they are just slow") + ")", log_file, log_offset)
-            time.sleep(0.2)
+            time.sleep(READY_POLL_S)
     except BaseException:
         handle.stop(grace_s=5)
         raise

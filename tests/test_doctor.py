@@ -92,9 +92,14 @@ def test_components_match_ground_truth(report: dict) -> None:
     ok, why = tensorrt_available()
     assert (c["tensorrt"]["status"] == "ok") == ok and c["tensorrt"]["summary"] == why
 
-    for tool in ("podman", "buildah", "perf_analyzer", "nvidia-smi"):
+    for tool in ("podman", "buildah", "nvidia-smi"):
         if shutil.which(tool) is None:
             assert c[tool]["status"] == "missing" and "not on PATH" in c[tool]["summary"]
+    if _bench_perf_analyzer() is None:
+        assert c["perf_analyzer"]["status"] == "missing", c["perf_analyzer"]
+        assert "scripts/perf_analyzer_setup.sh" in c["perf_analyzer"]["summary"]
+    else:
+        assert c["perf_analyzer"]["facts"]["path"] == str(_bench_perf_analyzer())
     for tool in ("podman", "buildah"):
         if shutil.which(tool) is not None:
             out = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -112,6 +117,37 @@ def test_components_match_ground_truth(report: dict) -> None:
     for group, pkgs in doctor.PACKAGE_GROUPS.items():
         for label, (module, _) in pkgs.items():
             assert c[group]["facts"][label]["ok"] == (importlib.util.find_spec(module) is not None), (group, label)
+
+
+def _bench_perf_analyzer() -> Path | None:
+    """Ground truth for the perf_analyzer ``unroll bench serve`` runs: ``$UNROLL_PERF_ANALYZER``, else the wrapper
+    ``scripts/perf_analyzer_setup.sh`` writes (PATH is never consulted by the bench)."""
+    env = os.environ.get("UNROLL_PERF_ANALYZER")
+    p = Path(env) if env else Path(__file__).resolve().parents[1] / "build/perf_analyzer-venv/bin/perf_analyzer-run"
+    return p if p.is_file() and os.access(p, os.X_OK) else None
+
+
+def test_bench_serve_verdict_says_what_happens_without_perf_analyzer(report: dict) -> None:
+    """Not ✓ with a silent ✗ perf_analyzer beside it: without one, bench serve runs minus its Triton-direct rows
+    (the note says so); with one that fails, bench serve stops at its first perf_analyzer level (✗)."""
+    pa = report["components"]["perf_analyzer"]
+    bench = next(v for v in report["commands"] if v["command"] == "bench serve")
+    serve = next(v for v in report["commands"] if v["command"] == "serve")
+    if pa["status"] == "ok":
+        assert bench["ok"] == serve["ok"] and not bench["note"], bench
+    elif pa["status"] == "missing":
+        assert bench["ok"] == serve["ok"], bench
+        if bench["ok"]:
+            assert "without its Triton-direct rows" in bench["note"] and pa["summary"] in bench["note"], bench
+    else:
+        assert not bench["ok"] and "perf_analyzer" in bench["reason"], bench
+    # every state, judged from components built here (the same rule without depending on this machine)
+    ok = {n: doctor.Component(n, "ok", "", {label: {"ok": True} for label in doctor.PACKAGE_GROUPS.get(n, {})})
+          for n in doctor.ORDER}
+    for status, works in (("missing", True), ("broken", False), ("unknown", False)):
+        comps = {**ok, "perf_analyzer": doctor.Component("perf_analyzer", status, f"perf_analyzer {status}")}
+        v = next(v for v in doctor._verdicts(comps) if v.command == "bench serve")
+        assert v.ok == works and ("Triton-direct" in (v.note if works else v.reason)), (status, v)
 
 
 def test_commands_follow_from_what_was_found(report: dict) -> None:

@@ -450,6 +450,41 @@ def test_denoise_matches_onnx_in_process(gw: Gateway, camera: tuple[np.ndarray, 
     assert p_served > p_noisy + 5, (p_served, p_noisy)
 
 
+def test_denoise_large_image_goes_in_windows_equal_to_whole(gw: Gateway, triton: Triton, onnx_dir: Path) -> None:
+    """An image larger than the card's tiling window is denoised window by window (Triton counts the windows) and
+    comes back as the whole image does through the same graph (8-bit rounding apart)."""
+    import onnxruntime as ort
+
+    from unroll.card import from_onnx
+    from unroll.data import add_noise, bundled_image, noise_seed
+    from unroll.tiling import Tiler
+
+    card = from_onnx(onnx_dir / "csc-denoiser.onnx")
+    assert card.tiling is not None
+    clean = np.tile(bundled_image("camera"), (2, 2))[:1031, :733]  # odd sides, more than one window each way
+    noisy8 = to8(add_noise(clean, 25.0, noise_seed("camera", 25.0)))
+    windows = len(Tiler(*noisy8.shape, card.tiling).windows())
+    assert windows > 1
+
+    def inferences() -> int:
+        stats = httpx.get(f"http://{triton.url}/v2/models/csc-denoiser/stats").json()
+        return int(stats["model_stats"][0]["inference_count"])
+
+    before = inferences()
+    r = gw.client.post("/v1/denoise?model=csc-denoiser&sigma=25", content=png(noisy8),
+                       headers={"Content-Type": "image/png"})
+    assert r.status_code == 200, r.text
+    assert inferences() - before == windows
+    served = np.asarray(Image.open(io.BytesIO(r.content)), np.int16)
+    sess = ort.InferenceSession(str(onnx_dir / "csc-denoiser.onnx"), providers=["CPUExecutionProvider"])
+    (whole,) = sess.run(None, {"noisy": (noisy8.astype(np.float32) / 255.0)[None, None],
+                               "sigma": np.array([25.0 / 255.0], np.float32)})
+    ref = np.rint(np.clip(whole[0, 0], 0, 1) * 255).astype(np.int16)
+    assert served.shape == ref.shape
+    diff = np.abs(served - ref)
+    assert diff.max() <= 1 and (diff == 0).mean() > 0.999, (diff.max(), (diff == 0).mean())
+
+
 def test_denoise_estimated_sigma(gw: Gateway, camera: tuple[np.ndarray, np.ndarray]) -> None:
     clean, noisy8 = camera
     r = gw.client.post("/v1/denoise", files={"image": ("noisy.png", png(noisy8), "image/png")})

@@ -2,8 +2,10 @@
 
 One real ``unroll serve`` (subprocess: Triton under its supervisor + the gateway, the demo models, spare
 ports, everything under a temporary folder) for the module. The crash test kills tritonserver (-9),
-then one of the new server's Python-backend stubs (-9), and requires the gateway to answer 200 again
-within 15 s each time, the killed server reaped, its stubs gone and its ``/dev/shm`` regions removed.
+then one of the new server's Python-backend stubs (-9: the supervisor must replace that server too, since
+Triton 2.45's own stub restart crashes it or corrupts the new stub's memory), and requires the gateway to
+answer 200 again within 15 s each time, the killed server reaped, its stubs gone and its ``/dev/shm``
+regions removed. The process watch that wakes the supervisor is tested on plain processes.
 The supervisor itself is also driven directly: a hung (SIGSTOPped) server is replaced, and a server that
 cannot start any more makes it give up. Banner and log rotation checks need no server.
 """
@@ -257,7 +259,7 @@ def test_serve_recovers_from_killed_triton_and_killed_stub_and_leaves_nothing(se
         assert not [r for r in old_regions if (SHM_DIR / r).exists()], "its /dev/shm regions leaked"
         print(f"200 again {took:.1f} s after kill -9 of tritonserver")
 
-        # 2. one stub -9 (Triton restarts it, or aborts and is restarted in turn)
+        # 2. one stub -9: the supervisor replaces the whole server at once (Triton's in-place stub restart is unsafe)
         serve.record_regions()
         new_stubs = stubs_of(second)
         victim = next(p for p, argv in new_stubs.items() if any(f"/{MODEL}/1/model.py" in a for a in argv))
@@ -268,6 +270,9 @@ def test_serve_recovers_from_killed_triton_and_killed_stub_and_leaves_nothing(se
         print(f"200 again {took:.1f} s after kill -9 of a stub")
         for _ in range(5):
             assert serve.classify(client).status_code == 200
+        third = tritonserver_pid(serve.repo)
+        assert third not in (None, second), "a server that lost a stub must be replaced, not left to Triton's restart"
+        assert f"tritonserver (pid {second}) lost its Python-backend stub {MODEL}_0_0 (pid {victim})" in serve.text()
         serve.record_regions()
         assert "restart" in serve.text() and "tritonserver (pid" in serve.text()
 
@@ -332,6 +337,49 @@ def test_supervisor_replaces_a_hung_server_and_gives_up_on_one_that_cannot_start
 
 
 # ---------------------------------------------------------------- no server needed
+
+
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "proc-polling"])
+def test_exit_watch_wakes_at_once_when_a_watched_process_dies(pidfd: bool, monkeypatch) -> None:
+    from unroll.serving import process_watch
+
+    if not pidfd:
+        def no_pidfd(pid: int) -> int:
+            raise OSError("no pidfd here")
+
+        monkeypatch.setattr(process_watch.os, "pidfd_open", no_pidfd)
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    try:
+        with process_watch.ExitWatch() as watch:
+            watch.add(p.pid for p in procs)
+            t0 = time.monotonic()
+            assert watch.wait(0.3) == set() and time.monotonic() - t0 >= 0.29  # all alive: waits its time
+            procs[1].kill()  # not reaped: a zombie counts as exited
+            t0 = time.monotonic()
+            assert watch.wait(20) == {procs[1].pid}
+            assert time.monotonic() - t0 < 1.0, "the exit must wake the watch, not its timeout"
+            procs[1].wait()
+            assert watch.wait(0) == {procs[1].pid}  # reaped since: still reported
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_stub_names_and_the_gateways_503_for_a_request_in_a_dead_backend_process() -> None:
+    from tritonclient.utils import InferenceServerException
+    from unroll.serving.gateway.triton_client import TritonUnavailable, _translate
+    from unroll.serving.supervisor import stub_name
+
+    argv = ["/b/triton_python_backend_stub", "/r/csc-denoiser/1/model.py", "triton_python_backend_shm_region_x",
+            "1048576", "1048576", "42", "/b", "336", "csc-denoiser_0_0", "DEFAULT"]
+    assert stub_name(argv) == "csc-denoiser_0_0"
+    assert stub_name(argv[:2]) == "csc-denoiser"
+    # what Triton answers for the batch that was inside the killed stub: the model is restarting, retry later
+    msg = ("Failed to process the request(s) for model instance 'csc-denoiser_0_0', message: Stub process "
+           "'csc-denoiser_0_0' is not healthy.")
+    assert isinstance(_translate(InferenceServerException(msg, status="StatusCode.INTERNAL"), "inference"),
+                      TritonUnavailable)
 
 
 def test_log_rotation_keeps_the_last_n(tmp_path: Path) -> None:

@@ -30,6 +30,18 @@ class CardError(ValueError):
     """A card is missing or invalid (the message names the file and the field)."""
 
 
+#: Where a card was written: ``register_model(card=...)``, ``unroll export --model``'s options, a JSON file
+#: (``--card FILE``) or a dict given to ``unroll.export.export()``. A message asking for a field names it as it is
+#: written there (:meth:`ModelCard.field_hint`).
+Origin = Literal["registration", "options", "file", "python"]
+#: The ``unroll export`` options that set a card field (the field's keys, joined by dots → the option).
+EXPORT_OPTIONS = {"data.train": "--data-train", "data.test": "--data-test", "labels": "--labels",
+                  "lam.input": "--lam-input", "lam.default": "--lam-default", "sigma.input": "--sigma-input",
+                  "sigma.scale": "--sigma-scale", "input.mean": "--mean", "input.std": "--std",
+                  "input.colour": "--colour", "input.resize": "--resize", "input.min_size": "--min-size",
+                  "input.name": "--input-name", "output": "--output-name", "description": "--description"}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -116,6 +128,9 @@ class SigmaCard(_Strict):
     scale: float = 255.0
     #: Noise levels (0–255 scale) the quality gate measures at.
     gate_levels: tuple[float, ...] = (15.0, 25.0, 50.0)
+    #: Largest σ (0–255 scale) the model is trained and gated for: the gateway clips an *estimated* σ to it (and
+    #: says the estimate is unreliable, rule ``above-range``); a σ the client passes is used as given.
+    max: float = Field(50.0, gt=0.0)
 
 
 class DataCard(_Strict):
@@ -135,6 +150,27 @@ class ProfileCard(_Strict):
     batch: tuple[int, int, int] = (1, 8, 32)
     #: Ranges for dynamic non-batch axes by position in :attr:`InputCard.shape` (e.g. ``{"1": …}``).
     dims: dict[str, tuple[int, int, int]] = Field(default_factory=dict)
+
+
+class TileCard(_Strict):
+    """How a large image runs through the graph in overlapping windows (``unroll/tiling.py``): memory per graph
+    execution bounded by the window, the result equal to the whole image's (the export checks it)."""
+
+    #: Side of a window in pixels, margins included; an image side that fits is not cut.
+    size: int = Field(ge=16)
+    #: Pixels a window reads beyond the part it keeps: at least the graph's receptive radius.
+    margin: int = Field(ge=0)
+    #: Window offsets are multiples of this (2 for a stride-2 dictionary's phase grid).
+    align: int = Field(1, ge=1)
+    #: The graph subtracts its input's mean (a global statistic): each window then carries a filler strip that
+    #: gives it the whole image's mean.
+    mean_centred: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> TileCard:
+        if self.size - 2 * self.margin < self.align:
+            raise ValueError(f"tiling: size {self.size} leaves nothing inside two margins of {self.margin}")
+        return self
 
 
 #: Default gate tolerances per task and precision (metric → tolerance; units in unroll.export.gates).
@@ -177,6 +213,14 @@ class ModelCard(_Strict):
     cpu_runtime: Literal["onnxruntime", "openvino"] = "onnxruntime"
     #: For a ``lambda-rule`` graph: the classifier it picks λ for.
     companion_of: str | None = None
+    #: Image-to-image graphs with a bounded receptive field: how large images run in windows (``None``: whole).
+    tiling: TileCard | None = None
+    #: Where this card was written (set by whoever builds it, not by its author): ``registration``, ``options``
+    #: (``unroll export --model``), ``python`` (a dict given to ``export()``) or ``file``, with the JSON file's name
+    #: in ``origin_file`` (the name only: the card is shown by the gateway's ``/v1/models``). Messages that ask for
+    #: a field use it (:meth:`field_hint`).
+    origin: Origin = "registration"
+    origin_file: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ModelCard:
@@ -204,7 +248,39 @@ class ModelCard(_Strict):
     def companion(self, task: Task, name: str, description: str, output: str) -> ModelCard:
         """The card of a graph that serves this model (e.g. its λ rule), same input."""
         return ModelCard(name=name, task=task, description=description, input=self.input, output=output,
-                         data=self.data, trt_profile=self.trt_profile, companion_of=self.name)
+                         data=self.data, trt_profile=self.trt_profile, companion_of=self.name,
+                         origin=self.origin, origin_file=self.origin_file)
+
+    @property
+    def written_in(self) -> str:
+        """Where the card's fields are written, for messages: ``the model's registration``, ``FILE`` …"""
+        if self.origin == "file":
+            return self.origin_file or "the JSON card given with --card"
+        if self.origin == "options":
+            return "the options of `unroll export --model`"
+        if self.origin == "python":
+            return "the card given to unroll.export.export()"
+        return "the model's registration"
+
+    def field_hint(self, *keys: str, value: object = None) -> str:
+        """The field ``keys`` (``"data", "test"``) set to ``value`` (``None``: ``…``; a ``str`` in ``<>`` is a
+        placeholder) as the card's author writes it, and where: ``card.data.test = 'x' in the model's
+        registration``, ``"data": {"test": "x"} in my-model.card.json``, or the ``unroll export`` option."""
+        placeholder = value is None or (isinstance(value, str) and value.startswith("<"))
+        shown = "…" if value is None else str(value) if placeholder else None
+        option = EXPORT_OPTIONS.get(".".join(keys))
+        if self.origin == "file":
+            text = shown if placeholder else json.dumps(value)
+            for k in reversed(keys[1:]):
+                text = "{" + f"{json.dumps(k)}: {text}" + "}"
+            return f"{json.dumps(keys[0])}: {text} in {self.written_in}"
+        attr = "card." + keys[0] + "".join(f"[{k!r}]" if k.isdigit() else f".{k}" for k in keys[1:])
+        assigned = f"{attr} = {shown if placeholder else repr(value)}"
+        if self.origin == "options":
+            return (f"`unroll export ... {option} {shown if placeholder else value}`" if option else
+                    f"{assigned} in a JSON card attached with --card (no `unroll export` option sets it)")
+        also = f" (or `unroll export {option}`)" if option and placeholder else ""  # asking for a value, not citing one
+        return f"{assigned} in {self.written_in}{also}"
 
     # ------------------------------------------------------------------ serialisation
 

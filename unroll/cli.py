@@ -478,6 +478,7 @@ def _register_subsystem_commands() -> None:
     from unroll.benchmarks.cli import (
         bench_all,
         bench_gateway_profile,
+        bench_memory,
         bench_models,
         bench_quality,
         bench_serve,
@@ -497,6 +498,7 @@ def _register_subsystem_commands() -> None:
     bench_app.command("models")(bench_models)
     bench_app.command("quality")(bench_quality)
     bench_app.command("soak")(bench_soak)
+    bench_app.command("memory")(bench_memory)
     bench_app.command("gateway-profile")(bench_gateway_profile)
     bench_app.command("all")(bench_all)
 

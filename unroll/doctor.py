@@ -5,7 +5,8 @@ Every fact comes from running the thing or importing it, never from a guess:
 * **binaries** (run from this process with timeouts, in parallel): ``nvidia-smi --query-gpu=…``, the
   ``tritonserver`` bundled with nvidia-pytriton (started on an empty model repository with every endpoint
   off, until it prints its ``server_version``, then stopped), ``podman --version`` + ``podman info``,
-  ``buildah --version``, ``perf_analyzer --version``;
+  ``buildah --version``, ``perf_analyzer --version`` (the one ``unroll bench serve`` runs: ``$UNROLL_PERF_ANALYZER``
+  or ``scripts/perf_analyzer_setup.sh``'s wrapper, not one on PATH);
 * **Python packages** (imported in child interpreters, so a native library that crashes or hangs on import
   is reported as broken instead of taking ``unroll doctor`` down with it): the NVIDIA driver
   (``/proc/driver/nvidia/version``, ``cuDriverGetVersion`` from ``libcuda.so.1``), PyTorch and CUDA (devices
@@ -454,9 +455,10 @@ def _version(text: str) -> str | None:
 
 
 def check_tool(name: str, version_args: tuple[str, ...] = ("--version",), works_args: tuple[str, ...] | None = None,
-               timeout: float = BINARY_TIMEOUT_S) -> Component:
-    """A tool on PATH: its version, and (``works_args``) a command that shows it really works (``podman info``)."""
-    exe = shutil.which(name)
+               timeout: float = BINARY_TIMEOUT_S, exe: str | None = None) -> Component:
+    """A tool on PATH (or at ``exe``): its version, and (``works_args``) a command that shows it really works
+    (``podman info``)."""
+    exe = exe or shutil.which(name)
     if exe is None:
         return Component(name, "missing", f"{name} is not on PATH")
     facts: dict = {"path": exe}
@@ -474,6 +476,17 @@ def check_tool(name: str, version_args: tuple[str, ...] = ("--version",), works_
         facts["works"] = f"{name} {' '.join(works_args)}"
     return Component(name, "ok", f"{name} {facts['version'] or '(version not reported)'}"
                      + (f"; `{facts['works']}` works" if works_args else ""), facts)
+
+
+def check_perf_analyzer(timeout: float = BINARY_TIMEOUT_S) -> Component:
+    """The ``perf_analyzer`` that ``unroll bench serve`` would run (:func:`unroll.benchmarks.perf_analyzer.find`),
+    not one on PATH: the bench never looks there, so a verdict from PATH would not say what the bench does."""
+    from unroll.benchmarks import perf_analyzer as pa
+
+    exe = pa.find()
+    if exe is None:
+        return Component("perf_analyzer", "missing", pa.missing_reason())
+    return check_tool("perf_analyzer", timeout=timeout, exe=str(exe))
 
 
 def check_triton(timeout: float = BINARY_TIMEOUT_S) -> Component:
@@ -650,7 +663,7 @@ def check_all(timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Component]:
         "triton": lambda: check_triton(timeout),
         "podman": lambda: check_tool("podman", works_args=("info",), timeout=timeout),
         "buildah": lambda: check_tool("buildah", timeout=timeout),
-        "perf_analyzer": lambda: check_tool("perf_analyzer", timeout=timeout),
+        "perf_analyzer": lambda: check_perf_analyzer(timeout),
     }
     with ThreadPoolExecutor(len(binaries) + 1) as pool:
         children = pool.submit(_run_children, timeout)
@@ -729,6 +742,7 @@ def _verdicts(c: dict[str, Component]) -> list[Verdict]:
         if tc and not tc.get("ok"):
             notes.append(f"its torch.compile rows are skipped ({tc.get('reason')})")
         cuda_note = "; ".join(notes) or None
+    pa_broken, pa_note = _bench_serve_perf_analyzer(c)
     rows = [
         ("export", export, None),
         ("quantize", _first(_need(c, "onnxruntime"),
@@ -746,12 +760,29 @@ def _verdicts(c: dict[str, Component]) -> list[Verdict]:
         ("bench models", export, None),
         ("bench models --device cuda", _first(_need(c, "cuda"), export), cuda_note),
         ("bench quality", _first(export, _need_packages(c, "scikit-image", "bm3d")), None),
-        ("bench serve", serve, None),
+        ("bench serve", _first(serve, pa_broken), pa_note),
         ("bench soak", serve, None),
         ("container images", _need(c, "podman", "buildah"),
          "scripts/container_setup.sh; its gpu target also needs NGC's Triton image from nvcr.io"),
     ]
     return [Verdict(cmd, why is None, why, note if why is None else None) for cmd, why, note in rows]
+
+
+def _bench_serve_perf_analyzer(c: dict[str, Component]) -> tuple[str | None, str | None]:
+    """``(why bench serve cannot work, what it leaves out)`` as far as perf_analyzer decides it.
+
+    ``benchmarks/serve_bench.py`` looks for perf_analyzer once: when none is found it carries on without it;
+    when one is found, every Triton-direct level runs it and a failure (``PerfAnalyzerError``) stops the bench.
+    """
+    pa = c["perf_analyzer"]
+    if pa.ok:
+        return None, None
+    if pa.status == "missing":
+        return None, (f"works without its Triton-direct rows ({pa.summary}): no perf_analyzer table and no "
+                      "Python-backend floor, the two Triton-direct targets read 'not measured', and the batching "
+                      "and queue-delay comparisons use the Python gRPC client")
+    return (f"perf_analyzer is found but {pa.status} ({pa.summary}): the bench runs it for every Triton-direct "
+            "level and stops at the first failure; fix it, or remove it to run without the Triton-direct rows"), None
 
 
 #: The commands ``unroll doctor`` judges, in its table's order (``--require`` takes these, or an alias).

@@ -17,6 +17,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
+from unroll.serving import malloc
 from unroll.serving.gateway import classify, denoise, errors, images, info, ops
 from unroll.serving.gateway.errors import error_response
 from unroll.serving.gateway.metrics import Metrics, MetricsMiddleware
@@ -42,6 +43,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """The gateway app; ``settings`` default to :meth:`Settings.from_env` (``UNROLL_*`` variables)."""
     settings = settings or Settings.from_env()
     images.set_pillow_limit(settings.max_pixels)
+    malloc.apply()  # large request buffers go back to the OS when freed (serving/malloc.py)
     metrics = Metrics()
 
     @asynccontextmanager

@@ -36,6 +36,9 @@ log = logging.getLogger("unroll.gateway")
 ROUTED_TASKS = ("classification", "denoising")
 #: Least time between two discoveries triggered by requests.
 MIN_REFRESH_S = 1.0
+#: State of a model Triton lists without a state: in its repository but not asked to load (explicit model control,
+#: ``unroll serve --models`` loads only the named models). Settled, unlike ``LOADING``: no reason to look again.
+NOT_LOADED = "NOT_LOADED"
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class Snapshot:
     @property
     def complete(self) -> bool:
         """Nothing loading and something served: no reason to look again before Triton changes."""
-        return any(self.by_task.values()) and all(e.state == "READY" for e in self.entries.values())
+        return any(self.by_task.values()) and all(e.state in ("READY", NOT_LOADED) for e in self.entries.values())
 
 
 class Catalog:
@@ -147,7 +150,10 @@ class Catalog:
         return snap
 
     async def _entry(self, m: dict[str, str]) -> Entry:
-        name, state = m["name"], m["state"] or "UNKNOWN"
+        name, state = m["name"], m["state"] or NOT_LOADED
+        if state == NOT_LOADED:
+            return Entry(name, state, reason="in Triton's repository but not loaded (not among the models it was "
+                                             "started with)")
         if state != "READY":
             detail = f": {m['reason']}" if m["reason"] else ""
             return Entry(name, state, reason=f"not loaded in Triton ({state}{detail})")

@@ -1,4 +1,5 @@
-"""``POST /v1/denoise``: a PNG of the same size and mode, with tensor names, σ scale and minimum size from the card.
+"""``POST /v1/denoise``: a PNG of the input's size and mode (per mode: the table in :mod:`.images`), with tensor names,
+σ scale and minimum size from the card; σ given, or estimated with a verdict on its reliability (:mod:`.sigma`).
 
 Request flow: API key (401) → model (404) → σ (422) → declared size (413) → concurrency slot (429) →
 streamed body (413/415/400) → decode (pixel limit, aspect ratio and, for a GPU model, its TensorRT profile's H×W range
@@ -13,7 +14,6 @@ one gray plane (so the PNG keeps the input's size and mode either way; alpha is 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Annotated
 
@@ -25,9 +25,12 @@ from unroll.serving.gateway import images
 from unroll.serving.gateway.body import check_declared_length
 from unroll.serving.gateway.catalog import Entry
 from unroll.serving.gateway.errors import ApiError
+from unroll.serving.gateway.image_graph import run_image_graph
 from unroll.serving.gateway.openapi import IMAGE_BODY, errors
+from unroll.serving.gateway.sigma import QUERY_HELP, SigmaEstimate
+from unroll.serving.gateway.sigma import estimate as estimate_sigma
 from unroll.serving.gateway.state import GatewayDep, v1_router
-from unroll.serving.gateway.triton_client import TritonRejected, fit_shape
+from unroll.serving.gateway.triton_client import fit_shape
 
 from unroll.card import InputCard
 
@@ -46,16 +49,14 @@ DenoiserDep = Annotated[Entry, Depends(denoiser)]
 
 @router.post("/denoise", tags=["inference"], summary="Denoise an image (PNG of the same size and mode)",
              openapi_extra=IMAGE_BODY, response_class=Response,
-             responses={200: {"content": {"image/png": {}}, "description": "The denoised image as PNG; headers "
-                              "X-Sigma-Used (0–255 scale), X-Sigma-Estimated, X-Latency-Ms, X-Model"},
+             responses={200: {"content": {"image/png": {}}, "description": images.DENOISE_OUTPUT},
                         **errors(400, 404, 408, 413, 415, 422, 429, 502, 503, 504)})
 async def denoise(
     request: Request,
     gw: GatewayDep,
     entry: DenoiserDep,
     sigma: Annotated[float | None, Query(ge=0, le=255, allow_inf_nan=False,
-                                         description="Noise standard deviation on the 0–255 scale; omit to "
-                                                     "estimate it from the image (wavelet MAD)",
+                                         description=QUERY_HELP,
                                          examples=[25])] = None,
 ) -> Response:
     t0 = time.perf_counter()
@@ -66,32 +67,37 @@ async def denoise(
     data = await gw.read_image(request)  # before the slot: a slow upload never holds an inference slot
     async with gw.admission.slot():
         hw = info.profile.hw(card.input.name) if info.profile is not None else None
-        planes, sigma255 = await run_in_threadpool(_planes, data, settings.max_pixels, sigma, card.input.min_size,
-                                                   settings.max_aspect_ratio, hw, entry.name)
+        if hw is not None and card.tiling is not None:  # larger images are cut to the profile: only its minimum
+            hw = (hw[0], (2 ** 31, 2 ** 31))
+        planes, used = await run_in_threadpool(_planes, data, settings.max_pixels, sigma, card.input.min_size,
+                                               settings.max_aspect_ratio, hw, entry.name, card.sigma.max)
+        sigma255 = used.value * 255.0
         batch = images.to_graph(_batch(planes.data, card.input), card.input)
         sig = fit_shape(np.full(len(batch), sigma255 / card.sigma.scale, np.float32), info.inputs[card.sigma.input])
-        step = info.batch_limit  # max_batch_size, and never past the TensorRT profile's max batch
-        if info.max_batch_size == 0 and len(batch) > 1:
-            raise TritonRejected(f"{entry.name} does not batch, so it cannot take {len(batch)} colour channels at once")
-        parts = await asyncio.gather(*(
-            gw.backend.infer(entry.name, {card.input.name: batch[i:i + step], card.sigma.input: sig[i:i + step]},
-                             [card.output]) for i in range(0, len(batch), step)))
-        out = np.concatenate([p[card.output] for p in parts])
-        if out.shape != batch.shape:
-            raise TritonRejected(f"{entry.name} returned shape {out.shape} for input {batch.shape}")
-        den = _unbatch(images.from_graph(out, card.input), planes.data.shape[0], card.input)
-        png = await run_in_threadpool(lambda: images.encode_png(images.from_planes(den, planes)))
+
+        async def infer(x: np.ndarray, level: np.ndarray) -> np.ndarray:
+            res = await gw.backend.infer(entry.name, {card.input.name: x, card.sigma.input: level}, [card.output])
+            return res[card.output]
+
+        out = await run_image_graph(entry, batch, sig, infer)  # whole, or in windows (card.tiling)
+        del batch
+        png = await run_in_threadpool(_png, out, planes, card.input)
     latency = round((time.perf_counter() - t0) * 1000.0, 2)
-    return Response(png, media_type="image/png", headers={
-        "X-Sigma-Used": f"{sigma255:.3f}", "X-Sigma-Estimated": "false" if sigma is not None else "true",
-        "X-Latency-Ms": str(latency), "X-Model": entry.name})
+    headers = {"X-Sigma-Used": f"{sigma255:.3f}", "X-Sigma-Estimated": "false" if sigma is not None else "true",
+               "X-Sigma-Reliable": "true" if used.reliable else "false"}
+    if used.rule is not None:
+        headers["X-Sigma-Rule"] = used.rule
+    return Response(png, media_type="image/png", headers={**headers, "X-Latency-Ms": str(latency),
+                                                          "X-Model": entry.name})
 
 
 def _planes(data: bytes, max_pixels: int, sigma: float | None, min_side: int,
             max_aspect_ratio: float = float("inf"), profile_hw: images.HWRange | None = None,
-            model: str = "the denoiser") -> tuple[images.Planes, float]:
-    """Decoded planes and σ on the 0–255 scale (given, or estimated from the image); an image outside the TensorRT
-    profile of a GPU model (``profile_hw``) is refused from its header, before any pixel is decoded."""
+            model: str = "the denoiser", sigma_max: float = 50.0) -> tuple[images.Planes, SigmaEstimate]:
+    """Decoded planes (upright) and σ on the [0, 1] scale: given (reliable), or estimated from the image and clipped
+    to ``sigma_max`` (0–255 scale, the card's ``sigma.max``) with the rules that made it unreliable
+    (:mod:`~unroll.serving.gateway.sigma`); an image outside the TensorRT profile of a GPU model (``profile_hw``) is
+    refused from its header, before any pixel is decoded."""
     def fits(w: int, h: int) -> None:
         images.check_profile_size(w, h, profile_hw, model)
 
@@ -99,8 +105,16 @@ def _planes(data: bytes, max_pixels: int, sigma: float | None, min_side: int,
     h, w = planes.data.shape[1:]
     if min(h, w) < min_side:
         raise ApiError(422, "image_too_small", f"image is {w}×{h}; the denoiser needs both sides ≥ {min_side} pixels")
-    sigma255 = sigma if sigma is not None else images.estimate_sigma(planes) * 255.0
-    return planes, float(sigma255)
+    if sigma is not None:
+        return planes, SigmaEstimate(float(sigma) / 255.0)
+    return planes, estimate_sigma(planes.data, sigma_max / 255.0)
+
+
+def _png(out: np.ndarray, planes: images.Planes, card: InputCard) -> bytes:
+    """The graph's output back to a PNG in the input's mode (off the event loop: full-size array work)."""
+    den = _unbatch(images.from_graph(out, card), planes.data.shape[0], card)
+    del out
+    return images.encode_png(images.from_planes(den, planes))
 
 
 def _batch(planes: np.ndarray, card: InputCard) -> np.ndarray:

@@ -29,13 +29,33 @@ Rules (documented in the README and the OpenAPI description):
   0–1) of the image's outermost pixel frame is on the other side of mid-grey (0.5) from the card's background:
   above 0.5 for ``light-on-dark`` (a digit drawn dark on white, sent to a model trained on white-on-black),
   below 0.5 for ``dark-on-light``; exactly 0.5 never inverts.
-* Denoising: the stored pixel grid is kept (no EXIF rotation, no resize). Gray, RGB, gray+alpha and
-  RGBA keep their mode; alpha is copied; 16-bit gray stays 16-bit. A single-channel denoiser (card ``shape[0]``
-  1) takes each colour channel as one item of a batch ``[C,1,H,W]``; a colour one (``shape[0]`` 3) takes the
-  image natively as ``[1,3,H,W]`` in its ``channel_order``, and a gray image is repeated to three planes and the
-  three outputs averaged back to one (so the PNG is gray again). PNG cannot hold palette, 1-bit, CMYK, YCbCr,
-  LAB or HSV images: those come back as RGB(A) or 8-bit gray. Float images are refused (415). Metadata is not
-  copied.
+* Denoising (:func:`to_planes` → the model → :func:`from_planes` → :func:`encode_png`) returns, per input mode as
+  Pillow decodes it (the README has the same table)::
+
+      input (mode as Pillow decodes it)        PNG returned
+      1 (bilevel: PNG, TIFF, BMP)              1: denoised as gray, thresholded at mid-grey (no dithering)
+      L, LA, RGB, RGBA                         the same mode
+      P (palette, tRNS transparency or not)    P: the input's palette and transparency; each pixel the nearest
+                                               palette colour (RGB, exact) among entries of its own alpha
+      PA (TIFF)                                RGBA (PNG has no palette + alpha mode)
+      I;16, I;16B (16-bit gray)                I;16
+      I (32-bit integer gray, TIFF)            I;16 (values outside 0..65535: 415)
+      CMYK (JPEG, TIFF), LAB (TIFF)            RGB (Pillow's conversion, no colour management)
+      JPEG (YCbCr, decoded as RGB), YCbCr      RGB
+      16-bit colour PNG                        RGB(A) (Pillow reads 16-bit colour as 8 bits)
+      F (float)                                refused (415)
+
+  Size: the input's as displayed. Orientation: the EXIF orientation (1–8) is applied, as a viewer applies it, and
+  the Orientation tag is not written, so the PNG displays like the input in any viewer, EXIF-aware or not (a
+  header-size check, e.g. a TensorRT profile's H×W, sees the displayed size too). EXIF: the input's EXIF block
+  (JPEG, PNG eXIf, WebP) is copied into the PNG's eXIf chunk without its Orientation tag; a TIFF's tags describe
+  its own file and are not copied. ICC profile: copied (iCCP), except from CMYK, LAB and HSV inputs, whose profile
+  describes a colour space the output is no longer in. Alpha is copied exactly. Other metadata (text chunks, XMP,
+  DPI, gamma) is not copied. A single-channel denoiser (card ``shape[0]`` 1) takes each colour channel as one item
+  of a batch ``[C,1,H,W]``; a colour one (``shape[0]`` 3) takes the image natively as ``[1,3,H,W]`` in its
+  ``channel_order``, and a gray image is repeated to three planes and the three outputs averaged back to one.
+* Noise σ, when the client gives none: :mod:`unroll.serving.gateway.sigma` (finite, at most the card's
+  ``sigma.max``, with the rules that made it unreliable).
 """
 
 from __future__ import annotations
@@ -50,16 +70,33 @@ from typing import Literal
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
+from unroll.serving.gateway import palette as palettes
+from unroll.serving.gateway import sigma as sigmas
 from unroll.serving.gateway.errors import ApiError
 
 from unroll.card import InputCard
 
+#: What ``POST /v1/denoise`` returns (its OpenAPI description; the module docstring has the table).
+DENOISE_OUTPUT = (
+    "The denoised image as PNG, at the input's size as displayed, in the input's mode where PNG has one: 1, L, LA, "
+    "RGB, RGBA and 16-bit gray (I;16) are kept; a palette image (P) comes back as P with the input's palette and "
+    "transparency (each pixel the nearest palette colour among entries of its own alpha); PA → RGBA; CMYK, LAB and "
+    "JPEG's YCbCr → RGB; 32-bit integer gray (values 0..65535) → I;16; 16-bit colour PNGs are read as 8-bit RGB(A); "
+    "float images are refused (415). Upright: the EXIF orientation is applied and the Orientation tag not written, "
+    "so it displays like the input in any viewer. The input's EXIF (JPEG, PNG, WebP; without Orientation) and ICC "
+    "profile (not for CMYK or LAB) are copied; alpha is copied exactly; other metadata is not. Headers: "
+    "X-Sigma-Used (0–255 scale), X-Sigma-Estimated, X-Sigma-Reliable, X-Sigma-Rule (only when not reliable; see "
+    "the `sigma` parameter), X-Latency-Ms, X-Model."
+)
 #: Content type → Pillow format; these and nothing else are decoded.
 CONTENT_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP",
                  "image/tiff": "TIFF", "image/bmp": "BMP", "image/x-ms-bmp": "BMP"}
 FORMATS = ("PNG", "JPEG", "WEBP", "TIFF", "BMP")
 _TO_RGB = {"CMYK", "YCbCr", "LAB", "HSV", "RGBX"}
 _16BIT = {"I;16", "I;16L", "I;16B", "I;16N"}
+#: Modes whose ICC profile describes a colour space the RGB output is not in (Pillow converts without it).
+_NO_ICC = {"CMYK", "LAB", "HSV"}
+_ORIENTATION = 0x0112
 #: Magic bytes of common image formats that are deliberately not decoded (→ 415 rather than "not an image").
 _UNSUPPORTED_MAGIC = {b"GIF87a": "GIF", b"GIF89a": "GIF", b"\x00\x00\x00\x0cjP  ": "JPEG 2000", b"%PDF": "PDF",
                       b"\x00\x00\x01\x00": "ICO", b"8BPS": "PSD", b"%!PS": "PostScript"}
@@ -125,7 +162,7 @@ def decode(data: bytes, max_pixels: int, max_aspect_ratio: float = math.inf,
         raise ApiError(422, "aspect_ratio_too_large", f"image is {w}×{h}, an aspect ratio of {_num(ratio)}:1; "
                                                       f"the limit is {_num(max_aspect_ratio)}:1")
     if check is not None:
-        check(w, h)
+        check(*displayed_size(img))
     try:
         img.load()
     except Image.DecompressionBombError as e:
@@ -135,6 +172,19 @@ def decode(data: bytes, max_pixels: int, max_aspect_ratio: float = math.inf,
     except Exception as e:
         raise ApiError(400, "invalid_image", f"truncated or corrupt image: {type(e).__name__}: {e}") from None
     return img
+
+
+def displayed_size(img: Image.Image) -> tuple[int, int]:
+    """``(W, H)`` as a viewer shows the image: swapped when its EXIF orientation (5–8) turns it by 90°. Read from
+    the header only: a PNG whose header has no EXIF keeps its stored size (Pillow would decode the pixels to look
+    for an eXIf chunk after them)."""
+    if img.format == "PNG" and "exif" not in img.info:
+        return img.size
+    try:
+        turned = img.getexif().get(_ORIENTATION) in (5, 6, 7, 8)
+    except Exception:  # a corrupt EXIF block: no orientation (the pipelines treat it the same way)
+        turned = False
+    return (img.height, img.width) if turned else img.size
 
 
 #: Images up to this many pixels (header) into a model input up to this many are prepared on the event loop.
@@ -186,7 +236,10 @@ class Planes:
 
     data: np.ndarray  # [C, H, W] float32, the colour (or gray) channels
     alpha: np.ndarray | None  # [H, W] uint8, copied through untouched
-    mode: str  # PNG mode to write: L, LA, RGB, RGBA or I;16
+    mode: str  # PNG mode to write: 1, L, LA, P, RGB, RGBA or I;16
+    palette: palettes.Palette | None = None  # mode P: the input's palette (the colours are mapped back onto it)
+    icc_profile: bytes | None = None  # the input's, unless its colour space was converted (CMYK, LAB, HSV)
+    exif: bytes | None = None  # the input's EXIF without its Orientation tag (the pixels are upright)
 
     @property
     def bits(self) -> int:
@@ -209,7 +262,8 @@ def pixels(img: Image.Image) -> Pixels:
     if mode == "1":
         img, mode = img.convert("L"), "L"
     elif mode in ("P", "PA"):
-        has_alpha = mode == "PA" or "transparency" in img.info
+        has_alpha = (mode == "PA" or "transparency" in img.info
+                     or (img.palette is not None and img.palette.mode == "RGBA"))
         img = img.convert("RGBA" if has_alpha else "RGB")
         mode = img.mode
     elif mode in _TO_RGB:
@@ -236,12 +290,36 @@ def pixels(img: Image.Image) -> Pixels:
 
 
 def to_planes(img: Image.Image) -> Planes:
-    """Split any supported mode into float channels (+ alpha); refuse modes PNG cannot round-trip."""
+    """Any supported mode, turned upright by its EXIF orientation, as float channels (+ alpha) and what is needed to
+    write the result back in the input's mode (the table in the module docstring); modes PNG cannot hold map to the
+    nearest it can, float images are refused (415)."""
+    exif = _upright(img)
+    mode = img.mode
+    pal = palettes.of(img) if mode == "P" else None
+    icc = None if mode in _NO_ICC else img.info.get("icc_profile") or None
     px = pixels(img)
     data = np.empty((px.color.shape[2], *px.color.shape[:2]), np.float32)
     for c in range(len(data)):  # one channel at a time: no [H, W, C] float temporary
         np.divide(px.color[..., c], np.float32(px.top), out=data[c], dtype=np.float32)
-    return Planes(data, None if px.alpha is None else px.alpha.copy(), px.mode)
+    out_mode = "1" if mode == "1" else "P" if pal is not None else px.mode
+    return Planes(data, None if px.alpha is None else px.alpha.copy(), out_mode, pal, icc, exif)
+
+
+def _upright(img: Image.Image) -> bytes | None:
+    """Apply ``img``'s EXIF orientation in place (as a viewer would) and return its EXIF block (JPEG, PNG, WebP)
+    without the Orientation tag, ``None`` when there is nothing else. A TIFF's tags describe its own file layout
+    and are not copied; a corrupt EXIF block is ignored (no rotation, no EXIF copied)."""
+    try:
+        ImageOps.exif_transpose(img, in_place=True)  # also drops the tag from the image's EXIF and XMP
+        raw = img.info.get("exif")
+        if not raw:
+            return None
+        exif = Image.Exif()
+        exif.load(raw)
+        exif.pop(_ORIENTATION, None)
+        return exif.tobytes() if len(exif) else None
+    except Exception:
+        return None
 
 
 def from_planes(data: np.ndarray, like: Planes) -> Image.Image:
@@ -250,17 +328,29 @@ def from_planes(data: np.ndarray, like: Planes) -> Image.Image:
     q = np.clip(data, 0.0, 1.0)  # one full-size float copy, scaled and rounded in place
     q *= np.float32(top)
     q = np.rint(q, out=q).astype(np.uint16 if like.bits == 16 else np.uint8)
-    if like.mode == "I;16":
-        return Image.fromarray(q[0])
-    bands = [Image.fromarray(c) for c in q]
-    if like.alpha is not None:
-        bands.append(Image.fromarray(like.alpha))
-    return Image.merge(like.mode, bands)
+    if like.mode in ("I;16", "L") and like.alpha is None:
+        out = Image.fromarray(q[0])
+    elif like.mode == "1":
+        out = Image.fromarray(q[0] >= 128)  # bilevel again: thresholded at mid-grey (no dithering)
+    elif like.mode == "P" and like.palette is not None:
+        out = palettes.quantize(q, like.alpha, like.palette)
+    else:
+        bands = [Image.fromarray(c) for c in q]
+        if like.alpha is not None:
+            bands.append(Image.fromarray(like.alpha))
+        out = Image.merge(like.mode, bands)
+    if like.icc_profile:
+        out.info["icc_profile"] = like.icc_profile
+    if like.exif:
+        out.info["exif"] = like.exif
+    return out
 
 
 def encode_png(img: Image.Image) -> bytes:
+    """PNG bytes with the image's ICC profile (iCCP), EXIF (eXIf) and palette transparency (tRNS), if it has them."""
     buf = io.BytesIO()
-    img.save(buf, format="PNG", compress_level=3)  # level 3: ~2× faster than 6, a few % larger
+    extra = {k: img.info[k] for k in ("icc_profile", "exif") if img.info.get(k)}
+    img.save(buf, format="PNG", compress_level=3, **extra)  # level 3: ~2× faster than 6, a few % larger
     return buf.getvalue()
 
 
@@ -532,8 +622,7 @@ def work_bytes_bound(max_pixels: int, model_hw: tuple[int, int]) -> int:
     return 16 * max_pixels + 8 * max(th, tw) * (math.isqrt(max_pixels) + 1) + 48 * th * tw
 
 
-def estimate_sigma(planes: Planes) -> float:
-    """Noise σ on the [0, 1] scale: wavelet-MAD estimate (Donoho), averaged over the colour channels."""
-    from skimage.restoration import estimate_sigma as _est
-
-    return float(_est(planes.data, channel_axis=0, average_sigmas=True))
+def estimate_sigma(planes: Planes, limit: float = math.inf) -> float:
+    """Noise σ on the [0, 1] scale (scikit-image's wavelet MAD, averaged over the colour channels), always finite and
+    at most ``limit``; :func:`unroll.serving.gateway.sigma.estimate` also says whether it is reliable."""
+    return sigmas.estimate(planes.data, limit).value

@@ -1,7 +1,8 @@
 """Prometheus metrics for the gateway, on a registry of its own (one per app, so tests can run several).
 
 Route labels are the route *templates* (``/v1/classify``), never raw paths, so a scan of random URLs
-cannot blow up the number of time series; unmatched paths are counted as ``unmatched``. A request whose
+cannot blow up the number of time series; a mounted app (the docs' static files) is counted under its mount
+path (``/docs/static``) and unmatched paths as ``unmatched``. A request whose
 client went away before the answer (mid-upload, or while its inference ran) is counted with status
 ``499`` (nginx's "client closed request"), not as a server error, and is not logged as one. The registry
 also carries the standard ``process_*`` (CPU, memory, file descriptors), ``python_info`` and
@@ -119,6 +120,7 @@ class MetricsMiddleware:
                 await send(message)
 
         m = self.metrics
+        entry_root = scope.get("root_path", "")
         m.in_flight.inc()
         t0 = time.perf_counter()
         try:
@@ -133,12 +135,28 @@ class MetricsMiddleware:
                 log.info("client %s closed the connection before the response to %s %s", _client(scope),
                          scope.get("method", ""), scope.get("path", ""))
             m.in_flight.dec()
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            route = route_label(scope, entry_root)
             method = scope.get("method", "")
             m.requests.labels(route, method, str(status)).inc()
             m.latency.labels(route, method).observe(time.perf_counter() - t0)
             if m.worker is not None:
                 m.worker.inc()
+
+
+def route_label(scope: Scope, entry_root: str) -> str:
+    """The route template that answered; for a mounted app, its mount path; else ``unmatched``.
+
+    FastAPI records no ``route`` for a mount (``app.mount``), but the ASGI spec has the router extend
+    ``root_path`` by the mount point before calling the mounted app: the growth since ``entry_root`` (the
+    ``root_path`` this middleware saw, e.g. a proxy prefix) is the mount path, never the raw request path.
+    """
+    path = getattr(scope.get("route"), "path", None)
+    if path:
+        return path
+    root = scope.get("root_path", "")
+    if root != entry_root and root.startswith(entry_root):
+        return root[len(entry_root):]
+    return "unmatched"
 
 
 def _client(scope: Scope) -> str:

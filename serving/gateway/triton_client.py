@@ -247,6 +247,9 @@ def _translate(e: InferenceServerException, what: str) -> TritonError:
         return TritonTimeout(f"Triton timed out during {what}: {msg}")
     if "unknown model" in low or "is not ready" in low or "not found" in low or "NOT_FOUND" in status:
         return TritonUnavailable(f"model not available in Triton ({what}): {msg}")
+    if ("stub process" in low and "healthy" in low) or "health mutex" in low:
+        # the model's Python-backend process died under this request: Triton (or `unroll serve`) restarts it
+        return TritonUnavailable(f"the model's backend process is restarting ({what}): {msg}")
     return TritonRejected(f"Triton rejected {what}: {msg}")
 
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from unroll.card import InputCard, SigmaCard
+from unroll.card import InputCard, SigmaCard, TileCard
 from unroll.registry import register_model
 from unroll.solvers.csc import normalize_atoms
 from unroll.solvers.shrink import is_textbook, soft_threshold
@@ -125,6 +125,10 @@ class CSCDenoiser(nn.Module):
         # OpenVINO runs this graph 1.15-1.26x faster than ONNX Runtime at 256-512 px on 2 threads
         # (benchmarks/results/export_speed.md, `unroll bench export`: the "served" column)
         cpu_runtime="openvino",
+        # Receptive radius 17 px (4 LISTA steps + decoder of 3×3 convs on the stride-2 phase grid; measured by
+        # tests/test_tiling.py), so 20 px of margin; the mean removal makes it mean-centred. 448-px windows: a
+        # batch of 4 stays near 0.4 GiB of runtime memory on the CPU target.
+        tiling=TileCard(size=448, margin=20, align=STRIDE, mean_centred=True),
     ))
 def csc_denoiser(**kw) -> CSCDenoiser:
     return CSCDenoiser(**kw)

@@ -18,8 +18,8 @@ No stage after training (export, quantize, serving, benchmarks) imports this pac
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -28,6 +28,21 @@ from typing import Any
 Update = Callable[..., None]
 #: ``progress(description, total)`` opens a progress bar (a context manager yielding ``update``).
 ProgressFactory = Callable[[str, int], AbstractContextManager[Update]]
+
+
+@contextmanager
+def counted(progress: ProgressFactory, description: str, total: int) -> Iterator[Callable[[], None]]:
+    """A progress bar of ``total`` work units (``progress(description, total)``) that yields ``tick()``, which
+    advances it by one: evaluations report each pass or image as it finishes, not one unit at the end."""
+    with progress(description, total) as update:
+        done = 0
+
+        def tick() -> None:
+            nonlocal done
+            done += 1
+            update(done, total)
+
+        yield tick
 
 
 class RecipeError(ValueError):

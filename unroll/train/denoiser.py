@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from unroll import data
 from unroll.metrics import psnr
 from unroll.models.denoiser import CSCDenoiser
-from unroll.train import Evaluation, Option, ProgressFactory, Table, TrainRun
+from unroll.train import Evaluation, Option, ProgressFactory, Table, TrainRun, counted
 
 EVAL_SIGMAS = (15.0, 25.0, 50.0)
 
@@ -135,15 +135,20 @@ def denoise_array(model: torch.nn.Module, noisy: np.ndarray, sigma255: float) ->
 
 
 def psnr_table(model: torch.nn.Module, sigmas: tuple[float, ...] = EVAL_SIGMAS,
-               images: dict[str, np.ndarray] | None = None) -> dict[str, dict[str, float]]:
-    """Per-σ PSNR on the held-out images (same seeded noise as every other method)."""
+               images: dict[str, np.ndarray] | None = None,
+               tick: Callable[[], None] = lambda: None) -> dict[str, dict[str, float]]:
+    """Per-σ PSNR on the held-out images (same seeded noise as every other method); ``tick()`` after each
+    (σ, image) denoised, ``len(sigmas) × len(images)`` in all."""
     images = images if images is not None else data.denoise_test_set()
     out: dict[str, dict[str, float]] = {}
     for s in sigmas:
-        per = {n: psnr(img, denoise_array(model, data.add_noise(img, s, data.noise_seed(n, s)), s))
-               for n, img in images.items()}
+        per = {}
+        for n, img in images.items():
+            per[n] = psnr(img, denoise_array(model, data.add_noise(img, s, data.noise_seed(n, s)), s))
+            tick()
         out[f"{s:g}"] = {"mean": float(np.mean(list(per.values()))), **per}
     return out
+
 
 
 # ---------------------------------------------------------------------------------------------- recipe interface
@@ -192,16 +197,15 @@ def evaluate(name: str, model: torch.nn.Module, record: dict, progress: Progress
     images where the model trails it by more than :data:`BM3D_SHORTFALL_DB` (``bm3d_shortfall``)."""
     images = data.denoise_test_set()
     n = len(EVAL_SIGMAS) * len(images)
-    with progress(f"denoising the held-out images ({name})", 1) as update:
-        ours = psnr_table(model, EVAL_SIGMAS, images)
-        update(1, 1)
+    with counted(progress, f"denoising the held-out images ({name})", n) as tick:
+        ours = psnr_table(model, EVAL_SIGMAS, images, tick)
     metrics: dict = {"psnr": _means(ours), "psnr_per_image": _per_image(ours),
                      "protocol": PROTOCOL.format(n=len(images), device="CPU")}
     others = {}
     for role, ds in (("validation", "denoise-validation"), ("stress", "denoise-stress")):
-        with progress(f"denoising the {role} images ({name})", 1) as update:
-            t = psnr_table(model, EVAL_SIGMAS, data.dataset(ds).load())
-            update(1, 1)
+        role_images = data.dataset(ds).load()
+        with counted(progress, f"denoising the {role} images ({name})", len(EVAL_SIGMAS) * len(role_images)) as tick:
+            t = psnr_table(model, EVAL_SIGMAS, role_images, tick)
         others[role] = t
         metrics[role] = {"data": ds, "psnr": _means(t), "psnr_per_image": _per_image(t)}
     ref, source = record.get("metrics", {}).get("bm3d_psnr", {}), "from the committed record (--bm3d recomputes)"

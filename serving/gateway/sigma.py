@@ -1,0 +1,134 @@
+"""Noise σ of an image for ``POST /v1/denoise`` without ``sigma``, and whether the image looks noise-like at all.
+
+The estimate is scikit-image's ``estimate_sigma`` (Donoho's wavelet MAD: the median absolute value of the non-zero
+finest diagonal ``db2`` coefficients ÷ 0.6745, averaged over the colour channels; "non-zero" here means above float
+rounding), computed here so that the cases where it means nothing are caught instead of turning into NaN or a huge
+σ. Each rule that fires marks the estimate unreliable and is reported by name (the ``X-Sigma-Rule`` header):
+
+* ``constant-channel``: a channel's diagonal band is all zero (below float rounding, :data:`ROUNDING`): a constant
+  channel (black, the green and blue of pure red, a transparent image's zeroed colour, 16-bit zeros) or one that varies
+  along one axis only. The median of nothing is NaN in scikit-image; here the channel counts as noise-free and is left
+  out of the average (σ = 0 when every channel is like that).
+* ``mostly-flat``: fewer than half of a channel's diagonal coefficients are non-zero: most of it is exactly flat
+  (line art, a bilevel scan, a silhouette), which noise never is, so the non-zero ones are edges, not noise, and
+  their median would read the edges' contrast as σ. The median is taken over all of them instead, zeros included
+  (Donoho's MAD as published: 0 when over half are zero). A noisy object on a flat or transparent background lands
+  here too and is then under-estimated: pass ``sigma`` for such images.
+* ``structured``: one spatial frequency (with its mirror) holds more than half of the diagonal band's energy. White
+  noise spreads its energy evenly: of the band's N bins the largest holds about 2·ln(N/2)/N (under 15 % even for the
+  denoiser's smallest image, 16×16, whose band interior is 7×7), so a half means a periodic pattern, e.g. a 1-pixel
+  checkerboard (the Nyquist frequency: all of the band's energy in one bin). Those frequencies are removed and σ is
+  measured on what is left (≈ 0 for a clean pattern, the noise for a noisy one). Only the band's interior is used
+  here: its border coefficients see the image's symmetric extension, which breaks any pattern.
+* ``above-range``: the estimate exceeds the largest σ the model serves (its card's ``sigma.range``): clipped to it.
+
+The value is always finite and within ``[0, limit]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Φ⁻¹(3/4): the MAD of a standard normal variable (scikit-image's ``scipy.stats.norm.ppf(0.75)``).
+MAD_OF_NORMAL = 0.6744897501960817
+#: Coefficients this small are float rounding, not detail (|coefficient| on the [0, 1] scale; one 16-bit step
+#: of one pixel gives coefficients of 2.5e-7 and more, an 8-bit step 257 times that).
+ROUNDING = 1e-7
+#: A single frequency holding more than this share of the diagonal band's energy makes the image ``structured``.
+PEAK_SHARE = 0.5
+#: A channel with fewer than this share of non-zero diagonal coefficients is ``mostly-flat``.
+FLAT_SHARE = 0.5
+CONSTANT, MOSTLY_FLAT, STRUCTURED, ABOVE_RANGE = "constant-channel", "mostly-flat", "structured", "above-range"
+#: Every rule, in the order they are reported.
+RULES = (CONSTANT, MOSTLY_FLAT, STRUCTURED, ABOVE_RANGE)
+#: The ``sigma`` query parameter's OpenAPI description: how σ is estimated and what each rule means.
+QUERY_HELP = (
+    "Noise standard deviation on the 0–255 scale, used as given. Omitted: estimated from the image (scikit-image's "
+    "wavelet MAD, averaged over the colour channels), always finite and at most the model's largest σ (card "
+    "`sigma.max`). `X-Sigma-Reliable: false` marks an image that does not look like a picture plus white noise, "
+    "and `X-Sigma-Rule` names why (comma-separated when several apply): `constant-channel` (a channel without any "
+    "detail, e.g. black, pure red, transparent black, 16-bit zeros: counted as noise-free; σ = 0 when all are), "
+    "`mostly-flat` (most of a channel exactly flat, e.g. line art: measured with the flat part, usually 0), "
+    "`structured` (one spatial frequency holds over half of the finest diagonal detail, e.g. a 1-pixel "
+    "checkerboard: measured after removing it, 0 for a clean pattern), `above-range` (clipped to `sigma.max`). "
+    "Pass `sigma` for such images."
+)
+
+
+@dataclass(frozen=True)
+class SigmaEstimate:
+    """σ on the [0, 1] scale, and the rules (:data:`RULES`) that made it unreliable (none: reliable)."""
+
+    value: float
+    rules: tuple[str, ...] = ()
+
+    @property
+    def reliable(self) -> bool:
+        return not self.rules
+
+    @property
+    def rule(self) -> str | None:
+        """The rules that fired, comma-separated (the ``X-Sigma-Rule`` header), or ``None``."""
+        return ",".join(self.rules) or None
+
+
+def estimate(planes: np.ndarray, limit: float = math.inf) -> SigmaEstimate:
+    """σ of ``planes`` ``[C, H, W]`` (values in [0, 1]) on the [0, 1] scale, clipped to ``limit``; see the module
+    docstring for the rules."""
+    import pywt  # PyWavelets: scikit-image's own dependency for estimate_sigma
+
+    sigmas: list[float] = []
+    rules: set[str] = set()
+    for plane in planes:
+        band = pywt.dwtn(plane, "db2")["dd"]
+        magnitude = np.abs(band)
+        detail = magnitude[magnitude > ROUNDING]
+        if detail.size == 0:
+            rules.add(CONSTANT)
+            continue
+        if detail.size < FLAT_SHARE * band.size:
+            rules.add(MOSTLY_FLAT)
+            magnitude[magnitude <= ROUNDING] = 0.0
+            detail = magnitude  # the zeros count: a flat region is evidence of no noise there
+        sigma = float(np.median(detail)) / MAD_OF_NORMAL
+        residual = _without_peaks(_interior(band, plane.shape))
+        if residual is not None:
+            rules.add(STRUCTURED)
+            sigma = float(np.median(np.abs(residual))) / MAD_OF_NORMAL
+        sigmas.append(sigma)
+    value = float(np.mean(sigmas)) if sigmas else 0.0
+    if value > limit:
+        value = float(limit)
+        rules.add(ABOVE_RANGE)
+    return SigmaEstimate(value, tuple(r for r in RULES if r in rules))
+
+
+def _interior(band: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The coefficients of a ``db2`` level-1 band computed from the image alone (index 1 … (n − 2) // 2 per axis):
+    the others mix in the symmetric extension at the border."""
+    return band[1:(shape[0] - 2) // 2 + 1, 1:(shape[1] - 2) // 2 + 1]
+
+
+def _without_peaks(band: np.ndarray) -> np.ndarray | None:
+    """``band`` with every frequency (and its mirror) that holds over :data:`PEAK_SHARE` of the energy left removed,
+    or ``None`` when no frequency does (the band looks like noise)."""
+    import scipy.fft
+
+    if band.size < 4:
+        return None
+    spectrum = scipy.fft.fft2(band)
+    power = np.abs(spectrum) ** 2
+    removed = False
+    while (total := float(power.sum())) > 0.0:
+        peak = np.unravel_index(int(np.argmax(power)), power.shape)
+        mirror = tuple(int(-i) % n for i, n in zip(peak, power.shape, strict=True))
+        share = float(power[peak] + (power[mirror] if mirror != peak else 0.0)) / total
+        if share <= PEAK_SHARE:
+            break
+        spectrum[peak] = spectrum[mirror] = 0.0
+        power[peak] = power[mirror] = 0.0
+        removed = True
+    return np.real(scipy.fft.ifft2(spectrum)) if removed else None

@@ -1,0 +1,93 @@
+"""Wake up the moment one of a few processes exits (the supervisor's tritonserver and its Python-backend stubs).
+
+Polling ``/proc`` twice a second noticed a dead process up to half a second late, and the supervisor now
+restarts Triton when one of its stubs dies (see :mod:`unroll.serving.supervisor`), so every tenth of a second
+of that delay was a tenth of a second more of 503s. A *pidfd* (``os.pidfd_open``, Linux ≥ 5.3) becomes
+readable when its process exits, whether or not it is our child, so :meth:`ExitWatch.wait` blocks in
+``poll(2)`` and returns at once, costing nothing while everything runs. Where pidfds are missing (older
+kernels, other systems) it falls back to checking ``/proc/<pid>/stat`` every :data:`FALLBACK_TICK_S`.
+
+An exited process counts as exited while it is a zombie (nobody reaped it yet), as tritonserver's dead
+stubs are until Triton or we reap them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+#: How often the fallback (no pidfd) looks at ``/proc``.
+FALLBACK_TICK_S = 0.05
+
+
+def has_exited(pid: int) -> bool:
+    """The process is gone or a zombie (``/proc/<pid>/stat`` state Z or X)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2:][:1] in ("Z", "X")
+
+
+class ExitWatch:
+    """The processes added; :meth:`wait` returns those that have exited since they were added."""
+
+    def __init__(self) -> None:
+        self._fds: dict[int, int] = {}  # pid → pidfd
+        self._polled: set[int] = set()  # pids watched through /proc (no pidfd)
+        self._exited: set[int] = set()
+        self._poll = select.poll()
+
+    def add(self, pids: Iterable[int]) -> None:
+        """Watch ``pids`` too (one already watched is ignored; one already gone counts as exited)."""
+        for pid in pids:
+            if pid in self._fds or pid in self._polled or pid in self._exited:
+                continue
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self._exited.add(pid)
+                continue
+            except (OSError, AttributeError):  # no pidfd here: look at /proc instead
+                self._polled.add(pid)
+                continue
+            self._fds[pid] = fd
+            self._poll.register(fd, select.POLLIN)
+
+    @property
+    def pids(self) -> set[int]:
+        return {*self._fds, *self._polled, *self._exited}
+
+    def wait(self, timeout_s: float) -> set[int]:
+        """Block until a watched process exits or ``timeout_s`` passes; every watched pid that has exited."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            self._collect(0)
+            left = deadline - time.monotonic()
+            if self._exited or left <= 0:
+                return set(self._exited)
+            self._collect(min(left, FALLBACK_TICK_S) if self._polled else left)
+
+    def _collect(self, timeout_s: float) -> None:
+        by_fd = {fd: pid for pid, fd in self._fds.items()}
+        for fd, _ in self._poll.poll(timeout_s * 1000 if self._fds else 0):
+            self._exited.add(by_fd[fd])
+        if not self._fds and timeout_s > 0:
+            time.sleep(timeout_s)
+        self._exited |= {p for p in self._polled if has_exited(p)}
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> ExitWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

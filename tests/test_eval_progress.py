@@ -1,0 +1,67 @@
+"""``unroll eval sdnet-mnist``: its progress bar moves with the work (one unit per accuracy pass), and the numbers
+it computes are exactly the committed ones (batching the evaluation for speed changed none of them)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+import unroll
+from unroll.registry import get_spec
+from unroll.train import counted, mnist, recipe_module
+
+NAME = "sdnet-mnist"
+
+
+class Recorder:
+    """A :data:`unroll.train.ProgressFactory` that keeps every bar opened and every update, as the CLI's rich
+    bar receives them."""
+
+    def __init__(self) -> None:
+        self.bars: list[tuple[str, int, list[tuple[int, int]]]] = []
+
+    @contextmanager
+    def __call__(self, description: str, total: int) -> Iterator:
+        updates: list[tuple[int, int]] = []
+        self.bars.append((description, total, updates))
+        yield lambda done, total_, loss=float("nan"): updates.append((done, total_))
+
+
+def _moved_to_the_end(total: int, updates: list[tuple[int, int]]) -> None:
+    assert total > 1 and len(updates) > 1, (total, updates)
+    done = [d for d, _ in updates]
+    assert done == sorted(done) and done[-1] == total and {t for _, t in updates} == {total}, updates
+
+
+def test_progress_advances_per_pass_on_a_subset() -> None:
+    """Two λ at σ = 0 (seconds): one unit per accuracy pass, ending at the total; the λ-independent numbers are
+    the committed ones."""
+    sigmas, lams = (0.0,), (0.1, 0.2)
+    rec = Recorder()
+    with counted(rec, "subset", mnist.eval_passes(sigmas, lams)) as tick:
+        got = mnist._evaluate(unroll.load(NAME), tick, sigmas=sigmas, lams=lams)
+    (_, total, updates), = rec.bars
+    assert total == 1 + len(sigmas) * (2 * len(lams) + 2)
+    _moved_to_the_end(total, updates)
+    committed = get_spec(NAME).info()["metrics"]
+    assert got["test_accuracy"] == committed["test_accuracy"]
+    row, ref = got["robustness"][0], committed["robustness"][0]
+    for key in ("sigma", "acc_train_lam", "acc_auto_lam", "mean_auto_lam"):
+        assert row[key] == ref[key], key
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_eval_reproduces_the_committed_metrics_exactly_with_a_moving_bar() -> None:
+    """What ``unroll eval sdnet-mnist`` runs (the recipe's ``evaluate`` with the CLI's progress factory in its
+    place): every number equals ``unroll/weights/sdnet-mnist.json``, and the bar went from 0 to its total."""
+    spec = get_spec(NAME)
+    record = spec.info()
+    rec = Recorder()
+    got = recipe_module(NAME).evaluate(NAME, unroll.load(NAME), record, rec).metrics
+    assert got == record["metrics"], f"recomputed metrics differ from {spec.info_path}"
+    assert rec.bars and all(total > 1 for _, total, _ in rec.bars), rec.bars
+    for _, total, updates in rec.bars:
+        _moved_to_the_end(total, updates)
