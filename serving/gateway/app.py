@@ -32,7 +32,6 @@ log = logging.getLogger("unroll.gateway")
 def _warm_sigma_estimator() -> None:
     """Pay scikit-image/PyWavelets imports at start-up (any served denoiser may need them), and fail here if missing."""
     try:
-        # A textured probe: an all-zero image makes the wavelet MAD divide by an empty slice (a warning).
         probe = np.random.default_rng(0).random((1, 32, 32), dtype=np.float32)
         images.estimate_sigma(images.Planes(probe, None, "L"))
     except ImportError as e:

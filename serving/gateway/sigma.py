@@ -20,7 +20,7 @@ rounding), computed here so that the cases where it means nothing are caught ins
   checkerboard (the Nyquist frequency: all of the band's energy in one bin). Those frequencies are removed and σ is
   measured on what is left (≈ 0 for a clean pattern, the noise for a noisy one). Only the band's interior is used
   here: its border coefficients see the image's symmetric extension, which breaks any pattern.
-* ``above-range``: the estimate exceeds the largest σ the model serves (its card's ``sigma.range``): clipped to it.
+* ``above-range``: the estimate exceeds the largest σ the model serves (its card's ``sigma.max``): clipped to it.
 
 The value is always finite and within ``[0, limit]``.
 """
