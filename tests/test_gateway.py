@@ -661,27 +661,31 @@ def test_api_key(gw_key: Gateway, digit_png: bytes) -> None:
         assert c.get(open_path).status_code == 200, open_path
 
 
-def test_concurrency_limit_429_and_triton_timeout_504(gw_key: Gateway, digit_png: bytes) -> None:
-    """Limit 1 in flight, queue 0: of three concurrent slow denoises one runs (and hits the 1 s deadline)."""
+def test_concurrency_limit_429_and_triton_timeout_504(triton: Triton, digit_png: bytes,
+                                                      tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Limit 1 in flight, queue 0: of three concurrent denoises one runs, and its Triton calls (each a batch of
+    windows, far slower than the 20 ms deadline here) hit the deadline: 504."""
     rng = np.random.default_rng(0)
-    big = png(to8(rng.random((1536, 1536))))  # seconds of CPU denoising, far over the 1 s deadline
+    big = png(to8(rng.random((1536, 1536))))  # windows of 448², four per call: tenths of a second each on a CPU
+    settings = Settings(triton_url=triton.url, triton_protocol="http", api_key=API_KEY, max_concurrency=1,
+                        max_queue=0, request_timeout_s=0.02)
+    with running_gateway(settings, tmp_path_factory.mktemp("gw-deadline") / "gateway.log") as g:
 
-    async def burst() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=gw_key.base, timeout=60, headers={"X-API-Key": API_KEY}) as ac:
-            return await asyncio.gather(*(ac.post("/v1/denoise?sigma=25", content=big,
-                                                  headers={"Content-Type": "image/png"}) for _ in range(3)))
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=g.base, timeout=60, headers={"X-API-Key": API_KEY}) as ac:
+                return await asyncio.gather(*(ac.post("/v1/denoise?sigma=25", content=big,
+                                                      headers={"Content-Type": "image/png"}) for _ in range(3)))
 
-    t0 = time.monotonic()
-    rs = asyncio.run(burst())
-    assert sorted(r.status_code for r in rs) == [429, 429, 504], [(r.status_code, r.text) for r in rs]
-    for r in rs:
-        if r.status_code == 429:
-            assert_error(r, 429, "too_many_requests")
-            assert int(r.headers["Retry-After"]) >= 1
-        else:
-            assert_error(r, 504, "triton_timeout")
-    assert time.monotonic() - t0 < 10
-    classify_ok(gw_key, digit_png, **{"X-API-Key": API_KEY})
+        t0 = time.monotonic()
+        rs = asyncio.run(burst())
+        assert sorted(r.status_code for r in rs) == [429, 429, 504], [(r.status_code, r.text) for r in rs]
+        for r in rs:
+            if r.status_code == 429:
+                assert_error(r, 429, "too_many_requests")
+                assert int(r.headers["Retry-After"]) >= 1
+            else:
+                assert_error(r, 504, "triton_timeout")
+        assert time.monotonic() - t0 < 10
 
 
 # --- Triton down and back (last: restarts the shared server) ------------------------------------------------
