@@ -28,6 +28,7 @@ import numpy as np
 from PIL import Image
 from unroll.benchmarks.common import demo_model, machine_info, write_results
 from unroll.benchmarks.soak import start_serve, stop_serve
+from unroll.serving.triton import proc_stats
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2
@@ -40,15 +41,8 @@ REQUEST_TIMEOUT_S = 900.0
 def descendants(root: int) -> list[int]:
     """``root`` and every process below it (from ``/proc/*/stat``'s parent pids)."""
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
+    for ps in proc_stats():
+        children.setdefault(ps.ppid, []).append(ps.pid)
     out, todo = [], [root]
     while todo:
         pid = todo.pop()

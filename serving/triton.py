@@ -79,7 +79,7 @@ import urllib.error
 import urllib.request
 import uuid
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, TracebackType
@@ -251,21 +251,44 @@ def rotate_log(path: Path, keep: int = LOG_KEEP) -> None:
     path.rename(path.with_name(f"{path.name}.1"))
 
 
-def group_members(pgid: int, zombies: bool = False) -> dict[int, list[str]]:
-    """Processes of process group ``pgid`` (Triton and its stubs): ``{pid: argv}``; zombies only if asked."""
-    found: dict[int, list[str]] = {}
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of ``/proc/PID/stat`` the process scans need."""
+
+    pid: int
+    state: str  # R, S, D, Z (zombie), X (dead), ...
+    ppid: int
+    pgrp: int
+
+    @property
+    def gone(self) -> bool:
+        return self.state in ("Z", "X")
+
+
+def proc_stats() -> Iterator[ProcStat]:
+    """Every process's :class:`ProcStat` (processes that exit during the scan are skipped)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text()
             fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
-            if int(fields[2]) != pgid or (fields[0] in ("Z", "X") and not zombies):
-                continue
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            yield ProcStat(int(entry.name), fields[0], int(fields[1]), int(fields[2]))
         except (OSError, ValueError, IndexError):
             continue  # exited meanwhile
-        found[int(entry.name)] = [a.decode(errors="replace") for a in argv if a]
+
+
+def group_members(pgid: int, zombies: bool = False) -> dict[int, list[str]]:
+    """Processes of process group ``pgid`` (Triton and its stubs): ``{pid: argv}``; zombies only if asked."""
+    found: dict[int, list[str]] = {}
+    for ps in proc_stats():
+        if ps.pgrp != pgid or (ps.gone and not zombies):
+            continue
+        try:
+            argv = Path(f"/proc/{ps.pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # exited meanwhile
+        found[ps.pid] = [a.decode(errors="replace") for a in argv if a]
     return found
 
 

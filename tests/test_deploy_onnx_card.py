@@ -8,7 +8,6 @@ field in that file (there is no registration to point at).
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -18,11 +17,9 @@ import sys
 from pathlib import Path
 
 import httpx
-import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
-from PIL import Image
+from served_digits import assert_served_like_onnx
 
 from unroll.card import from_onnx
 
@@ -95,28 +92,15 @@ def test_readme_way3_serves_the_model(user_dir: Path) -> None:
     from the user's build/ folder) classifies like ONNX Runtime runs the graph."""
     from unroll.benchmarks.soak import start_serve, stop_serve
 
-    from unroll.data import mnist_split
-
     fuse, quantize, _ = way3_commands()
     run_line(fuse, user_dir)
     run_line(quantize, user_dir)
     graph = user_dir / "build" / "onnx" / f"{NAME}.onnx"
     card = from_onnx(graph)
-    _, _, x, _ = mnist_split()
-    expected = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"]).run(
-        None, {"image": x[:4], "lam": np.full(4, card.lam.default, np.float32)})[0]
     serve = start_serve(user_dir / "build", [NAME], log=lambda m: None)  # serves build/onnx, as the README's line
     try:
-        with httpx.Client(base_url=serve.base, timeout=30) as client:
-            assert NAME in {m["name"] for m in client.get("/v1/models").json()["models"]}
-            for i in range(4):
-                buf = io.BytesIO()
-                Image.fromarray(np.rint(x[i, 0] * 255).astype(np.uint8)).save(buf, "PNG")
-                r = client.post(f"/v1/classify?model={NAME}&top_k=1", content=buf.getvalue(),
-                                headers={"Content-Type": "image/png"})
-                assert r.status_code == 200, r.text
-                top = r.json()["predictions"][0]
-                assert top["index"] == int(expected[i].argmax()) and top["label"] == card.labels[top["index"]]
+        assert NAME in {m["name"] for m in httpx.get(f"{serve.base}/v1/models", timeout=30).json()["models"]}
+        assert_served_like_onnx(serve.base, NAME, graph, card, count=4)
     finally:
         stop_serve(serve)
 

@@ -4,17 +4,13 @@ is not registered anywhere: its card travels in the graph), classified over HTTP
 
 from __future__ import annotations
 
-import io
 import subprocess
 import sys
 from pathlib import Path
 
-import httpx
-import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
-from PIL import Image
+from served_digits import assert_served_like_onnx
 from unroll.benchmarks.soak import start_serve, stop_serve
 
 from unroll.card import from_onnx
@@ -45,22 +41,9 @@ def test_own_module_from_examples_is_exported_fused_and_served(tmp_path: Path) -
     card = from_onnx(fused)
     assert card.name == NAME and card.labels[7] == "seven"
 
-    from unroll.data import mnist_split
-
-    _, _, x, _ = mnist_split()
-    expected = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"]).run(
-        None, {"image": x[:5], "lam": np.full(5, card.lam.default, np.float32)})[0]
     serve = start_serve(tmp_path, [NAME], log=lambda m: None)  # serves tmp_path/onnx: where the export went
     try:
         assert f"model={NAME}" in "".join(serve.output)  # the banner's curl names the user's model
-        with httpx.Client(base_url=serve.base, timeout=30) as client:
-            for i in range(5):
-                buf = io.BytesIO()
-                Image.fromarray(np.rint(x[i, 0] * 255).astype(np.uint8)).save(buf, "PNG")
-                r = client.post(f"/v1/classify?model={NAME}&top_k=2", content=buf.getvalue(),
-                                headers={"Content-Type": "image/png"})
-                assert r.status_code == 200, r.text
-                top = r.json()["predictions"][0]
-                assert top["index"] == int(expected[i].argmax()) and top["label"] == card.labels[top["index"]]
+        assert_served_like_onnx(serve.base, NAME, graph, card, count=5, top_k=2)
     finally:
         stop_serve(serve)

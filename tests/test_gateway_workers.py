@@ -26,7 +26,7 @@ from unroll.benchmarks.common import metric_sum as metric
 from unroll.serving.gateway.process import gateway_popen
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.gateway.workers import MAX_DEFAULT_WORKERS, WORKERS_ENV, check_workers, default_workers
-from unroll.serving.triton import free_ports
+from unroll.serving.triton import free_ports, proc_stats
 
 CLASSIFIER = "sdnet-mnist"
 WORKERS = 2
@@ -35,18 +35,7 @@ CLASSIFY = "/v1/classify"
 
 def children(pid: int) -> set[int]:
     """Live (not zombie) child processes of ``pid``, from /proc."""
-    out = set()
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.add(int(d.name))
-    return out
+    return {ps.pid for ps in proc_stats() if ps.ppid == pid and ps.state != "Z"}
 
 
 def cmdline(pid: int) -> str:

@@ -21,7 +21,7 @@ not cut. :func:`run_tiled` is the synchronous driver (export check, tests); the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +61,10 @@ def spans(length: int, size: int, margin: int, align: int = 1) -> list[Span]:
 class Window:
     rows: Span
     cols: Span
+
+
+#: One window of one item of a batch: ``(item index, window)``.
+Job = tuple[int, Window]
 
 
 class Tiler:
@@ -126,6 +130,26 @@ class Tiler:
             :, r0 + r.keep_lo - r.start:r0 + r.keep_hi - r.start, c0 + c.keep_lo - c.start:c0 + c.keep_hi - c.start]
 
 
+    # -- several windows per graph execution: (item, window) jobs over a batch [N, C, H, W]
+
+    def jobs(self, items: int) -> list[Job]:
+        """Every (item, window) of ``items`` images, item by item."""
+        return [(n, w) for n in range(items) for w in self.windows()]
+
+    def means(self, x: np.ndarray) -> list[float | None]:
+        """Per item of ``x`` ``[N, C, H, W]``: the mean a mean-centred graph removes (``None`` otherwise)."""
+        return [image_mean(item) if self.tiling.mean_centred else None for item in x]
+
+    def cut_batch(self, x: np.ndarray, jobs: list[Job], means: list[float | None]) -> np.ndarray:
+        """The windows of ``jobs`` stacked as one graph input ``[len(jobs), C, h, w]``."""
+        return np.stack([self.cut(x[n], w, means[n]) for n, w in jobs])
+
+    def paste_batch(self, out: np.ndarray, jobs: list[Job], y: np.ndarray) -> None:
+        """The graph's outputs for ``jobs`` written into ``out`` ``[N, C, H, W]``."""
+        for (n, w), yi in zip(jobs, y, strict=True):
+            self.paste(out[n], w, yi)
+
+
 def image_mean(x: np.ndarray) -> float:
     """The mean a mean-centred graph removes from one item ``[C, H, W]`` (accumulated in float64)."""
     return float(x.mean(dtype=np.float64))
@@ -137,18 +161,9 @@ def run_tiled(x: np.ndarray, extra: dict[str, np.ndarray], run: Callable[[np.nda
     shape) over ``x`` ``[N, C, H, W]`` window by window, at most ``batch`` windows per call; the stitched output."""
     out = np.empty_like(x, dtype=np.float32)
     tiler = Tiler(x.shape[2], x.shape[3], tiling, max_side)
-    jobs = list(_jobs(x, tiler))
+    jobs, means = tiler.jobs(len(x)), tiler.means(x)
     for i in range(0, len(jobs), batch):
         chunk = jobs[i:i + batch]
-        y = run(np.stack([tiler.cut(x[n], w, m) for n, w, m in chunk]),
-                {k: v[[n for n, _, _ in chunk]] for k, v in extra.items()})
-        for (n, w, _), yi in zip(chunk, y, strict=True):
-            tiler.paste(out[n], w, yi)
+        y = run(tiler.cut_batch(x, chunk, means), {k: v[[n for n, _ in chunk]] for k, v in extra.items()})
+        tiler.paste_batch(out, chunk, y)
     return out
-
-
-def _jobs(x: np.ndarray, tiler: Tiler) -> Iterator[tuple[int, Window, float | None]]:
-    for n in range(len(x)):
-        mean = image_mean(x[n]) if tiler.tiling.mean_centred else None
-        for w in tiler.windows():
-            yield n, w, mean

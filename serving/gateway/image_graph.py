@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from unroll.serving.gateway.catalog import Entry
 from unroll.serving.gateway.triton_client import TritonRejected
 
-from unroll.tiling import Tiler, Window, image_mean
+from unroll.tiling import Job, Tiler
 
 #: Triton calls one request keeps in flight: one computing, one queued behind it.
 IN_FLIGHT = 2
@@ -60,16 +60,15 @@ async def run_image_graph(entry: Entry, batch: np.ndarray, extra: np.ndarray, in
         def paste(idx: list[int], _: object, y: np.ndarray) -> None:
             out[idx[0]:idx[-1] + 1] = y
     else:
-        means = [image_mean(item) if tiler.tiling.mean_centred else None for item in batch]
-        jobs = [(n, w) for n in range(len(batch)) for w in tiler.windows()]
+        means = tiler.means(batch)
+        jobs = tiler.jobs(len(batch))
         chunks = ((jobs[i:i + step], tiler) for i in range(0, len(jobs), step))
 
-        def cut(part: list[tuple[int, Window]], t: Tiler) -> np.ndarray:
-            return np.stack([t.cut(batch[n], w, means[n]) for n, w in part])
+        def cut(part: list[Job], t: Tiler) -> np.ndarray:
+            return t.cut_batch(batch, part, means)
 
-        def paste(part: list[tuple[int, Window]], t: Tiler, y: np.ndarray) -> None:
-            for (n, w), yi in zip(part, y, strict=True):
-                t.paste(out[n], w, yi)
+        def paste(part: list[Job], t: Tiler, y: np.ndarray) -> None:
+            t.paste_batch(out, part, y)
 
     async def one(part, t) -> None:
         x = await run_in_threadpool(cut, part, t) if t is not None else cut(part, t)
