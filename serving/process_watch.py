@@ -18,19 +18,41 @@ import os
 import select
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 #: How often the fallback (no pidfd) looks at ``/proc``.
 FALLBACK_TICK_S = 0.05
 
 
-def has_exited(pid: int) -> bool:
-    """The process is gone or a zombie (``/proc/<pid>/stat`` state Z or X)."""
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of ``/proc/PID/stat`` the process checks need."""
+
+    pid: int
+    state: str  # R, S, D, Z (zombie), X (dead), ...
+    ppid: int
+    pgrp: int
+
+    @property
+    def gone(self) -> bool:
+        return self.state in ("Z", "X")
+
+
+def read_stat(pid: int) -> ProcStat | None:
+    """``/proc/<pid>/stat`` parsed, or ``None`` once the process is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat[stat.rindex(")") + 2:][:1] in ("Z", "X")
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
+        return ProcStat(pid, fields[0], int(fields[1]), int(fields[2]))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def has_exited(pid: int) -> bool:
+    """The process is gone or a zombie (``/proc/<pid>/stat`` state Z or X)."""
+    stat = read_stat(pid)
+    return stat is None or stat.gone
 
 
 class ExitWatch:

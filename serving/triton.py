@@ -85,6 +85,7 @@ from pathlib import Path
 from types import ModuleType, TracebackType
 
 from unroll.serving import malloc
+from unroll.serving.process_watch import ProcStat, read_stat
 
 LOG_TAIL_LINES = 40
 #: The server inside the pinned nvidia-pytriton wheel (pyproject.toml); the tests check the running one says so.
@@ -251,31 +252,11 @@ def rotate_log(path: Path, keep: int = LOG_KEEP) -> None:
     path.rename(path.with_name(f"{path.name}.1"))
 
 
-@dataclass(frozen=True)
-class ProcStat:
-    """The fields of ``/proc/PID/stat`` the process scans need."""
-
-    pid: int
-    state: str  # R, S, D, Z (zombie), X (dead), ...
-    ppid: int
-    pgrp: int
-
-    @property
-    def gone(self) -> bool:
-        return self.state in ("Z", "X")
-
-
 def proc_stats() -> Iterator[ProcStat]:
-    """Every process's :class:`ProcStat` (processes that exit during the scan are skipped)."""
+    """Every process's :class:`~unroll.serving.process_watch.ProcStat` (those that exit meanwhile are skipped)."""
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
-            yield ProcStat(int(entry.name), fields[0], int(fields[1]), int(fields[2]))
-        except (OSError, ValueError, IndexError):
-            continue  # exited meanwhile
+        if entry.name.isdigit() and (stat := read_stat(int(entry.name))) is not None:
+            yield stat
 
 
 def group_members(pgid: int, zombies: bool = False) -> dict[int, list[str]]:
