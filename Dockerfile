@@ -6,10 +6,10 @@
 #        Triton listens on 127.0.0.1 inside, the gateway on :8080. No PyTorch, no compilers, non-root.
 #   gpu  NVIDIA's Triton container + the GPU repository (`unroll repo --target gpu`) + the gateway.
 #
-# Both serve graphs exported BEFORE the build: `python -m unroll.container stage` writes build/image/ (the
+# Both serve graphs exported BEFORE the build: `python -m unroll.app.container stage` writes build/image/ (the
 # graphs, both repositories, the served model names), which is all of the build context that is not source.
 #
-#   python -m unroll.container stage
+#   python -m unroll.app.container stage
 #   podman build --format docker --target cpu -t unroll:cpu \
 #       --secret id=pipcert,src=/etc/ssl/certs/ca-certificates.crt .
 #
@@ -67,6 +67,8 @@ COPY unroll /src/unroll
 COPY export /src/export
 COPY serving /src/serving
 COPY benchmarks /src/benchmarks
+COPY app /src/app
+COPY pipeline /src/pipeline
 RUN --mount=type=secret,id=pipcert --mount=type=cache,target=/root/.cache/pip,sharing=locked \
     if [ -s /run/secrets/pipcert ]; then export PIP_CERT=/run/secrets/pipcert; fi \
  && PYTHONPATH=/opt/pip python -m pip install --no-deps --prefix /opt/app /src
@@ -88,7 +90,7 @@ COPY --from=app /opt/app/bin/unroll /opt/unroll/bin/unroll
 ENV PATH=/opt/unroll/bin:$PATH
 # The Python-backend stub goes beside the wheel's backend once, here; the serving path imports without PyTorch.
 RUN python -c 'from unroll.serving.triton import server_layout; print(server_layout())' \
- && python -c 'import sys, onnxruntime, unroll.serving.serve, unroll.serving.gateway; assert "torch" not in sys.modules'
+ && python -c 'import sys, onnxruntime, unroll.app.serve, unroll.serving.gateway; assert "torch" not in sys.modules'
 WORKDIR /srv/unroll
 # The served graphs and the CPU repository written from them (newer than the graphs: `unroll serve` keeps it).
 COPY --chown=unroll:unroll build/image/onnx build/onnx
@@ -126,6 +128,8 @@ COPY unroll /src/unroll
 COPY export /src/export
 COPY serving /src/serving
 COPY benchmarks /src/benchmarks
+COPY app /src/app
+COPY pipeline /src/pipeline
 RUN --mount=type=secret,id=pipcert \
     if [ -s /run/secrets/pipcert ]; then export SSL_CERT_FILE=/run/secrets/pipcert; fi \
  && uv pip install --python /opt/unroll/bin/python --no-deps /src \

@@ -26,7 +26,7 @@ help:  ## list the targets (options for `make serve`: ARGS="…", see `unroll se
 venv: $(STAMP)  ## create .venv and install unroll with its serving and dev extras
 
 test: $(STAMP)  ## run the whole test suite (CI calls this)
-	$(PY) -m ruff check unroll export serving benchmarks tests examples scripts deploy
+	$(PY) -m ruff check unroll export serving benchmarks app pipeline tests examples scripts deploy
 	$(VENV)/bin/hadolint Dockerfile
 	@echo "==> perf_analyzer (Triton's own client) in build/perf_analyzer-venv; its tests skip with the reason without it"
 	-bash scripts/perf_analyzer_setup.sh
@@ -42,7 +42,7 @@ bench: $(STAMP)  ## run the benchmarks and rewrite benchmarks/results/
 	$(VENV)/bin/unroll bench all
 
 lint: $(STAMP)  ## ruff and hadolint
-	$(PY) -m ruff check unroll export serving benchmarks tests examples scripts deploy
+	$(PY) -m ruff check unroll export serving benchmarks app pipeline tests examples scripts deploy
 	$(VENV)/bin/hadolint Dockerfile
 
 clean:  ## remove build/ and the tool caches

@@ -197,7 +197,7 @@ def run(concurrency: tuple[int, ...] = (1, 32), duration_s: float = 10.0, rate: 
     from unroll.serving.gateway.settings import Settings
     from unroll.serving.gateway.workers import default_workers
     from unroll.serving.repository import write_repository
-    from unroll.serving.serve import ensure_onnx
+    from unroll.app.serve import ensure_onnx
     from unroll.serving.triton import TritonStartError, free_ports, start
 
     py_spy()

@@ -155,7 +155,7 @@ def torch_call(model: torch.nn.Module, name: str, feeds: dict[str, torch.Tensor]
 def ensure_export(name: str, onnx_dir: Path) -> Path:
     """``onnx_dir/NAME.onnx``, exported (fused, verified) first when missing or older than the weights."""
     from unroll.export.onnx_export import export_model
-    from unroll.serving.serve import stale_reason
+    from unroll.app.serve import stale_reason
 
     if stale_reason(name, onnx_dir) is not None:
         export_model(name, onnx_dir, naive=False)
@@ -584,7 +584,7 @@ def cuda_environment(device: str = "cuda") -> CudaEnv:
     gpus = smi.facts.get("gpus") or []
     import onnxruntime as ort
 
-    from unroll.doctor import ort_distributions
+    from unroll.app.doctor import ort_distributions
 
     machine = {"gpu": dev["name"], "gpu_memory_gib": dev["memory_gib"], "compute_capability": dev["compute_capability"],
                "gpu_count": len(cuda.facts["devices"]),

@@ -111,12 +111,12 @@ def _still_there(pids: set[int], grace_s: float) -> dict[str, str]:
 
 
 def start_serve(root: Path, models: list[str], log: Callable[[str], None]) -> ServeProcess:
-    """``python -m unroll.serving.serve`` from ``root`` (its build/ and repository go there) on spare ports."""
+    """``python -m unroll.app.serve`` from ``root`` (its build/ and repository go there) on spare ports."""
     port, http, grpc, metrics = free_ports(4)
     repo = root / "model_repository"
     env = {k: v for k, v in os.environ.items() if not k.startswith("UNROLL_")}
     env["PYTHONUNBUFFERED"] = "1"
-    cmd = [sys.executable, "-m", "unroll.serving.serve", "--models", ",".join(models), "--port", str(port),
+    cmd = [sys.executable, "-m", "unroll.app.serve", "--models", ",".join(models), "--port", str(port),
            "--triton-http-port", str(http), "--triton-grpc-port", str(grpc), "--triton-metrics-port", str(metrics),
            "--repo", str(repo), "--onnx-dir", str(root / "onnx"), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -9,7 +9,7 @@
 #    nofile/nproc ulimits — what podman needs to build and run on these machines.
 # 3. The base image localhost/unroll-base:bookworm: `debootstrap --variant=minbase bookworm` + `podman import`, the
 #    root file system cached as build/container/bookworm-minbase.tar.gz (made once; later runs import it).
-# 4. `python -m unroll.container stage` (the graphs, exported first if missing, and both Triton repositories in
+# 4. `python -m unroll.app.container stage` (the graphs, exported first if missing, and both Triton repositories in
 #    build/image/), then the image localhost/unroll:<target>-<digest of the build context>: reused when it exists,
 #    else built with `podman build` (pip in the build trusts the host's CA bundle, given as the build secret
 #    pipcert: these machines reach the package index through a TLS-inspecting proxy).
@@ -106,9 +106,9 @@ fi
 # 4. build context and image --------------------------------------------------------------------------------------
 python=${PYTHON:-.venv/bin/python}
 say "staging build/image/ (exporting graphs first when missing)"
-"$python" -m unroll.container stage >&2
+"$python" -m unroll.app.container stage >&2
 base_id=$(podman image inspect --format '{{.Id}}' "$base")
-digest=$("$python" -m unroll.container digest --extra "target=$target base=$base_id")
+digest=$("$python" -m unroll.app.container digest --extra "target=$target base=$base_id")
 image=localhost/unroll:$target-${digest:0:12}
 if podman image exists "$image"; then
   say "$image is up to date (build context unchanged); $((SECONDS - started)) s"

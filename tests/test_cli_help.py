@@ -33,7 +33,7 @@ def _option_names(cmd: Any) -> list[str]:
 
 
 def _all_commands() -> list[tuple[tuple[str, ...], list[str]]]:
-    from unroll.cli import app
+    from unroll.app.cli import app
 
     return [(path, _option_names(cmd)) for path, cmd in _commands(typer.main.get_command(app))]
 

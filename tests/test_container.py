@@ -1,7 +1,7 @@
 """The Dockerfile: hadolint on both targets, and the CPU image built from a local Debian base and run for real.
 
 The CPU image is built by ``scripts/container_setup.sh`` (podman, a debootstrap base cached under build/container,
-the build context staged by ``python -m unroll.container stage``) and reused while its build context is unchanged.
+the build context staged by ``python -m unroll.app.container stage``) and reused while its build context is unchanged.
 The container test checks what the issue asks of the image: ``/readyz`` 200 (and the image's own HEALTHCHECK), a
 real MNIST digit classified, a real photo denoised, no PyTorch, a non-root user, Triton on loopback only, nothing
 exported or rewritten at start, and SIGTERM stopping it cleanly (exit code 0) within 15 s. Where podman cannot be
@@ -38,7 +38,7 @@ def test_dockerfile_passes_hadolint() -> None:
 
 def test_context_digest_follows_the_dockerignore_allow_list(tmp_path: Path) -> None:
     """The image cache key changes with what the build copies, and only with that."""
-    from unroll.container import context_digest, context_files
+    from unroll.app.container import context_digest, context_files
 
     (tmp_path / ".dockerignore").write_text("*\n!src\n!Dockerfile\n**/__pycache__\n")
     (tmp_path / "Dockerfile").write_text("FROM scratch\n")

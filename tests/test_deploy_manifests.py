@@ -210,7 +210,7 @@ def test_release_name_changes_every_object_name_and_selector() -> None:
 
 
 def test_ports_match_unroll_serve_defaults() -> None:
-    from unroll.serving.serve import serve, serve_command
+    from unroll.app.serve import serve, serve_command
 
     objs = objects(ALL_ON)
     main = container(objs)
@@ -475,7 +475,7 @@ def test_kube_play_two_replicas_survive_one_killed(tmp_path: Path) -> None:
     each replica is reached at its own published port), nor autoscaling (no HPA controller, Prometheus or adapter
     here); those need a real cluster.
     """
-    from unroll.serving.serve import served_cards, write_samples
+    from unroll.app.serve import served_cards, write_samples
 
     image = _cpu_image()
     replicas = _replica_manifests(image, 2, tmp_path)

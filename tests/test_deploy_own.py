@@ -20,7 +20,7 @@ NAME = "ista-digits"
 
 
 def unroll_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "unroll.cli", *args], cwd=cwd, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "unroll.app.cli", *args], cwd=cwd, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     return r
 

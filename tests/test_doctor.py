@@ -1,6 +1,6 @@
 """``unroll doctor`` run as a user runs it (a subprocess), its facts checked against ground truth computed here.
 
-The ground truth is computed independently of :mod:`unroll.doctor` (ONNX Runtime's and PyTorch's own answers,
+The ground truth is computed independently of :mod:`unroll.app.doctor` (ONNX Runtime's and PyTorch's own answers,
 ``shutil.which``, ``podman --version`` run here, ``importlib.util.find_spec``), so a doctor that reports what
 it assumes rather than what it found fails. The checks get a generous ``--timeout`` so that a busy machine
 yields facts rather than "unknown". A broken ``podman`` / ``nvidia-smi`` cannot be caused for real on a
@@ -30,7 +30,7 @@ TIMEOUT_S = "120"
 
 def _doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     exe = Path(sys.executable).with_name("unroll")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "unroll.cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "unroll.app.cli"]
     return subprocess.run([*cmd, "doctor", "--timeout", TIMEOUT_S, *args], capture_output=True, text=True,
                           timeout=300, env=env)
 

@@ -181,7 +181,7 @@ def test_export_report_says_what_the_lint_checked(exported) -> None:
 
 
 def test_cli_export_failure_is_one_clear_message(tmp_path) -> None:
-    r = subprocess.run([sys.executable, "-m", "unroll.cli", "export", "csc-denoiser", "--iters", "9",
+    r = subprocess.run([sys.executable, "-m", "unroll.app.cli", "export", "csc-denoiser", "--iters", "9",
                         "--out", str(tmp_path)], capture_output=True, text=True)
     assert r.returncode != 0 and "retraining" in r.stderr and "Traceback" not in r.stderr
     assert not list(tmp_path.glob("*.onnx"))

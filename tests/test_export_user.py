@@ -32,7 +32,7 @@ WORDS = ["plane", "car", "bird", "cat", "deer", "dog", "frog", "horse", "ship", 
 
 def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "400"}  # one line per message, however long
-    return subprocess.run([sys.executable, "-m", "unroll.cli", "export", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "unroll.app.cli", "export", *args], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=timeout)
 
 

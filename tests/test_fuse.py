@@ -25,7 +25,7 @@ from torch import nn
 
 from unroll.card import CARD_KEY, from_onnx
 
-UNROLL = [sys.executable, "-m", "unroll.cli"]
+UNROLL = [sys.executable, "-m", "unroll.app.cli"]
 #: the legacy TorchScript exporter is what third-party scripts use; its deprecation notice is not ours to fix
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

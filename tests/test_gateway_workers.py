@@ -215,7 +215,7 @@ def test_serve_with_workers_serves_and_sigterm_stops_workers_and_triton(demo_onn
     port, http, grpc, metrics = free_ports(4)
     env = {k: v for k, v in os.environ.items() if not k.startswith("UNROLL_")}
     env["PYTHONUNBUFFERED"] = "1"
-    cmd = [sys.executable, "-m", "unroll.serving.serve", "--models", CLASSIFIER, "--workers", str(WORKERS),
+    cmd = [sys.executable, "-m", "unroll.app.serve", "--models", CLASSIFIER, "--workers", str(WORKERS),
            "--port", str(port), "--triton-http-port", str(http), "--triton-grpc-port", str(grpc),
            "--triton-metrics-port", str(metrics), "--repo", str(tmp_path / "repo"), "--onnx-dir", str(demo_onnx_dir),
            "--log-level", "warning"]

@@ -27,5 +27,5 @@ def test_install_into_a_fresh_venv_adds_only_unroll(tmp_path: Path) -> None:
     assert {n for n in added if not n.startswith("__pycache__")} == {"unroll", "unroll-0.1.0.dist-info"}
     # the stages are inside the one package, as subpackages, with the committed weights
     for rel in ("export/onnx_export.py", "serving/gateway/app.py", "serving/triton_backend_model.py",
-                "benchmarks/cli.py", "card.py", "weights/sdnet-mnist.pt"):
+                "app/bench_cli.py", "card.py", "weights/sdnet-mnist.pt"):
         assert (site / "unroll" / rel).is_file(), rel

@@ -145,7 +145,7 @@ def test_gate_overrides_are_checked(onnx_dir, gates_: dict, match: str) -> None:
 
 
 def test_cli_gate_failure_exits_nonzero_with_the_metric(onnx_dir) -> None:
-    r = subprocess.run([sys.executable, "-m", "unroll.cli", "quantize", "sdnet-mnist", "--precision", "fp16",
+    r = subprocess.run([sys.executable, "-m", "unroll.app.cli", "quantize", "sdnet-mnist", "--precision", "fp16",
                         "--out", str(onnx_dir), "--min-agreement", "1.01"], capture_output=True, text=True)
     assert r.returncode != 0 and "agreement" in r.stderr and "Traceback" not in r.stderr
 

@@ -80,7 +80,7 @@ def live(tmp_path_factory: pytest.TempPathFactory, demo_onnx_dir: Path) -> Itera
     """`unroll serve` as `make serve` runs it (no options but free ports) in a fresh directory: it writes
     ``model_repository/`` and the samples there; the exports it would make first are copied in (copy2 keeps their
     times, so they are up to date)."""
-    from unroll.serving.serve import default_models
+    from unroll.app.serve import default_models
 
     root = tmp_path_factory.mktemp("clone")
     shutil.copytree(demo_onnx_dir, root / "build" / "onnx")

@@ -13,7 +13,7 @@ import torch
 import unroll
 from unroll.registry import REGISTRY, get_spec, list_models
 
-CLI = [sys.executable, "-m", "unroll.cli"]
+CLI = [sys.executable, "-m", "unroll.app.cli"]
 ROOT = Path(__file__).resolve().parents[1]
 #: Wide enough that rich tables do not wrap or cut cells.
 ENV = {**os.environ, "COLUMNS": "250"}

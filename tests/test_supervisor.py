@@ -406,7 +406,7 @@ def test_restricted_api_flags_cover_everything_but_health() -> None:
 
 
 def test_banner_curls_work_when_pasted_into_a_shell_anywhere(tmp_path: Path, monkeypatch) -> None:
-    from unroll.serving.serve import banner, default_models
+    from unroll.app.serve import banner, default_models
 
     from unroll.registry import get_spec
 
@@ -432,7 +432,7 @@ def test_banner_curls_work_when_pasted_into_a_shell_anywhere(tmp_path: Path, mon
 
 def test_an_outdated_model_py_in_the_repository_is_rewritten(demo_onnx_dir: Path, tmp_path: Path) -> None:
     from unroll.serving.repository import BACKEND_MODEL
-    from unroll.serving.serve import ensure_repository
+    from unroll.app.serve import ensure_repository
 
     repo = tmp_path / "repo"
     assert ensure_repository(repo, demo_onnx_dir, "cpu", ["sdnet-mnist-autolam"]) == ["sdnet-mnist-autolam"]
@@ -446,7 +446,7 @@ def test_an_outdated_model_py_in_the_repository_is_rewritten(demo_onnx_dir: Path
 def test_a_fresh_export_of_the_served_models_is_not_stale(demo_onnx_dir: Path) -> None:
     """Every graph `unroll serve` needs, λ-rule companion included, is up to date right after an export (a companion
     report without "weights" made every start re-export the classifier)."""
-    from unroll.serving.serve import graphs_of, stale_reason
+    from unroll.app.serve import graphs_of, stale_reason
 
     graphs = graphs_of(["sdnet-mnist", "csc-denoiser"], demo_onnx_dir)
     assert "sdnet-mnist-autolam" in graphs

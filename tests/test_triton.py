@@ -31,8 +31,8 @@ from typer.testing import CliRunner
 from unroll.serving import triton
 from unroll.serving.repository import RepositoryError, validate_model, validate_repository, write_repository
 from unroll.serving.triton import free_ports
-from unroll.serving.triton_cli import repo as repo_cmd
-from unroll.serving.triton_cli import triton as triton_cmd
+from unroll.app.triton_cli import repo as repo_cmd
+from unroll.app.triton_cli import triton as triton_cmd
 
 from unroll.card import CARD_KEY, ModelCard, from_onnx
 
@@ -467,7 +467,7 @@ def test_repo_command_writes_and_validates(onnx_dir: Path, tmp_path: Path) -> No
 def test_triton_command_serves_until_sigint_and_leaves_no_process(onnx_dir: Path, tmp_path: Path) -> None:
     repo = _tiny_repo(onnx_dir, tmp_path, broken=False)
     http_port, grpc_port, metrics_port = free_ports(3)
-    code = ("import typer; from unroll.serving.triton_cli import repo, triton; app = typer.Typer(); "
+    code = ("import typer; from unroll.app.triton_cli import repo, triton; app = typer.Typer(); "
             "app.command('repo')(repo); app.command('triton')(triton); app()")
     proc = subprocess.Popen([sys.executable, "-c", code, "triton", "--repo", str(repo), "--http-port", str(http_port),
                              "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),

@@ -19,7 +19,7 @@ from unroll.export import gates, trt_memory
 from unroll.export import trt_build as tb
 from unroll.export.onnx_export import export_model
 from unroll.export.quantize import to_fp16
-from unroll.export.trt_cli import build
+from unroll.app.trt_cli import build
 
 from unroll.card import InputCard, ModelCard, from_onnx, write_to_onnx
 from unroll.registry import list_models
@@ -70,7 +70,7 @@ def test_tensorrt_available_says_why_in_one_sentence() -> None:
 
 @pytest.mark.skipif(AVAILABLE, reason="this machine can build engines")
 def test_cli_without_gpu_or_tensorrt_prints_the_estimate_then_exits_2(onnx_dir: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "unroll.export.trt_cli", "sdnet-mnist", "--onnx-dir", str(onnx_dir)],
+    r = subprocess.run([sys.executable, "-m", "unroll.app.trt_cli", "sdnet-mnist", "--onnx-dir", str(onnx_dir)],
                        cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2, r.stderr

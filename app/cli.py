@@ -475,7 +475,7 @@ def bench_export(
 
 def _register_subsystem_commands() -> None:
     """Commands whose code lives with its subsystem (serving, TensorRT, the machine check)."""
-    from unroll.benchmarks.cli import (
+    from unroll.app.bench_cli import (
         bench_all,
         bench_gateway_profile,
         bench_memory,
@@ -484,10 +484,10 @@ def _register_subsystem_commands() -> None:
         bench_serve,
         bench_soak,
     )
-    from unroll.doctor import doctor_command
-    from unroll.export.trt_cli import build
-    from unroll.serving.serve import serve_command
-    from unroll.serving.triton_cli import repo, triton
+    from unroll.app.doctor import doctor_command
+    from unroll.app.trt_cli import build
+    from unroll.app.serve import serve_command
+    from unroll.app.triton_cli import repo, triton
 
     app.command("build")(build)
     app.command("repo")(repo)

@@ -1,7 +1,7 @@
 """``unroll build``: the Typer command function for the TensorRT engine builder.
 
-A plain function (no Typer app here) so ``unroll/cli.py`` can register it with
-``app.command("build")(build)``; ``python -m unroll.export.trt_cli NAME ...`` runs it on its own. Nothing heavy
+A plain function (no Typer app here) so ``app/cli.py`` can register it with
+``app.command("build")(build)``; ``python -m unroll.app.trt_cli NAME ...`` runs it on its own. Nothing heavy
 is imported until the command runs, so registering it costs the main CLI nothing. Errors print one
 sentence to stderr: exit 2 when this machine cannot build engines at all (no TensorRT or no CUDA GPU) or
 an option is malformed, exit 1 for everything else (missing ONNX, a graph the TensorRT lint rejects, a
@@ -284,7 +284,7 @@ def _print_summary(report: dict) -> None:
 
 
 def main() -> None:
-    """``python -m unroll.export.trt_cli``: the command on its own."""
+    """``python -m unroll.app.trt_cli``: the command on its own."""
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
     app.command()(build)
     app()

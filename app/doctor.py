@@ -567,7 +567,7 @@ def check_triton(timeout: float = BINARY_TIMEOUT_S) -> Component:
 
 def probe_argv(names: list[str]) -> list[str]:
     """The child interpreter that runs ``names`` (:func:`_probe_main`)."""
-    return [sys.executable, "-m", "unroll.doctor", "--probe", ",".join(names)]
+    return [sys.executable, "-m", "unroll.app.doctor", "--probe", ",".join(names)]
 
 
 def _run_children(timeout: float, children: tuple[tuple[str, ...], ...] = CHILDREN,

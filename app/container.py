@@ -15,8 +15,8 @@ The CPU repository is written after the graphs are copied, so ``unroll serve`` i
 date and rewrites nothing. :func:`context_digest` hashes what the build would see (the ``.dockerignore``
 allow-list), so a test can reuse an image whose inputs have not changed.
 
-``python -m unroll.container stage [--models a,b] [--gpu-precision fp16]`` and
-``python -m unroll.container digest [--target cpu]`` are the command-line forms (``scripts/container_setup.sh``
+``python -m unroll.app.container stage [--models a,b] [--gpu-precision fp16]`` and
+``python -m unroll.app.container digest [--target cpu]`` are the command-line forms (``scripts/container_setup.sh``
 uses both).
 """
 
@@ -52,7 +52,7 @@ def stage(out: Path = STAGE_DIR, models: list[str] | None = None, onnx_dir: Path
     Needs the full install (PyTorch) only when a graph must be exported. ``out`` is rebuilt from scratch.
     """
     from unroll.serving.repository import write_repository
-    from unroll.serving.serve import ensure_onnx, graphs_of, resolve_models
+    from unroll.app.serve import ensure_onnx, graphs_of, resolve_models
 
     onnx_dir = Path(onnx_dir)
     onnx_dir.mkdir(parents=True, exist_ok=True)
@@ -131,7 +131,7 @@ def context_digest(root: Path = Path("."), extra: str = "") -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m unroll.container", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m unroll.app.container", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("stage", help="export what is missing and write build/image/ (the build context's part)")
     s.add_argument("--models", default=None, help="comma-separated, as `unroll serve --models`")

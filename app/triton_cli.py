@@ -1,6 +1,6 @@
 """``unroll repo`` and ``unroll triton``: Typer command functions, registered on the main CLI.
 
-Plain functions (no Typer app here) so ``unroll/cli.py`` can do ``app.command("repo")(repo)`` and
+Plain functions (no Typer app here) so ``app/cli.py`` can do ``app.command("repo")(repo)`` and
 ``app.command("triton")(triton)``. Errors print one sentence to stderr and exit 1 (no traceback).
 """
 
@@ -134,7 +134,7 @@ def repo(
     if precision not in PRECISIONS:
         raise _fail(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
     if models is None:
-        from unroll.serving.serve import default_models
+        from unroll.app.serve import default_models
 
         names = default_models()
     else:

@@ -503,6 +503,6 @@ def serve_command(
         raise typer.Exit(1) from None
 
 
-if __name__ == "__main__":  # python -m unroll.serving.serve [options]
+if __name__ == "__main__":  # python -m unroll.app.serve [options]
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     typer.run(serve_command)

@@ -1,0 +1,82 @@
+"""One error hierarchy: every error unroll raises on purpose derives from :class:`UnrollError`.
+
+Each stage has its own subclass, so a caller can catch one stage's failures, and the two places that turn
+errors into answers do it once: the CLI (``unroll.app.cli``: one line on stderr, ``exit_code``) and the
+gateway (``unroll.serving.gateway.errors``: JSON ``{"error": {"code", "message"}}`` with ``http_status``).
+"""
+
+from __future__ import annotations
+
+
+class UnrollError(Exception):
+    """Base of every deliberate unroll error: a message a user can act on, an exit code, an HTTP mapping."""
+
+    #: process exit status when the CLI stops on this error
+    exit_code: int = 1
+    #: HTTP status when the gateway answers with this error
+    http_status: int = 500
+    #: stable snake_case code clients branch on
+    code: str = "internal"
+
+
+class UsageError(UnrollError):
+    """The command line or a setting asks for something impossible (bad option value, unknown name)."""
+
+    exit_code = 2
+    http_status = 400
+    code = "bad_request"
+
+
+class CardError(UnrollError):
+    """A model card is missing, malformed or contradicts the graph it describes."""
+
+    http_status = 422
+    code = "invalid_card"
+
+
+class RegistryError(UsageError, KeyError):
+    """No registered model (or architecture option) of that name; a KeyError too, for mapping-style callers."""
+
+    code = "unknown_model"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DataError(UnrollError):
+    """A dataset, image or checkpoint file cannot be read as what it should be."""
+
+
+class TrainError(UnrollError):
+    """Training or evaluation cannot run as asked (recipe, options, weights)."""
+
+
+class ExportError(UnrollError):
+    """Export to ONNX failed or its parity check did not pass."""
+
+
+class QuantizeError(ExportError):
+    """FP16/INT8 conversion failed or a graph did not pass its card's accuracy gate."""
+
+
+class BuildError(UnrollError):
+    """A TensorRT plan could not be built (lint, profiles, memory, missing TensorRT)."""
+
+
+class RepositoryError(UnrollError):
+    """The Triton model repository cannot be written or does not match its cards and artifacts."""
+
+
+class PipelineError(UnrollError):
+    """A stage's inputs are missing or a stage could not bring its artifacts up to date."""
+
+
+class ServingError(UnrollError):
+    """tritonserver or the gateway could not start, stay up or be reached."""
+
+    http_status = 503
+    code = "unavailable"
+
+
+class BenchError(UnrollError):
+    """A benchmark could not run or its results are not comparable."""
