@@ -239,7 +239,6 @@ def export_cmd(
     histogram, parity errors on real inputs, solver settings, TensorRT lint, the checkpoint's sha256).
     Nothing is written when a check fails.
     """
-    from unroll.card import CardError
     from unroll.export.onnx_export import ExportError, export, export_model, file_sha256
     from unroll.export.user_model import (
         build_module,
@@ -248,6 +247,8 @@ def export_cmd(
         parse_numbers,
         read_labels,
     )
+
+    from unroll.card import CardError
     from unroll.registry import list_models
 
     if sum([all_models, name is not None, model is not None]) != 1:
@@ -428,9 +429,10 @@ def fuse(
     η·W is folded. Verified with ONNX Runtime against SRC on random inputs (max abs 1e-4, rel 1e-5) before
     anything is written; forms no rule knows are left alone and listed in the report.
     """
-    from unroll.card import CardError
     from unroll.export.fuse import FuseError, parse_input_shapes
     from unroll.export.fuse import fuse as run_fuse
+
+    from unroll.card import CardError
 
     try:
         with console.status(f"fusing {src}"):
@@ -485,9 +487,9 @@ def _register_subsystem_commands() -> None:
         bench_soak,
     )
     from unroll.app.doctor import doctor_command
-    from unroll.app.trt_cli import build
     from unroll.app.serve import serve_command
     from unroll.app.triton_cli import repo, triton
+    from unroll.app.trt_cli import build
 
     app.command("build")(build)
     app.command("repo")(repo)

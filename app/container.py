@@ -51,8 +51,8 @@ def stage(out: Path = STAGE_DIR, models: list[str] | None = None, onnx_dir: Path
     ``models`` as ``unroll serve --models`` takes them (default: every registered model with committed weights).
     Needs the full install (PyTorch) only when a graph must be exported. ``out`` is rebuilt from scratch.
     """
-    from unroll.serving.repository import write_repository
     from unroll.app.serve import ensure_onnx, graphs_of, resolve_models
+    from unroll.serving.repository import write_repository
 
     onnx_dir = Path(onnx_dir)
     onnx_dir.mkdir(parents=True, exist_ok=True)

@@ -192,12 +192,12 @@ def run(concurrency: tuple[int, ...] = (1, 32), duration_s: float = 10.0, rate: 
     """The profile at each of ``concurrency`` (one gateway process), in-process ONNX Runtime at concurrency 1, and
     gateway throughput at ``throughput_concurrency`` with each of ``workers`` processes (default: 1 and the
     ``unroll serve`` default, at least 2), all against one Triton."""
+    from unroll.app.serve import ensure_onnx
     from unroll.benchmarks.serve_bench import classify_workload, served_models
     from unroll.serving.gateway.process import gateway_popen
     from unroll.serving.gateway.settings import Settings
     from unroll.serving.gateway.workers import default_workers
     from unroll.serving.repository import write_repository
-    from unroll.app.serve import ensure_onnx
     from unroll.serving.triton import TritonStartError, free_ports, start
 
     py_spy()

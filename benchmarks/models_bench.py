@@ -154,8 +154,8 @@ def torch_call(model: torch.nn.Module, name: str, feeds: dict[str, torch.Tensor]
 
 def ensure_export(name: str, onnx_dir: Path) -> Path:
     """``onnx_dir/NAME.onnx``, exported (fused, verified) first when missing or older than the weights."""
-    from unroll.export.onnx_export import export_model
     from unroll.app.serve import stale_reason
+    from unroll.export.onnx_export import export_model
 
     if stale_reason(name, onnx_dir) is not None:
         export_model(name, onnx_dir, naive=False)
@@ -583,7 +583,6 @@ def cuda_environment(device: str = "cuda") -> CudaEnv:
     dev = cuda.facts["devices"][0]
     gpus = smi.facts.get("gpus") or []
     import onnxruntime as ort
-
     from unroll.app.doctor import ort_distributions
 
     machine = {"gpu": dev["name"], "gpu_memory_gib": dev["memory_gib"], "compute_capability": dev["compute_capability"],

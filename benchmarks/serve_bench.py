@@ -415,8 +415,8 @@ def write_repositories(onnx_dir: Path, root: Path, served: Served) -> tuple[Path
     """
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2 as mc
-    from unroll.serving.repository import validate_model, write_repository
     from unroll.app.serve import ensure_onnx
+    from unroll.serving.repository import validate_model, write_repository
 
     ensure_onnx(onnx_dir, [served.classifier, served.denoiser])  # registered models; companions come along
     on, off = root / "batching", root / "no-batching"

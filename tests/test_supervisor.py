@@ -431,8 +431,8 @@ def test_banner_curls_work_when_pasted_into_a_shell_anywhere(tmp_path: Path, mon
 
 
 def test_an_outdated_model_py_in_the_repository_is_rewritten(demo_onnx_dir: Path, tmp_path: Path) -> None:
-    from unroll.serving.repository import BACKEND_MODEL
     from unroll.app.serve import ensure_repository
+    from unroll.serving.repository import BACKEND_MODEL
 
     repo = tmp_path / "repo"
     assert ensure_repository(repo, demo_onnx_dir, "cpu", ["sdnet-mnist-autolam"]) == ["sdnet-mnist-autolam"]

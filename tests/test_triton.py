@@ -28,11 +28,11 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 from typer.testing import CliRunner
+from unroll.app.triton_cli import repo as repo_cmd
+from unroll.app.triton_cli import triton as triton_cmd
 from unroll.serving import triton
 from unroll.serving.repository import RepositoryError, validate_model, validate_repository, write_repository
 from unroll.serving.triton import free_ports
-from unroll.app.triton_cli import repo as repo_cmd
-from unroll.app.triton_cli import triton as triton_cmd
 
 from unroll.card import CARD_KEY, ModelCard, from_onnx
 
