@@ -1,4 +1,4 @@
-"""``unroll bench serve | models | quality | all``: Typer-annotated functions, registered on ``bench_app`` in unroll.app.cli.
+"""``unroll bench serve | models | quality | all``: Typer-annotated functions for ``bench_app`` in ``cli``.
 
 Heavy imports happen inside the commands, so importing this module (at every ``unroll`` start) is cheap.
 """
