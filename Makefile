@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml scripts/editable_first.py
 	@echo "==> $(VENV) is ready"
 
 help:  ## list the targets (options for `make serve`: ARGS="…", see `unroll serve --help`)
-	@awk -F':.*## ' '/^[a-z]+:.*## / {printf "  make %-6s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk -F':.*## ' '/^[a-z-]+:.*## / {printf "  make %-9s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 venv: $(STAMP)  ## create .venv and install unroll with its serving and dev extras
 
@@ -40,6 +40,10 @@ bench: $(STAMP)  ## run the benchmarks and rewrite benchmarks/results/
 	@echo "==> perf_analyzer (Triton's own client) in build/perf_analyzer-venv; without it the Triton-direct rows say why"
 	-bash scripts/perf_analyzer_setup.sh
 	$(VENV)/bin/unroll bench all
+
+.PHONY: gpu-check
+gpu-check:  ## GPU runtimes of the trained models → benchmarks/results/gpu_check.*; skips without CUDA; ARGS="--out DIR …"
+	bash scripts/gpu_check.sh $(ARGS)
 
 lint: $(STAMP)  ## ruff and hadolint
 	$(PY) -m ruff check unroll export serving benchmarks app pipeline tests examples scripts deploy
