@@ -1,6 +1,7 @@
 """``unroll bench serve | models | quality | all``: Typer-annotated functions for ``bench_app`` in ``cli``.
 
-Heavy imports happen inside the commands, so importing this module (at every ``unroll`` start) is cheap.
+The benchmark modules are imported inside the commands: they pull in torch, onnxruntime and libraries the serving
+image does not install, and this module is imported at every ``unroll`` start, in that image too.
 """
 
 from __future__ import annotations
@@ -13,20 +14,20 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
+from unroll.app.errors import fail, handles_errors
+
+from unroll import artifacts
+from unroll.errors import BenchError
+from unroll.registry import list_models
 
 RESULTS = Path("benchmarks/results")
-ONNX_DIR = Path("build/onnx")
+ONNX_DIR = artifacts.ONNX_DIR
 err = Console(stderr=True)
 
 OutOpt = Annotated[Path, typer.Option("--out", help="Results folder (JSON, Markdown, PNG are rewritten there)")]
 OnnxOpt = Annotated[Path, typer.Option(help="ONNX exports (missing or stale ones are exported first)")]
 ThreadsOpt = Annotated[int, typer.Option(help="Threads for every engine (PyTorch, ONNX Runtime, Triton's models)")]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars")]
-
-
-def _fail(message: str) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}")
-    return typer.Exit(1)
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:
@@ -53,6 +54,7 @@ def _targets(payload: dict) -> None:
         err.print(f"  {mark}  {t['target']}: {t['measured'] or 'not measured'}")
 
 
+@handles_errors
 def bench_serve(
     duration: Annotated[float, typer.Option(help="Measured seconds per concurrency level")] = 5.0,
     warmup: Annotated[float, typer.Option(help="Unrecorded warm-up seconds before each level")] = 0.5,
@@ -95,17 +97,15 @@ def bench_serve(
               "denoise_concurrency": (1,), "denoise_sizes": (128,), "classify_samples": 64}
     if batching_rounds is None:
         batching_rounds = 1 if quick else 3
-    try:
-        payload = serve_bench.run(**kw, batching_concurrency=batching_concurrency, batching_rounds=batching_rounds,
-                                  paths=tuple(p.strip() for p in paths.split(",") if p.strip()), url=url,
-                                  triton_url=triton_url, triton_grpc_url=triton_grpc_url, onnx_dir=onnx_dir,
-                                  threads=threads, progress=progress, out_dir=out, log=lambda m: err.print(m))
-    except serve_bench.BenchError as e:
-        raise _fail(str(e)) from None
+    payload = serve_bench.run(**kw, batching_concurrency=batching_concurrency, batching_rounds=batching_rounds,
+                              paths=tuple(p.strip() for p in paths.split(",") if p.strip()), url=url,
+                              triton_url=triton_url, triton_grpc_url=triton_grpc_url, onnx_dir=onnx_dir,
+                              threads=threads, progress=progress, out_dir=out, log=lambda m: err.print(m))
     _targets(payload)
     _wrote(out, ["serve"])
 
 
+@handles_errors
 def bench_gateway_profile(
     duration: Annotated[float, typer.Option(help="Profiled seconds per concurrency level (and per worker count)")]
     = 10.0,
@@ -127,17 +127,15 @@ def bench_gateway_profile(
     """
     from unroll.benchmarks import gateway_profile
 
-    try:
-        payload = gateway_profile.run(concurrency=_ints(concurrency, "--concurrency"), duration_s=duration, rate=rate,
-                                      onnx_dir=onnx_dir, workers=_ints(workers, "--workers") if workers else None,
-                                      throughput_concurrency=throughput_concurrency, log=lambda m: err.print(m))
-    except gateway_profile.ProfileError as e:
-        raise _fail(str(e)) from None
+    payload = gateway_profile.run(concurrency=_ints(concurrency, "--concurrency"), duration_s=duration, rate=rate,
+                                  onnx_dir=onnx_dir, workers=_ints(workers, "--workers") if workers else None,
+                                  throughput_concurrency=throughput_concurrency, log=lambda m: err.print(m))
     gateway_profile.write(payload, out)
     _targets(payload)
     _wrote(out, ["gateway_profile"])
 
 
+@handles_errors
 def bench_models(
     model: Annotated[list[str] | None, typer.Option("--model", "-m", help="Only these models (repeatable); "
                                                                          "default: every registered model")] = None,
@@ -172,24 +170,22 @@ def bench_models(
     """
     from unroll.benchmarks import models_bench
 
-    from unroll.registry import list_models
-
     registered = list_models()  # (imports the shipped models first: the registry is empty until then)
     unknown = [m for m in model or [] if m not in registered]
     if unknown:
-        raise _fail(f"unknown model(s) {', '.join(unknown)}; registered: {', '.join(registered)}")
+        raise fail(f"unknown model(s) {', '.join(unknown)}; registered: {', '.join(registered)}")
     if device not in ("cpu", "cuda"):
         raise typer.BadParameter(f"--device must be cpu or cuda, not {device!r}")
     if device == "cuda":
         env = models_bench.cuda_environment("cuda")
         if env.reason:
-            raise _fail(f"--device cuda: {escape(env.reason)}; nothing was measured and nothing was written")
+            raise fail(f"--device cuda: {env.reason}; nothing was measured and nothing was written")
         try:
             payload = models_bench.run_cuda(model or None, budget_s=budget, with_compile=compile_ is not False,
                                             quick=quick, threads=threads, onnx_dir=onnx_dir, out_dir=out,
                                             progress=progress, env=env)
-        except models_bench.NothingMeasured as e:
-            raise _fail(f"--device cuda: {escape(str(e))}; nothing was written") from None
+        except models_bench.NothingMeasured as e:  # the device belongs on the line
+            raise BenchError(f"--device cuda: {e}; nothing was written") from None
         by: dict[str, int] = {}
         for s in payload["skipped"]:
             by[s["reason"]] = by.get(s["reason"], 0) + 1
@@ -202,6 +198,7 @@ def bench_models(
     _wrote(out, ["models"])
 
 
+@handles_errors
 def bench_quality(
     task: Annotated[str, typer.Option(help="denoise, classify or all")] = "all",
     bm3d: Annotated[bool, typer.Option("--bm3d/--no-bm3d", help="Include BM3D (~8 s per 512² image)")] = True,
@@ -221,21 +218,18 @@ def bench_quality(
     Writes quality_denoise.{json,md,png} and quality_classify.{json,md,png}.
     """
     from unroll.benchmarks import quality_bench
-    from unroll.benchmarks.common import NoModel
 
     if task not in ("denoise", "classify", "all"):
-        raise _fail(f"--task must be denoise, classify or all, not {task!r}")
-    try:
-        if task in ("denoise", "all"):
-            quality_bench.run_denoise(threads, quick=quick, with_bm3d=bm3d, onnx_dir=onnx_dir, progress=progress,
-                                      out_dir=out)
-        if task in ("classify", "all"):
-            quality_bench.run_classify(threads, quick=quick, onnx_dir=onnx_dir, progress=progress, out_dir=out)
-    except NoModel as e:
-        raise _fail(str(e)) from None
+        raise fail(f"--task must be denoise, classify or all, not {task!r}")
+    if task in ("denoise", "all"):
+        quality_bench.run_denoise(threads, quick=quick, with_bm3d=bm3d, onnx_dir=onnx_dir, progress=progress,
+                                  out_dir=out)
+    if task in ("classify", "all"):
+        quality_bench.run_classify(threads, quick=quick, onnx_dir=onnx_dir, progress=progress, out_dir=out)
     _wrote(out, [f"quality_{t}" for t in (("denoise", "classify") if task == "all" else (task,))])
 
 
+@handles_errors
 def bench_soak(
     requests: Annotated[int, typer.Option(help="Mixed requests in all (tritonserver is killed halfway)")] = 10_000,
     concurrency: Annotated[int, typer.Option(help="Clients in closed loop")] = 32,
@@ -261,6 +255,7 @@ def bench_soak(
         raise typer.Exit(1)
 
 
+@handles_errors
 def bench_memory(
     requests: Annotated[int, typer.Option(help="Concurrent maximum-size denoise requests")] = 20,
     out: OutOpt = RESULTS,
@@ -286,6 +281,7 @@ def bench_memory(
 STAGES = ("export", "models", "quality", "serve", "gateway-profile", "soak", "memory")
 
 
+@handles_errors
 def bench_all(
     only: Annotated[str, typer.Option(help="Stages to run, comma-separated: " + ", ".join(STAGES))]
     = ",".join(STAGES),
@@ -303,15 +299,15 @@ def bench_all(
     """Every benchmark with its defaults (what `make bench` runs): export, models, quality, serve,
     gateway-profile (py-spy), soak, memory.
 
-    Rewrites the result files in --out (about 12–15 minutes on a quiet 2-core machine once build/onnx
-    exists; a fresh clone also exports and quantizes first). bench_all.json records each stage's time.
+    Rewrites the result files in --out (a fresh clone also exports and quantizes first); bench_all.json records
+    each stage's time.
     """
     from unroll.benchmarks.common import machine_info
 
     stages = [s.strip() for s in only.split(",") if s.strip()]
     bad = [s for s in stages if s not in STAGES]
     if bad:
-        raise _fail(f"unknown stage(s) {', '.join(bad)}; choose from {', '.join(STAGES)}")
+        raise fail(f"unknown stage(s) {', '.join(bad)}; choose from {', '.join(STAGES)}")
     out.mkdir(parents=True, exist_ok=True)
     timing: dict[str, float] = {}
     t_all = time.perf_counter()

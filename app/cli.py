@@ -1,4 +1,8 @@
-"""The ``unroll`` command line (Typer): models, training, evaluation, export and serving."""
+"""The ``unroll`` command line (Typer): models, training, evaluation, export and serving.
+
+The serving image (no PyTorch) runs this CLI, and every ``unroll`` command starts by importing it, so the stage
+code that needs torch or onnxruntime (export, quantize, fuse, the benchmarks) is imported inside its command.
+Errors are mapped once (:mod:`unroll.app.errors`)."""
 
 from __future__ import annotations
 
@@ -19,17 +23,31 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+from unroll.app.bench_cli import (
+    bench_all,
+    bench_gateway_profile,
+    bench_memory,
+    bench_models,
+    bench_quality,
+    bench_serve,
+    bench_soak,
+)
+from unroll.app.doctor import doctor_command
+from unroll.app.errors import fail, handles_errors, report
+from unroll.app.serve import serve_command
+from unroll.app.triton_cli import repo, triton
+from unroll.app.trt_cli import build
+
+import unroll
+from unroll import artifacts, tasks
+from unroll.errors import ExportError, QuantizeError, UnrollError
+from unroll.registry import REGISTRY, get_spec, list_models
+from unroll.train import TrainRun, parse_options, recipe_module
 
 app = typer.Typer(help="Deploy and serve vision models whose layers are fixed-iteration optimization solvers.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 console = Console()
 err = Console(stderr=True)
-
-
-def fail(message: str, code: int = 1) -> typer.Exit:
-    """Print one clear sentence (no traceback) and return the exit to raise."""
-    err.print(f"[bold red]error:[/] {escape(message)}")
-    return typer.Exit(code)
 
 
 @contextmanager
@@ -48,12 +66,7 @@ def progress_bar(description: str, total: int):
 
 
 def _spec(name: str):
-    from unroll.registry import get_spec
-
-    try:
-        return get_spec(name)
-    except KeyError as e:
-        raise fail(str(e.args[0])) from None
+    return get_spec(name)
 
 
 def _card_facts(spec) -> tuple[str, str, str]:
@@ -72,11 +85,10 @@ def _card_facts(spec) -> tuple[str, str, str]:
 
 
 @app.command()
+@handles_errors
 def models() -> None:
     """List the registered models with their card's facts: task, input, labels, λ/σ inputs, the CPU runtime
     that serves them, weights, recipe."""
-    from unroll.registry import REGISTRY, list_models
-
     list_models()
     table = Table("name", "task", "input", "labels", "λ / σ inputs", "CPU runtime", "weights", "recipe", "description")
     for spec in REGISTRY.values():
@@ -87,21 +99,17 @@ def models() -> None:
 
 def _recipe(name: str, args: list[str], which: str):
     """The model's recipe module and its options parsed from the extra command-line tokens."""
-    from unroll.train import RecipeError, parse_options, recipe_module
-
     _spec(name)
-    try:
-        module = recipe_module(name)
-        options = getattr(module, which)
-        return module, parse_options(options, args, f"{name}'s recipe")
-    except RecipeError as e:
-        raise fail(str(e)) from None
+    module = recipe_module(name)
+    options = getattr(module, which)
+    return module, parse_options(options, args, f"{name}'s recipe")
 
 
 _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
 @app.command(context_settings=_EXTRA)
+@handles_errors
 def train(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="A registered model with a training recipe (see `unroll models`)")],
@@ -116,9 +124,7 @@ def train(
     The recipe's own options follow NAME (e.g. `--epochs 10`); `--recipe-help` lists them. Writes
     OUT/NAME.pt (weights) and OUT/NAME.json (recipe, builder options, measured metrics).
     """
-    import torch
-
-    from unroll.train import TrainRun
+    import torch  # local: the serving image runs this CLI without PyTorch
 
     module, options = _recipe(name, [] if recipe_help else ctx.args, "TRAIN_OPTIONS")
     if recipe_help:
@@ -139,6 +145,7 @@ def _print_options(name: str, options) -> None:
 
 
 @app.command("eval", context_settings=_EXTRA)
+@handles_errors
 def evaluate(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="A registered model with committed weights and a recipe")],
@@ -152,8 +159,6 @@ def evaluate(
     The recipe's evaluation options follow NAME (`--recipe-help` lists them). With --write, the fields it
     recomputed replace those in the committed record's `metrics`, so every number there comes from code.
     """
-    import unroll
-
     module, options = _recipe(name, [] if recipe_help else ctx.args, "EVAL_OPTIONS")
     if recipe_help:
         _print_options(name, module.EVAL_OPTIONS)
@@ -186,12 +191,13 @@ def _print_export(result, prefix: str = "") -> None:
 
 
 @app.command("export")
+@handles_errors
 def export_cmd(
     name: Annotated[str | None, typer.Argument(help="Registered model name (see `unroll models`)")] = None,
     all_models: Annotated[bool, typer.Option("--all", help="Export every registered model")] = False,
     iters: Annotated[int | None, typer.Option(help="Unroll K solver iterations instead of the model's own")] = None,
     opset: Annotated[int, typer.Option(help="ONNX opset (17 or newer)")] = 17,
-    out: Annotated[Path, typer.Option(help="Output folder")] = Path("build/onnx"),
+    out: Annotated[Path, typer.Option(help="Output folder")] = artifacts.ONNX_DIR,
     lam: Annotated[bool | None, typer.Option("--lam/--no-lam",
                                              help="Models whose card declares a λ input: λ as a graph input "
                                                   "[B] (default) or baked in")] = None,
@@ -206,7 +212,7 @@ def export_cmd(
     = None,
     input_shape: Annotated[str | None, typer.Option(
         help="--model: one sample's shape C,H,W (or TOKENS,DIM); -1 marks a dynamic axis, e.g. 1,-1,-1")] = None,
-    task: Annotated[str, typer.Option(help="--model: classification, denoising or block")] = "classification",
+    task: Annotated[str, typer.Option(help="--model: classification, denoising or block")] = tasks.CLASSIFICATION,
     labels: Annotated[Path | None, typer.Option(help="Class names, one per line; as many as the logits")] = None,
     mean: Annotated[str | None, typer.Option(help="Per-channel mean the client subtracts, e.g. 0.49,0.48,0.45")]
     = None,
@@ -239,64 +245,68 @@ def export_cmd(
     histogram, parity errors on real inputs, solver settings, TensorRT lint, the checkpoint's sha256).
     Nothing is written when a check fails.
     """
-    from unroll.export.onnx_export import ExportError, export, export_model, file_sha256
-    from unroll.export.user_model import (
-        build_module,
-        card_from_options,
-        card_updates,
-        parse_numbers,
-        read_labels,
-    )
-
-    from unroll.card import CardError
-    from unroll.registry import list_models
+    from unroll.export.user_model import card_updates, parse_numbers, read_labels  # local: torch (module docstring)
 
     if sum([all_models, name is not None, model is not None]) != 1:
         raise fail("give one model NAME, --model FILE.py:FACTORY, or --all")
-    try:
-        updates = card_updates(
-            labels=read_labels(labels) if labels is not None else None, mean=parse_numbers(mean, float, "--mean"),
-            std=parse_numbers(std, float, "--std"), colour=colour, resize=resize, input_name=input_name,
-            output_name=output_name, lam_input=lam_input, lam_default=lam_default, sigma_input=sigma_input,
-            sigma_scale=sigma_scale, data_train=data_train, data_test=data_test, min_size=min_size,
-            description=description)
-    except CardError as e:
-        raise fail(str(e)) from None
+    updates = card_updates(
+        labels=read_labels(labels) if labels is not None else None, mean=parse_numbers(mean, float, "--mean"),
+        std=parse_numbers(std, float, "--std"), colour=colour, resize=resize, input_name=input_name,
+        output_name=output_name, lam_input=lam_input, lam_default=lam_default, sigma_input=sigma_input,
+        sigma_scale=sigma_scale, data_train=data_train, data_test=data_test, min_size=min_size,
+        description=description)
     if all_models and (updates or checkpoint or export_name):
         raise fail("card options, --checkpoint and --name apply to one model: give NAME, not --all")
     if model is not None:
-        if input_shape is None:
-            raise fail("--model needs --input-shape (one sample, e.g. 1,28,28; -1 for a dynamic axis)")
-        if iters is not None:
-            raise fail("--iters changes unroll's own solver layers; set your module's iteration count in its factory")
-        try:
-            shape = tuple(parse_numbers(input_shape, int, "--input-shape"))
-            card = card_from_options(export_name or model.rpartition(":")[2].replace("_", "-"), task, shape, updates)
-            module = build_module(model)
-            extra = {"source": model}
-            if checkpoint is not None:
-                from unroll.models.sdnet import load_official_checkpoint  # strict, `module.` stripped, keys named
-
-                if not checkpoint.is_file():
-                    raise ExportError(f"checkpoint {checkpoint} does not exist")
-                try:
-                    load_official_checkpoint(module, checkpoint)
-                except ValueError as e:
-                    raise ExportError(str(e).splitlines()[0]) from None
-                except Exception as e:
-                    raise ExportError(f"{checkpoint}: not a readable PyTorch checkpoint ({type(e).__name__})"
-                                      ) from None
-                extra.update(weights=f"checkpoint {checkpoint}", checkpoint={
-                    "path": str(checkpoint.resolve()), "sha256": file_sha256(checkpoint)})
-            with console.status(f"exporting {card.name}"):
-                result = export(module, card, None, out, opset=opset, lam_input=lam, extra_report=extra)
-        except (ExportError, CardError) as e:
-            raise fail(f"{model}: export failed — {e}") from None
-        _print_export(result)
-        _print_checkpoint(result)
+        _export_user_model(model, export_name, task, input_shape, iters, checkpoint, updates, out, opset, lam)
         return
-    if name is not None and (input_shape is not None or task != "classification"):
+    if name is not None and (input_shape is not None or task != tasks.CLASSIFICATION):
         raise fail("--input-shape and --task describe a --model; a registered model's are fixed by its architecture")
+    _export_registered(name, all_models, out, dict(iters=iters, opset=opset, lam_input=lam, checkpoint=checkpoint,
+                                                 card_updates=updates, export_name=export_name))
+
+
+def _export_user_model(model: str, export_name: str | None, task: str, input_shape: str | None, iters: int | None,
+                       checkpoint: Path | None, updates: dict, out: Path, opset: int, lam: bool | None) -> None:
+    """``unroll export --model FILE.py:FACTORY``: your own module, with a card built from the options."""
+    from unroll.export.onnx_export import export  # local, as every export stage import here: torch
+    from unroll.export.user_model import build_module, card_from_options, parse_numbers
+
+    if input_shape is None:
+        raise fail("--model needs --input-shape (one sample, e.g. 1,28,28; -1 for a dynamic axis)")
+    if iters is not None:
+        raise fail("--iters changes unroll's own solver layers; set your module's iteration count in its factory")
+    try:
+        shape = tuple(parse_numbers(input_shape, int, "--input-shape"))
+        card = card_from_options(export_name or model.rpartition(":")[2].replace("_", "-"), task, shape, updates)
+        module = build_module(model)
+        extra = {"source": model}
+        if checkpoint is not None:
+            from unroll.models.sdnet import load_official_checkpoint  # strict, `module.` stripped, keys named
+
+            if not checkpoint.is_file():
+                raise ExportError(f"checkpoint {checkpoint} does not exist")
+            try:
+                load_official_checkpoint(module, checkpoint)
+            except ValueError as e:
+                raise ExportError(str(e).splitlines()[0]) from None
+            except Exception as e:
+                raise ExportError(f"{checkpoint}: not a readable PyTorch checkpoint ({type(e).__name__})"
+                                  ) from None
+            extra.update(weights=f"checkpoint {checkpoint}", checkpoint={
+                "path": str(checkpoint.resolve()), "sha256": artifacts.sha256(checkpoint)})
+        with console.status(f"exporting {card.name}"):
+            result = export(module, card, None, out, opset=opset, lam_input=lam, extra_report=extra)
+    except UnrollError as e:  # the model it was: the line names it
+        raise ExportError(f"{model}: export failed — {e}") from None
+    _print_export(result)
+    _print_checkpoint(result)
+
+
+def _export_registered(name: str | None, all_models: bool, out: Path, options: dict) -> None:
+    """``unroll export NAME`` or ``--all``: registered models; with --all a failure is reported and the rest go on."""
+    from unroll.export.onnx_export import export_model  # local: torch
+
     names = list_models() if all_models else [name]
     for n in names:
         _spec(n)
@@ -304,11 +314,10 @@ def export_cmd(
     with progress_bar("exporting", len(names)) as upd:
         for i, n in enumerate(names):
             try:
-                result = export_model(n, out, iters=iters, opset=opset, lam_input=lam, checkpoint=checkpoint,
-                                      card_updates=updates, export_name=export_name)
-            except (ExportError, CardError) as e:
+                result = export_model(n, out, **options)
+            except UnrollError as e:
                 if not all_models:  # one model: its error is the one line
-                    raise fail(f"{n}: export failed — {e}") from None
+                    raise ExportError(f"{n}: export failed — {e}") from None
                 err.print(f"[bold red]{escape(n)}: export failed[/] — {escape(str(e))}")
                 failed.append(n)
                 continue
@@ -318,7 +327,7 @@ def export_cmd(
                 _print_export(companion, f"  companion of {n}: ")
             upd(i + 1, len(names))
     if failed:
-        raise fail(f"{len(failed)} of {len(names)} exports failed: {', '.join(failed)}")
+        raise ExportError(f"{len(failed)} of {len(names)} exports failed: {', '.join(failed)}")
 
 
 def _print_checkpoint(result) -> None:
@@ -327,18 +336,20 @@ def _print_checkpoint(result) -> None:
         console.print(f"  weights: checkpoint {escape(ck['path'])} (sha256 {ck['sha256']})")
 
 
-#: ``unroll quantize`` option → card gate metric (``unroll.card.DEFAULT_GATES``, units in ``unroll.export.gates``).
+#: ``unroll quantize`` option → card gate metric (defaults: ``unroll.tasks.get(task).gates``, units in
+#: ``unroll.export.gates``).
 GATE_OPTIONS = {"min_agreement": "top1_agreement", "max_accuracy_loss": "accuracy_loss",
                 "max_psnr_loss": "psnr_loss_db", "max_rel_err": "rel_err"}
 
 
 @app.command()
+@handles_errors
 def quantize(
     name: Annotated[str, typer.Argument(help="A registered model whose card names calibration and gate data")],
     precision: Annotated[str, typer.Option(help="fp16 or int8")] = "int8",
     calib: Annotated[int, typer.Option(help="INT8: calibration samples from the card's training data")] = 256,
     out: Annotated[Path, typer.Option(help="Folder holding NAME.onnx; NAME.<precision>.onnx is written there")]
-    = Path("build/onnx"),
+    = artifacts.ONNX_DIR,
     min_agreement: Annotated[float | None, typer.Option(help="Classifiers: top-1 agreement gate (0–1)")] = None,
     max_accuracy_loss: Annotated[float | None, typer.Option(help="Classifiers: accuracy-loss gate, as a fraction")]
     = None,
@@ -356,28 +367,29 @@ def quantize(
     FP32 and keeps the first that passes with the --safety margin. A model that fails is not written;
     the command exits non-zero naming the metric and the shortfall.
     """
-    from unroll.export.onnx_export import export_model
-    from unroll.export.quantize import GateFailed
+    from unroll.export.onnx_export import export_model  # local: torch (export_model) and onnxruntime
     from unroll.export.quantize import quantize as run_quantize
 
     if precision not in ("fp16", "int8"):
         raise fail(f"--precision must be fp16 or int8, not {precision!r}")
-    if card is None and not (out / f"{name}.onnx").exists():
+    if card is None and not artifacts.graph(name, onnx_dir=out).exists():
         _spec(name)  # not exported yet: a registered model is exported first
     given = {"min_agreement": min_agreement, "max_accuracy_loss": max_accuracy_loss, "max_psnr_loss": max_psnr_loss,
              "max_rel_err": max_rel_err}
     gates = {GATE_OPTIONS[k]: v for k, v in given.items() if v is not None}
-    if not (out / f"{name}.onnx").exists():
+    if not artifacts.graph(name, onnx_dir=out).exists():
         with console.status(f"exporting {name} first"):
             export_model(name, out)
     try:
         with console.status(f"quantizing {name} to {precision}") as status:
             r = run_quantize(name, precision, out, calib=calib, gates=gates or None,
                              progress=lambda m: status.update(m), safety=safety, card=card)
-    except (GateFailed, ValueError, FileNotFoundError) as e:
-        raise fail(str(e)) from None
+    except UnrollError:
+        raise
+    except (ValueError, FileNotFoundError) as e:  # quantize's own checks of its options and files
+        raise QuantizeError(str(e)) from None
     console.print(f"[green]✓[/] {name} {precision}: gate passed ({_gate_summary(r['metrics'])}); {r['chosen']} → "
-                  f"{out / f'{name}.{precision}.onnx'}")
+                  f"{artifacts.graph(name, precision, out)}")
     for line in _per_image_lines(r):
         console.print(line)
     for note in r.get("notes", []):
@@ -412,6 +424,7 @@ def _gate_summary(m: dict) -> str:
 
 
 @app.command()
+@handles_errors
 def fuse(
     src: Annotated[Path, typer.Argument(help="An ONNX graph written by other code (e.g. plain torch.onnx.export)")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Where the fused graph goes; OUT.report.json beside it. "
@@ -429,16 +442,11 @@ def fuse(
     η·W is folded. Verified with ONNX Runtime against SRC on random inputs (max abs 1e-4, rel 1e-5) before
     anything is written; forms no rule knows are left alone and listed in the report.
     """
-    from unroll.export.fuse import FuseError, parse_input_shapes
-    from unroll.export.fuse import fuse as run_fuse
+    from unroll.export.fuse import fuse as run_fuse  # local: onnxruntime and onnxscript
+    from unroll.export.fuse import parse_input_shapes
 
-    from unroll.card import CardError
-
-    try:
-        with console.status(f"fusing {src}"):
-            result = run_fuse(src, out, card=card, input_shapes=parse_input_shapes(input_shape))
-    except (FuseError, CardError) as e:
-        raise fail(str(e)) from None
+    with console.status(f"fusing {src}"):
+        result = run_fuse(src, out, card=card, input_shapes=parse_input_shapes(input_shape))
     r = result.report
     for row in r["rewrites"]:
         if row["count"]:
@@ -460,6 +468,7 @@ app.add_typer(bench_app, name="bench")
 
 
 @bench_app.command("export")
+@handles_errors
 def bench_export(
     threads: Annotated[int, typer.Option(help="Threads for every engine")] = 2,
     no_compile: Annotated[bool, typer.Option("--no-compile", help="Skip torch.compile (slow to compile)")] = False,
@@ -467,7 +476,7 @@ def bench_export(
     out: Annotated[Path, typer.Option(help="Results folder")] = Path("benchmarks/results"),
 ) -> None:
     """PyTorch eager vs torch.compile vs ONNX Runtime (naive and fused export), same inputs and threads."""
-    from unroll.benchmarks import export_speed
+    from unroll.benchmarks import export_speed  # local: torch
 
     with console.status("benchmarking") as status:
         payload = export_speed.run(threads, with_compile=not no_compile, budget_s=budget,
@@ -476,21 +485,7 @@ def bench_export(
 
 
 def _register_subsystem_commands() -> None:
-    """Commands whose code lives with its subsystem (serving, TensorRT, the machine check)."""
-    from unroll.app.bench_cli import (
-        bench_all,
-        bench_gateway_profile,
-        bench_memory,
-        bench_models,
-        bench_quality,
-        bench_serve,
-        bench_soak,
-    )
-    from unroll.app.doctor import doctor_command
-    from unroll.app.serve import serve_command
-    from unroll.app.triton_cli import repo, triton
-    from unroll.app.trt_cli import build
-
+    """Commands whose code lives in modules of their own (serving, TensorRT, benchmarks, the machine check)."""
     app.command("build")(build)
     app.command("repo")(repo)
     app.command("triton")(triton)
@@ -509,7 +504,11 @@ _register_subsystem_commands()
 
 
 def main() -> None:
-    app()
+    """The ``unroll`` entry point: the app, with the one error mapping also around what runs outside a command."""
+    try:
+        app()
+    except UnrollError as e:
+        raise SystemExit(report(e).exit_code) from None
 
 
 if __name__ == "__main__":

@@ -1,37 +1,27 @@
 """The serving images' build context: what the ``Dockerfile`` copies, made on the host before the build.
 
-The images serve graphs exported *before* the build (nothing is exported inside a container: the images have
-no PyTorch). :func:`stage` puts into ``build/image/`` (git-ignored):
-
-* ``onnx/`` — the served graphs with their reports (each carries its model card), exported first when missing
-  or stale (``unroll serve``'s own rules);
-* ``model_repository/`` — the CPU repository (Python backend + ONNX Runtime) the CPU image's ``unroll serve`` runs;
-* ``model_repository_gpu/`` — the GPU repository for the NGC Triton image: ``onnxruntime_onnx`` with the
-  TensorRT accelerator (engines are built on the target GPU when Triton loads the models; no plan is staged,
-  because a plan only loads on the TensorRT version and GPU it was built for);
-* ``models.txt`` — the served model names, one line, comma-separated (the entry point's ``--models``).
-
-The CPU repository is written after the graphs are copied, so ``unroll serve`` in the image finds it up to
-date and rewrites nothing. :func:`context_digest` hashes what the build would see (the ``.dockerignore``
-allow-list), so a test can reuse an image whose inputs have not changed.
-
-``python -m unroll.app.container stage [--models a,b] [--gpu-precision fp16]`` and
-``python -m unroll.app.container digest [--target cpu]`` are the command-line forms (``scripts/container_setup.sh``
-uses both).
+The images have no PyTorch, so graphs are exported before the build. :func:`stage` writes ``build/image/``: the
+served graphs with their reports (``onnx/``), the CPU repository (``model_repository/``, written after the graphs so
+the image's ``unroll serve`` rebuilds nothing), the GPU repository (``model_repository_gpu/``, no plan: a plan
+loads only on the TensorRT version and GPU it was built for) and ``models.txt``. :func:`context_digest` hashes what
+the build sees, so a test can reuse an unchanged image. Command line: ``python -m unroll.app.container stage|digest``.
 """
 
 from __future__ import annotations
 
 import argparse
 import fnmatch
-import hashlib
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from unroll.app.serve import resolve_models
+
+from unroll import artifacts, pipeline
+
 #: Where :func:`stage` writes the build context's generated part (relative to the repository root).
-STAGE_DIR = Path("build/image")
+STAGE_DIR = artifacts.IMAGE_DIR
 MODELS_FILE = "models.txt"  #: the served model names, comma-separated (the CPU entry point reads it)
 
 
@@ -44,36 +34,36 @@ class Staged:
     graphs: tuple[str, ...]
 
 
-def stage(out: Path = STAGE_DIR, models: list[str] | None = None, onnx_dir: Path = Path("build/onnx"),
+def stage(out: Path = STAGE_DIR, models: list[str] | None = None, onnx_dir: Path = artifacts.ONNX_DIR,
           gpu_precision: str = "fp32", gpu: bool = True) -> Staged:
-    """Export what is missing, then write ``out/{onnx,model_repository,model_repository_gpu,models.txt}``.
+    """Export what is missing or stale, then write ``out/{onnx,model_repository,model_repository_gpu,models.txt}``.
 
     ``models`` as ``unroll serve --models`` takes them (default: every registered model with committed weights).
-    Needs the full install (PyTorch) only when a graph must be exported. ``out`` is rebuilt from scratch.
+    Needs the full install (PyTorch) only when a graph must be exported. ``out`` is rebuilt from scratch. Both
+    steps are :mod:`unroll.pipeline` plans, the second on the staged copies: the check the image's
+    ``unroll serve`` makes, which then finds nothing to rebuild.
     """
-    from unroll.app.serve import ensure_onnx, graphs_of, resolve_models
-    from unroll.serving.repository import write_repository
-
     onnx_dir = Path(onnx_dir)
     onnx_dir.mkdir(parents=True, exist_ok=True)
     chosen = resolve_models(models, onnx_dir)
-    ensure_onnx(onnx_dir, chosen)
-    graphs = graphs_of(chosen, onnx_dir)
+    pipeline.run(pipeline.plan(chosen, onnx_dir=onnx_dir), print)
+    graphs = pipeline.graphs_of(chosen, onnx_dir)
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)
-    (out / "onnx").mkdir(parents=True)
+    staged = out / "onnx"
+    staged.mkdir(parents=True)
     for g in graphs:
-        for suffix in (".onnx", ".report.json"):
-            src = onnx_dir / f"{g}{suffix}"
+        for src in (artifacts.graph(g, onnx_dir=onnx_dir), artifacts.graph_report(g, onnx_dir=onnx_dir)):
             if src.exists():
-                shutil.copy2(src, out / "onnx" / src.name)
-    write_repository("cpu", list(graphs), out / "model_repository", onnx_dir=out / "onnx")
+                shutil.copy2(src, staged / src.name)
+    pipeline.run(pipeline.plan(chosen, onnx_dir=staged, repo=out / artifacts.REPOSITORY_DIR.name), None)
     if gpu:
         # No plan directory: the GPU image runs the ONNX with the TensorRT accelerator, built on its own GPU.
-        write_repository("gpu", list(graphs), out / "model_repository_gpu", precision=gpu_precision,
-                         onnx_dir=out / "onnx" if gpu_precision == "fp32" else onnx_dir,
-                         plan_dir=out / "no-plans")
+        options = pipeline.RepoOptions(target="gpu", precision=gpu_precision)
+        pipeline.run(pipeline.plan(chosen, onnx_dir=staged if gpu_precision == "fp32" else onnx_dir,
+                                   repo=out / artifacts.GPU_REPOSITORY_DIR.name, options=options,
+                                   plan_dir=out / "no-plans"), None)
     (out / MODELS_FILE).write_text(",".join(chosen) + "\n")
     return Staged(out, tuple(chosen), tuple(graphs))
 
@@ -122,12 +112,9 @@ def context_files(root: Path = Path(".")) -> list[Path]:
 def context_digest(root: Path = Path("."), extra: str = "") -> str:
     """sha256 over the build context's file names, modes and contents (and ``extra``: build arguments)."""
     root = Path(root)
-    h = hashlib.sha256(extra.encode())
-    for rel in context_files(root):
-        path = root / rel
-        h.update(f"\0{rel.as_posix()}\0{os.stat(path).st_mode & 0o111:o}\0".encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
+    lines = [extra] + [f"{rel.as_posix()}\0{os.stat(root / rel).st_mode & 0o111:o}\0{artifacts.sha256(root / rel)}"
+                       for rel in context_files(root)]
+    return artifacts.sha256_bytes("\n".join(lines).encode())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     s = sub.add_parser("stage", help="export what is missing and write build/image/ (the build context's part)")
     s.add_argument("--models", default=None, help="comma-separated, as `unroll serve --models`")
     s.add_argument("--out", type=Path, default=STAGE_DIR)
-    s.add_argument("--onnx-dir", type=Path, default=Path("build/onnx"))
+    s.add_argument("--onnx-dir", type=Path, default=artifacts.ONNX_DIR)
     s.add_argument("--gpu-precision", default="fp32", choices=("fp32", "fp16", "int8"))
     s.add_argument("--no-gpu", action="store_true", help="skip the GPU repository")
     d = sub.add_parser("digest", help="print the build context's sha256 (the image cache key)")

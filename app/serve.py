@@ -1,54 +1,50 @@
 """``unroll serve``: build what is missing, start Triton and the REST gateway, stop both cleanly.
 
-Which models: ``--models`` (registry names), by default every registered model with committed weights;
-each brings the companion graphs its card names (its λ rule, ``card.lam.auto``). Steps: export a model
-to ONNX when one of its graphs is missing or stale (``build/onnx``; staleness is read from each graph's
-card and report, see :func:`stale_reason`), write the Triton repository when a model directory is missing,
-stale or for another target (``model_repository``), start the bundled tritonserver on 127.0.0.1 (unless
-``--triton-url`` points at one already running, e.g. the NGC container on a GPU server) loading exactly
-those graphs (Triton's explicit model control, :func:`triton_load_args`: other models a repository holds stay
-unloaded, so ``/v1/models`` and ``/readyz`` show only what was asked for), write one sample
-input per served model to ``build/samples`` (chosen from its card), then run the gateway with uvicorn and
-print the URLs and a ``curl`` per model. The gateway finds the models and their cards in Triton.
-``--workers N`` (``UNROLL_WORKERS``; default half the cores, 1 to 4) runs N gateway processes behind the
-one port, with metrics that add up across them (:mod:`unroll.serving.gateway.workers`).
-Ctrl-C or SIGTERM stops the gateway gracefully (every worker), then Triton — also when they arrive during set-up.
-
-The bundled Triton runs under a :class:`~unroll.serving.supervisor.TritonSupervisor` (restarted with
-back-off when it dies or hangs, its stubs and shared memory cleaned up; ``unroll serve`` exits if it
-keeps failing) and is locked down: every Triton API but health needs a key generated for this run,
-which only the gateway gets (``UNROLL_TRITON_API_KEY`` in this process, see
-:mod:`unroll.serving.gateway.triton_client`). Its log is ``build/triton.log``, rotated at each start.
+Serves ``--models`` (default: the registered models with committed weights) and the companion graphs their cards
+name: brings their graphs and the Triton repository up to date, starts the bundled tritonserver under a
+:class:`~unroll.serving.supervisor.TritonSupervisor` (or uses ``--triton-url``), loading exactly those models and
+locked with a key only the gateway gets, writes a sample input per model to ``build/samples``, and runs the gateway
+(``--workers`` processes on one port). Ctrl-C or SIGTERM stops the gateway gracefully, then Triton.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shlex
 import signal
 import socket
-import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from unroll.app.errors import handles_errors
+from unroll.pipeline import graphs_of
+from unroll.serving.gateway import Settings, create_app
+from unroll.serving.gateway.server import uvicorn_options
+from unroll.serving.gateway.triton_client import TRITON_API_KEY_ENV
+from unroll.serving.gateway.workers import Stopper, check_workers, default_workers, run_workers
+from unroll.serving.supervisor import TritonSupervisor
+from unroll.serving.triton import new_api_key, start
+
+from unroll import artifacts, pipeline, tasks
+from unroll.card import CardError, ModelCard, from_onnx
+from unroll.data import dataset
+from unroll.errors import ExportError, ServingError, UnrollError
+from unroll.registry import get_spec, list_models
+from unroll.tasks import denoising
 
 if TYPE_CHECKING:
     import numpy as np
     from unroll.serving.triton import TritonHandle
 
-    from unroll.card import ModelCard
-
-#: Noise level (0–255 scale) of the denoising samples in the printed ``curl`` lines.
-SAMPLE_SIGMA = 25.0
-#: Tasks the gateway has routes for; other served graphs (λ rules, solver blocks) are Triton-only.
-GATEWAY_TASKS = ("classification", "denoising")
+#: Noise level (0–255 scale) of the denoising samples in the printed ``curl`` lines (the denoising task's).
+SAMPLE_SIGMA = denoising.SAMPLE_SIGMA
 
 
-class ServeError(RuntimeError):
+class ServeError(ServingError):
     """A set-up step cannot be done; the message says what to do instead."""
 
 
@@ -58,35 +54,7 @@ def _say(msg: str) -> None:
 
 def default_models() -> list[str]:
     """Every registered model with committed weights (the ones whose answers mean something)."""
-    from unroll.registry import get_spec, list_models
-
     return [n for n in list_models() if get_spec(n).has_weights]
-
-
-def is_registered(name: str) -> bool:
-    from unroll.registry import list_models
-
-    return name in list_models()
-
-
-def card_of(name: str, onnx_dir: Path | None = None) -> ModelCard:
-    """A served model's card: the registry's, or (a model exported with ``--model``/``--checkpoint --name`` or
-    fused from a third-party graph, not registered here) the one inside ``onnx_dir/NAME.onnx``."""
-    from unroll.card import from_onnx
-    from unroll.registry import get_spec
-
-    if is_registered(name) or onnx_dir is None:
-        return get_spec(name).card  # KeyError lists the registered names
-    return from_onnx(onnx_dir / f"{name}.onnx")
-
-
-def graphs_of(models: list[str], onnx_dir: Path | None = None) -> list[str]:
-    """Triton model names to serve: each model, followed by the companions its card names (``lam.auto``)."""
-    out: list[str] = []
-    for m in models:
-        card = card_of(m, onnx_dir)
-        out += [m] + ([card.lam.auto] if card.lam is not None and card.lam.auto is not None else [])
-    return list(dict.fromkeys(out))
 
 
 def triton_load_args(graphs: list[str]) -> tuple[str, list[str]]:
@@ -101,91 +69,27 @@ def triton_load_args(graphs: list[str]) -> tuple[str, list[str]]:
     return "explicit", [f"--load-model={g}" for g in graphs]
 
 
-def stale_reason(graph: str, onnx_dir: Path) -> str | None:
-    """Why the export ``onnx_dir/<graph>.onnx`` must be (re)built, or ``None`` when it is up to date.
-
-    The graph's own card says which registered model it comes from (``companion_of`` for a λ rule), and
-    the report whether it was exported from committed weights; both are compared with the registry.
-    """
-    import json
-
-    from unroll.card import CardError, from_onnx
-    from unroll.registry import get_spec
-
-    path, report_path = onnx_dir / f"{graph}.onnx", onnx_dir / f"{graph}.report.json"
-    if not path.exists() or not report_path.exists():
-        return "not exported yet"
-    try:
-        card = from_onnx(path)
-    except CardError:
-        return "exported without a model card (an older export)"
-    if not is_registered(card.companion_of or card.name):
-        return None  # a user's graph: nothing here could rebuild it, and it carries its card
-    spec = get_spec(card.companion_of or card.name)
-    if spec.has_weights:
-        if json.loads(report_path.read_text()).get("weights") != "committed":
-            return "exported before its weights were committed"
-        if spec.weights_path.stat().st_mtime > path.stat().st_mtime:
-            return "weights are newer than the export"
-    return None
-
-
-def ensure_onnx(onnx_dir: Path, models: list[str], force: bool = False) -> list[str]:
-    """Export every model one of whose graphs is missing or stale; returns the graph names written.
-
-    The exporter (torch, onnxslim) is imported only when something must be exported, so a serving image built
-    without them serves its pre-exported repository.
-    """
-    from unroll.registry import get_spec
-
-    done: list[str] = []
-    for m in models:
-        if not is_registered(m):
-            continue  # an exported graph with its card (checked by resolve_models): served as it is
-        reasons = {g: "--rebuild" if force else stale_reason(g, onnx_dir) for g in graphs_of([m])}
-        why = "; ".join(f"{g}: {r}" for g, r in reasons.items() if r is not None)
-        if not why:
-            continue
-        spec = get_spec(m)
-        if not spec.has_weights:
-            _say(f"warning: {m} has no committed weights ({spec.weights_path}); serving a seeded random "
-                 "initialisation — its predictions are meaningless until it is trained")
-        _say(f"export {m} → {onnx_dir} ({why})")
-        from unroll.export.onnx_export import ExportError, export_model
-
-        try:
-            result = export_model(m, onnx_dir, naive=False)
-        except ExportError as e:
-            raise ServeError(str(e)) from None
-        done += [r.onnx_path.stem for r in (result, *result.companions)]
-    return done
+def serve_plan(models: list[str], onnx_dir: Path, repo: Path, target: str = "cpu",
+               rebuild: bool = False) -> list[pipeline.Step]:
+    """What ``unroll serve`` brings up to date before it starts Triton: the models' graphs and their directories
+    in ``repo`` (default repository options), as :mod:`unroll.pipeline` plans them (the plan ``unroll repo``
+    makes for the same models and options)."""
+    return pipeline.plan(models, onnx_dir=onnx_dir, repo=repo, options=pipeline.RepoOptions(target=target),
+                         force=rebuild)
 
 
 def ensure_repository(repo: Path, onnx_dir: Path, target: str, graphs: list[str], force: bool = False) -> list[str]:
-    """(Re)write the Triton repository for graphs that are missing, older than their ONNX, or for another target."""
-    from unroll.serving.repository import BACKEND_MODEL, write_repository
-
-    backend = BACKEND_MODEL.read_bytes() if target == "cpu" else None
-    todo = []
-    for g in graphs:
-        cfg = repo / g / "config.pbtxt"
-        model_py = repo / g / "1" / "model.py"
-        if force or not cfg.exists() or f"--target {target} " not in cfg.read_text().split("\n", 1)[0] \
-                or cfg.stat().st_mtime < (onnx_dir / f"{g}.onnx").stat().st_mtime \
-                or (backend is not None and (not model_py.exists() or model_py.read_bytes() != backend)):
-            todo.append(g)  # the last test: a repository written by an older unroll runs an outdated model.py
-    if todo:
-        _say(f"write Triton repository {repo} ({target}): {', '.join(todo)}")
-        write_repository(target, todo, repo, onnx_dir=onnx_dir)
-    return todo
+    """(Re)write the Triton repository for the graphs whose model directory is stale (:mod:`unroll.pipeline`)."""
+    options = pipeline.RepoOptions(target=target)
+    steps = [s for g in graphs for s in pipeline.plan_graph(g, onnx_dir=onnx_dir, repo=repo, options=options,
+                                                              force=force)]
+    return [s.name for s in pipeline.run(steps, _say)]
 
 
 def _first_sample(card: ModelCard) -> tuple[np.ndarray, int | None] | None:
     """The first sample of the card's test data (else validation, else training data) and its label, if any;
     ``None`` when the card names no data (the banner then shows the curl with a placeholder image)."""
     import numpy as np
-
-    from unroll.data import dataset
 
     ids = [d for d in (card.data.test, card.data.validation, card.data.train) if d is not None]
     if not ids:
@@ -213,29 +117,21 @@ def _to_png(image: np.ndarray, card: ModelCard, path: Path) -> None:
 
 
 def write_samples(out: Path, cards: list[ModelCard]) -> dict[str, Path]:
-    """One sample input per gateway model, chosen by task from its card, for the printed ``curl`` lines.
-
-    Classification: the first sample of the card's test data, at the card's input size and colour (its
-    label beside it, ``NAME.label.txt``). Denoising: the first image of the card's test data with seeded
-    noise at σ = :data:`SAMPLE_SIGMA`.
+    """One sample input per gateway model, for the printed ``curl`` lines: the first sample of the card's test data,
+    at the card's input size and colour, as its task makes it (``Task.sample``: a classifier's label beside it in
+    ``NAME.label.txt``, a denoiser's image with seeded noise at σ = :data:`SAMPLE_SIGMA`).
     """
-    from unroll.data import add_noise, noise_seed
-
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     for card in cards:
-        if card.task not in GATEWAY_TASKS:
+        if tasks.get(card.task).route is None:
             continue
         sample = _first_sample(card)
         if sample is None:
             continue
         image, label = sample
-        path = out / f"{card.name}.png"
-        if card.task == "denoising":
-            image = add_noise(image, SAMPLE_SIGMA, noise_seed(card.name, SAMPLE_SIGMA))
-        elif label is not None:
-            (out / f"{card.name}.label.txt").write_text(
-                f"{card.labels[label] if card.labels is not None else label}\n")
+        path = artifacts.sample(card.name, ".png", out)
+        image = tasks.get(card.task).sample(card, image, label, out)
         _to_png(image, card, path)
         paths[card.name] = path
     return paths
@@ -262,18 +158,8 @@ def banner(base: str, cards: list[ModelCard], samples: dict[str, Path], api_key:
     for card in cards:
         sample = samples.get(card.name)
         sample = Path(sample).resolve() if sample is not None else Path("your-image.png")
-        if card.task == "classification":
-            url = f"{base}/v1/classify?model={card.name}&top_k=3"
-            form = shlex.quote(f"image=@{sample}")
-            tries.append(f"  curl{auth} -F {form} '{url}'")
-            if card.lam is not None and card.lam.auto is not None:
-                tries.append(f"  curl{auth} -F {form} '{url}&lam=auto'")
-        elif card.task == "denoising":
-            post = f"  curl{auth} --data-binary {shlex.quote(f'@{sample}')} -H 'Content-Type: image/png'"
-            tries.append(f"{post} '{base}/v1/denoise?model={card.name}&sigma={SAMPLE_SIGMA:g}' -o denoised.png")
-            tries.append(f"{post} '{base}/v1/denoise?model={card.name}' -D - -o denoised.png"
-                         "   # σ estimated: see X-Sigma-Used")
-    triton_only = [c.name for c in cards if c.task not in GATEWAY_TASKS and c.companion_of is None]
+        tries += tasks.get(card.task).banner(base, card, sample, auth)
+    triton_only = [c.name for c in cards if tasks.get(c.task).route is None and c.companion_of is None]
     return "\n".join([
         "",
         f"unroll gateway ready: {base}   (Triton: {triton})",
@@ -293,9 +179,6 @@ def banner(base: str, cards: list[ModelCard], samples: dict[str, Path], api_key:
 def resolve_models(models: list[str] | None, onnx_dir: Path | None = None) -> list[str]:
     """The models to serve: ``models`` (registered names, or graphs in ``onnx_dir`` that carry a card), else
     :func:`default_models`."""
-    from unroll.card import CardError, from_onnx
-    from unroll.registry import list_models
-
     if models is None:
         chosen = default_models()
         if not chosen:
@@ -306,7 +189,7 @@ def resolve_models(models: list[str] | None, onnx_dir: Path | None = None) -> li
     for m in chosen:
         if m in list_models():
             continue
-        path = onnx_dir / f"{m}.onnx" if onnx_dir is not None else None
+        path = artifacts.graph(m, onnx_dir=onnx_dir) if onnx_dir is not None else None
         try:
             if path is None or not path.exists():
                 raise CardError("not exported")
@@ -322,12 +205,9 @@ def resolve_models(models: list[str] | None, onnx_dir: Path | None = None) -> li
 
 def served_cards(models: list[str], onnx_dir: Path | None) -> list[ModelCard]:
     """The cards of the served models: from their exported graphs, or (Triton elsewhere) from the registry."""
-    from unroll.card import from_onnx
-    from unroll.registry import get_spec
-
     if onnx_dir is None:
         return [get_spec(m).card for m in models]
-    return [from_onnx(onnx_dir / f"{m}.onnx") for m in models]  # what is served, whoever registered it
+    return [from_onnx(artifacts.graph(m, onnx_dir=onnx_dir)) for m in models]  # what is served, whoever registered it
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -347,8 +227,8 @@ def _log_supervisor() -> None:
 
 def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton_http_port: int = 8000,
           triton_grpc_port: int = 8001, triton_metrics_port: int = 8002, triton_url: str | None = None,
-          triton_protocol: str = "grpc", api_key: str | None = None, repo: Path = Path("model_repository"),
-          onnx_dir: Path = Path("build/onnx"), samples_dir: Path = Path("build/samples"), rebuild: bool = False,
+          triton_protocol: str = "grpc", api_key: str | None = None, repo: Path = artifacts.REPOSITORY_DIR,
+          onnx_dir: Path = artifacts.ONNX_DIR, samples_dir: Path = artifacts.SAMPLES_DIR, rebuild: bool = False,
           log_level: str = "info", on_ready: Callable[[str], None] | None = None,
           models: list[str] | None = None, workers: int | None = None) -> None:
     """Build what is missing, start Triton (unless ``triton_url``) and the gateway; block until Ctrl-C/SIGTERM.
@@ -361,14 +241,6 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
     Gateway limits (body size, pixels, concurrency, timeouts) come from ``UNROLL_*`` variables
     (see :class:`unroll.serving.gateway.settings.Settings`); ``api_key`` defaults to ``UNROLL_API_KEY``.
     """
-    import uvicorn
-    from unroll.serving.gateway import Settings, create_app
-    from unroll.serving.gateway.server import uvicorn_options
-    from unroll.serving.gateway.triton_client import TRITON_API_KEY_ENV
-    from unroll.serving.gateway.workers import Stopper, check_workers, default_workers, run_workers
-    from unroll.serving.supervisor import TritonSupervisor
-    from unroll.serving.triton import new_api_key, start
-
     if target not in ("cpu", "gpu"):
         raise ServeError(f"--target must be cpu or gpu, not {target!r}")
     if triton_url is None and target != "cpu":
@@ -377,41 +249,12 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
     models = resolve_models(models, None if triton_url else onnx_dir)
     workers = check_workers(workers) if workers is not None else default_workers()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # finally-blocks run on SIGTERM during set-up
-    supervisor = None
-    server = None
-    gave_up: list[str] = []
+    run = _Run()
     try:
         _check_port_free(host, port, "gateway")
         if triton_url is None:
-            for p, what in ((triton_http_port, "Triton HTTP"), (triton_grpc_port, "Triton gRPC"),
-                            (triton_metrics_port, "Triton metrics")):
-                _check_port_free("127.0.0.1", p, what)
-            onnx_dir.mkdir(parents=True, exist_ok=True)
-            rebuilt = ensure_onnx(onnx_dir, models, force=rebuild)
-            graphs = graphs_of(models, onnx_dir)
-            ensure_repository(repo, onnx_dir, target, graphs, force=rebuild or bool(rebuilt))
-            control, load_args = triton_load_args(graphs)
-            log_file = (onnx_dir.parent / "triton.log").resolve()
-            _say(f"start tritonserver on 127.0.0.1:{triton_http_port} (log: {log_file}, rotated at each start)")
-            triton_key = new_api_key()  # this run's: Triton's APIs but health need it; only the gateway has it
-            os.environ[TRITON_API_KEY_ENV] = triton_key
-
-            def launch() -> TritonHandle:
-                return start(repo, http_port=triton_http_port, grpc_port=triton_grpc_port,
-                             metrics_port=triton_metrics_port, host="127.0.0.1", log_file=log_file,
-                             api_key=triton_key, any_thread=True, model_control=control, extra_args=load_args)
-
-            def give_up(why: str) -> None:
-                gave_up.append(why)
-                if isinstance(server, Stopper):
-                    server.stop()
-                elif server is not None:
-                    server.should_exit = True
-
-            _log_supervisor()
-            supervisor = TritonSupervisor(launch, on_give_up=give_up)
-            triton = supervisor.start()
-            url = triton.url if triton_protocol == "http" else triton.grpc_url
+            url = _start_triton(run, models, onnx_dir, repo, target, rebuild,
+                                (triton_http_port, triton_grpc_port, triton_metrics_port), triton_protocol)
         else:
             url = triton_url
         cards = served_cards(models, None if triton_url else onnx_dir)
@@ -426,40 +269,98 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
             if on_ready is not None:
                 on_ready(base)
 
-        if workers > 1:
-            os.environ.update(settings.env())  # the workers build their app from the UNROLL_* variables
-            stopper = Stopper()
-            server = stopper
-            if gave_up:  # Triton failed again while the gateway was being set up
-                raise ServeError(gave_up[0])
-            started = run_workers(host, port, workers, log_level, on_ready=announce, stopper=stopper,
-                                  timeout_graceful_shutdown=10)
-        else:
-            class _Server(uvicorn.Server):
-                async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-                    await super().startup(sockets)
-                    if self.started:
-                        announce()
-
-            server = _Server(uvicorn.Config(create_app(settings), host=host, port=port, log_level=log_level,
-                                            timeout_graceful_shutdown=10, **uvicorn_options()))
-            if gave_up:  # Triton failed again while the gateway was being set up
-                raise ServeError(gave_up[0])
-            server.run()
-            started = server.started
-        if gave_up:
-            raise ServeError(f"{gave_up[0]}; its log: {(onnx_dir.parent / 'triton.log').resolve()}")
+        started = _run_gateway(run, settings, host, port, workers, log_level, announce)
+        if run.gave_up:
+            raise ServeError(f"{run.gave_up[0]}; its log: {(onnx_dir.parent / 'triton.log').resolve()}")
         if not started:
             raise ServeError(f"the gateway could not start on {host}:{port} (see the log above)")
     except KeyboardInterrupt:
         _say("stopping")
     finally:
-        if supervisor is not None:
-            supervisor.stop()
+        if run.supervisor is not None:
+            run.supervisor.stop()
             _say("tritonserver stopped")
         signal.signal(signal.SIGTERM, previous)
 
 
+@dataclass
+class _Run:
+    """What :func:`serve` started, shared with the supervisor's give-up callback that must stop the gateway."""
+
+    supervisor: TritonSupervisor | None = None
+    server: Any = None  # the one-process uvicorn.Server, or the Stopper of the worker processes
+    gave_up: list[str] = field(default_factory=list)
+
+    def give_up(self, why: str) -> None:
+        """Triton failed for good: remember why and stop the gateway (or keep it from starting)."""
+        self.gave_up.append(why)
+        if isinstance(self.server, Stopper):
+            self.server.stop()
+        elif self.server is not None:
+            self.server.should_exit = True
+
+
+def _start_triton(run: _Run, models: list[str], onnx_dir: Path, repo: Path, target: str, rebuild: bool,
+                  ports: tuple[int, int, int], protocol: str) -> str:
+    """Bring the graphs and the repository up to date, then start the bundled tritonserver under a supervisor
+    (locked with a fresh key that only the gateway gets); its gRPC or HTTP address."""
+    http_port, grpc_port, metrics_port = ports
+    for p, what in ((http_port, "Triton HTTP"), (grpc_port, "Triton gRPC"), (metrics_port, "Triton metrics")):
+        _check_port_free("127.0.0.1", p, what)
+    onnx_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        pipeline.run(serve_plan(models, onnx_dir, repo, target, rebuild), _say)
+    except ExportError as e:
+        raise ServeError(str(e)) from None
+    graphs = graphs_of(models, onnx_dir)
+    control, load_args = triton_load_args(graphs)
+    log_file = (onnx_dir.parent / "triton.log").resolve()
+    _say(f"start tritonserver on 127.0.0.1:{http_port} (log: {log_file}, rotated at each start)")
+    triton_key = new_api_key()  # this run's: Triton's APIs but health need it; only the gateway has it
+    os.environ[TRITON_API_KEY_ENV] = triton_key
+
+    def launch() -> TritonHandle:
+        return start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host="127.0.0.1",
+                     log_file=log_file, api_key=triton_key, any_thread=True, model_control=control,
+                     extra_args=load_args)
+
+    _log_supervisor()
+    run.supervisor = TritonSupervisor(launch, on_give_up=run.give_up)
+    triton = run.supervisor.start()
+    return triton.url if protocol == "http" else triton.grpc_url
+
+
+def _run_gateway(run: _Run, settings: Settings, host: str, port: int, workers: int, log_level: str,
+                 announce: Callable[[], None]) -> bool:
+    """Run the gateway (one uvicorn process, or ``workers`` processes on one port) until it stops; whether it
+    started. ``announce`` runs once it listens."""
+    import uvicorn
+
+    if workers > 1:
+        os.environ.update(settings.env())  # the workers build their app from the UNROLL_* variables
+        stopper = Stopper()
+        run.server = stopper
+        if run.gave_up:  # Triton failed again while the gateway was being set up
+            raise ServeError(run.gave_up[0])
+        return run_workers(host, port, workers, log_level, on_ready=announce, stopper=stopper,
+                           timeout_graceful_shutdown=10)
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                announce()
+
+    server = _Server(uvicorn.Config(create_app(settings), host=host, port=port, log_level=log_level,
+                                    timeout_graceful_shutdown=10, **uvicorn_options()))
+    run.server = server
+    if run.gave_up:  # Triton failed again while the gateway was being set up
+        raise ServeError(run.gave_up[0])
+    server.run()
+    return server.started
+
+
+@handles_errors
 def serve_command(
     models: Annotated[str | None, typer.Option(
         envvar="UNROLL_MODELS", show_envvar=True,
@@ -479,8 +380,8 @@ def serve_command(
                                                       "http")] = "grpc",
     api_key: Annotated[str | None, typer.Option(envvar="UNROLL_API_KEY", show_envvar=True,
                                                 help="Require this key on /v1/* (X-API-Key or Bearer)")] = None,
-    repo: Annotated[Path, typer.Option(help="Triton model repository")] = Path("model_repository"),
-    onnx_dir: Annotated[Path, typer.Option(help="ONNX exports")] = Path("build/onnx"),
+    repo: Annotated[Path, typer.Option(help="Triton model repository")] = artifacts.REPOSITORY_DIR,
+    onnx_dir: Annotated[Path, typer.Option(help="ONNX exports")] = artifacts.ONNX_DIR,
     rebuild: Annotated[bool, typer.Option("--rebuild", help="Re-export and rewrite the repository even if up to "
                                                             "date")] = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
@@ -490,17 +391,15 @@ def serve_command(
              "cores, 1 to 4 (Triton's models take the rest)")] = None,
 ) -> None:
     """Build what is missing, start Triton and the REST gateway, print a curl per endpoint; Ctrl-C stops both."""
-    from unroll.serving.repository import RepositoryError
-    from unroll.serving.triton import TritonStartError
-
     try:
         serve(host=host, port=port, target=target, triton_http_port=triton_http_port,
               triton_grpc_port=triton_grpc_port, triton_metrics_port=triton_metrics_port, triton_url=triton_url,
               triton_protocol=triton_protocol, api_key=api_key, repo=repo, onnx_dir=onnx_dir, rebuild=rebuild,
               log_level=log_level, models=models.split(",") if models is not None else None, workers=workers)
-    except (ServeError, TritonStartError, RepositoryError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(1) from None
+    except UnrollError:
+        raise
+    except ValueError as e:  # a set-up value the steps reject (ports, settings): still one line, exit 1
+        raise ServeError(str(e)) from None
 
 
 if __name__ == "__main__":  # python -m unroll.app.serve [options]

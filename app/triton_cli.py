@@ -1,7 +1,7 @@
 """``unroll repo`` and ``unroll triton``: Typer command functions, registered on the main CLI.
 
 Plain functions (no Typer app here) so ``app/cli.py`` can do ``app.command("repo")(repo)`` and
-``app.command("triton")(triton)``. Errors print one sentence to stderr and exit 1 (no traceback).
+``app.command("triton")(triton)``. Errors print one sentence to stderr and exit 1 (no traceback; :mod:`.errors`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ import typer
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from unroll.app.errors import fail, handles_errors
+from unroll.app.serve import default_models
+from unroll.export.card_attach import NO_CARD_HINT, attach_card_where_present
 from unroll.serving.repository import (
     CPU_MAX_BATCH_SIZE,
     DEFAULT_MAX_BATCH_SIZE,
@@ -22,69 +25,56 @@ from unroll.serving.repository import (
     INTRA_OP_SPINNING,
     PRECISIONS,
     RepositoryError,
-    validate_model,
-    write_repository,
 )
+from unroll.serving.repository_check import validate_model, validate_repository
+from unroll.serving.triton import TritonStartError, start
+
+from unroll import artifacts, pipeline
+from unroll.card import CardError
+from unroll.errors import ExportError, ServingError
 
 console = Console()
 err = Console(stderr=True)
-DEFAULT_LOG = Path("build/logs/tritonserver.log")
+DEFAULT_LOG = artifacts.TRITON_LOG
 
 
-def _fail(message: str) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    return typer.Exit(1)
+def repo_plan(names: list[str], out: Path, onnx_dir: Path = artifacts.ONNX_DIR, plan_dir: Path = artifacts.TRT_DIR,
+              options: pipeline.RepoOptions | None = None, autolam: bool = True,
+              rebuild: bool = False) -> list[pipeline.Step]:
+    """What ``unroll repo`` brings up to date: the models' graphs (and quantized graphs) and their directories in
+    ``out``, as :mod:`unroll.pipeline` plans them (``unroll serve`` plans the same way)."""
+    return pipeline.plan(names, onnx_dir=onnx_dir, repo=out, options=options, plan_dir=plan_dir, companions=autolam,
+                         force=rebuild)
 
 
-def _ensure_exports(names: list[str], onnx_dir: Path, autolam: bool) -> list[str]:
-    """Export whatever ONNX is missing; returns the Triton model names, each followed by its companions.
+def _bring_up_to_date(names: list[str], out: Path, onnx_dir: Path, plan_dir: Path, options: pipeline.RepoOptions,
+                      autolam: bool, rebuild: bool) -> list[str]:
+    """Run what :mod:`unroll.pipeline` finds missing or stale for ``names`` (export, quantize, the repository);
+    returns the Triton model names, each followed by its companions (its λ rule, unless ``autolam`` is off).
 
-    A name is a registered model or an already exported graph (``onnx_dir/NAME.onnx``). Companions are
-    the graphs a card names (its λ rule, ``card.lam.auto``), served unless ``autolam`` is off. Nothing
-    heavy (torch) is imported when every export is already there.
+    The same plan as ``unroll serve``'s, so the two agree on what is stale. Nothing heavy (torch) is imported
+    when every export is up to date.
     """
-    from unroll.card import CardError, from_onnx
-
-    served: list[str] = []
+    try:
+        steps = repo_plan(names, out, onnx_dir, plan_dir, options, autolam, rebuild)
+        served = pipeline.graphs_of(names, onnx_dir, autolam)
+    except CardError as e:  # the line says how to get a card
+        raise CardError(f"{e}; delete it to re-export, {NO_CARD_HINT}") from None
     with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), TimeElapsedColumn(), console=err,
                   transient=True) as bar:
-
-        def export(name: str, companion_of: str | None = None) -> None:
-            from unroll.export.onnx_export import ExportError, export_auto_lam, export_model
-
-            task = bar.add_task(f"exporting {name} (not built yet)", total=None)
+        for step in steps:
+            task = bar.add_task(str(step), total=None)
             try:
-                if companion_of is None:
-                    export_model(name, onnx_dir, naive=False)
-                else:
-                    export_auto_lam(companion_of, onnx_dir)
-            except KeyError as e:  # unknown model name: the registry's message lists the known ones
-                raise _fail(str(e.args[0])) from None
-            except ExportError as e:
-                raise _fail(f"exporting {name} failed: {e}") from None
+                pipeline.run([step], progress=None)
+            except ExportError as e:  # the line names the model
+                raise ExportError(f"exporting {step.name} failed: {e}") from None
             bar.remove_task(task)
-            console.print(f"[green]✓[/] exported {onnx_dir / f'{name}.onnx'}")
-
-        for name in dict.fromkeys(names):
-            path = onnx_dir / f"{name}.onnx"
-            if not path.exists():
-                export(name)
-            try:
-                card = from_onnx(path)
-            except CardError as e:
-                from unroll.export.fuse import NO_CARD_HINT
-
-                raise _fail(f"{e}; delete it to re-export, {NO_CARD_HINT}") from None
-            served.append(name)
-            companion = card.lam.auto if card.lam is not None else None
-            if companion is None or not autolam:
-                continue
-            if not (onnx_dir / f"{companion}.onnx").exists():
-                export(companion, companion_of=name)
-            served.append(companion)
-    return list(dict.fromkeys(served))
+            if step.stage != "repo":
+                console.print(f"[green]✓[/] {step.stage} {step.name} ({step.reason})")
+    return served
 
 
+@handles_errors
 def repo(
     target: Annotated[str, typer.Option(
         help="cpu: Python-backend models that run the ONNX with the card's CPU runtime (ONNX Runtime or "
@@ -99,17 +89,17 @@ def repo(
              "(fp32: NAME.onnx). gpu serves build/trt/NAME.PRECISION.plan when present (checked against its JSON), "
              "else that graph through ONNX Runtime's TensorRT provider, strongly typed (precision_mode FP32: "
              "TensorRT runs the graph's own precision, nothing is cast)")] = "fp32",
-    out: Annotated[Path, typer.Option(help="Model repository folder to write")] = Path("model_repository"),
-    onnx_dir: Annotated[Path, typer.Option(help="Where `unroll export` wrote NAME.onnx (missing ones are "
-                                                "exported first)")] = Path("build/onnx"),
-    plan_dir: Annotated[Path, typer.Option(help="Where `unroll build` wrote TensorRT plans (gpu)")] = Path("build/trt"),
+    out: Annotated[Path, typer.Option(help="Model repository folder to write")] = artifacts.REPOSITORY_DIR,
+    onnx_dir: Annotated[Path, typer.Option(help="Where `unroll export` wrote NAME.onnx (missing or stale ones "
+                                                "are exported first)")] = artifacts.ONNX_DIR,
+    plan_dir: Annotated[Path, typer.Option(help="Where `unroll build` wrote TensorRT plans (gpu)")] = artifacts.TRT_DIR,
     threads: Annotated[int, typer.Option(help="cpu: ONNX Runtime intra-op threads per model instance")] = 2,
     instances: Annotated[int, typer.Option(help="Model instances (parallel executions) per model")] = 1,
     spinning: Annotated[bool, typer.Option(
         "--spinning/--no-spinning",
         help="cpu: ONNX Runtime's threads spin briefly for the next work before sleeping: lower latency and more "
-             "throughput from Triton, but less CPU left for a gateway on the same cores (measured: "
-             "serving/repository.py)")] = INTRA_OP_SPINNING,
+             "throughput from Triton, but less CPU left for a gateway on the same cores (compare both with "
+             "`unroll bench serve`)")] = INTRA_OP_SPINNING,
     max_batch_size: Annotated[int | None, typer.Option(
         help=f"Largest batch Triton's dynamic batcher forms (and the TensorRT profile's max batch); default: cpu "
              f"{DEFAULT_MAX_BATCH_SIZE} ({', '.join(f'{t} {n}' for t, n in CPU_MAX_BATCH_SIZE.items())}), gpu the "
@@ -123,48 +113,31 @@ def repo(
         help="Attach a card to a graph in --onnx-dir that has none (a third-party graph, e.g. from `unroll fuse`) "
              "or replace its card: NAME=FILE, or FILE when --models names one model; FILE is the JSON of an "
              "unroll ModelCard. Repeatable")] = None,
+    rebuild: Annotated[bool, typer.Option("--rebuild", help="Re-export and rewrite every model even if up to "
+                                                            "date")] = False,
 ) -> None:
     """Write a Triton model repository (config.pbtxt, version 1, labels) for the exported models and validate it.
 
-    Builds missing ONNX exports first. Every written config is re-parsed with Triton's
-    model_config schema and checked tensor by tensor against its ONNX graph.
+    Brings what is missing or stale up to date first (export, quantize, the model directories: the pipeline's
+    rules, as `unroll serve`). Every config is re-parsed with Triton's model_config schema and checked tensor by
+    tensor against its ONNX graph.
     """
     if target not in ("cpu", "gpu"):
-        raise _fail(f"--target must be cpu or gpu, not {target!r}")
+        raise fail(f"--target must be cpu or gpu, not {target!r}")
     if precision not in PRECISIONS:
-        raise _fail(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+        raise fail(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
     if models is None:
-        from unroll.app.serve import default_models
-
         names = default_models()
     else:
         names = [m.strip() for m in models.split(",") if m.strip()]
     if not names:
-        raise _fail("--models names no model" if models is not None else
+        raise fail("--models names no model" if models is not None else
                     "no registered model has committed weights; name the models with --models")
     _attach_cards(card or [], names, onnx_dir, precision)
-    served = _ensure_exports(names, onnx_dir, autolam)
-    try:
-        written = write_repository(target, served, out, precision=precision, onnx_dir=onnx_dir, plan_dir=plan_dir,
-                                   threads=threads, max_batch_size=max_batch_size, queue_delay_us=queue_delay_us,
-                                   instances=instances, spinning=spinning)
-    except RepositoryError as e:
-        raise _fail(str(e)) from None
-    table = Table("model", "runs as", "inputs", "outputs", "files", title=f"{out} (target {target}, {precision})")
-    for name in served:
-        try:
-            cfg = validate_model(out / name, reference_onnx=_reference_onnx(out / name, onnx_dir))
-        except RepositoryError as e:
-            raise _fail(str(e)) from None
-        runtime = cfg.parameters["cpu_runtime"].string_value if "cpu_runtime" in cfg.parameters else "onnxruntime"
-        runs = f"{cfg.backend} ({runtime}, CPU)" if cfg.backend == "python" else cfg.platform
-        if cfg.platform == "onnxruntime_onnx":
-            runs += f" + TensorRT, strongly typed ({cfg.parameters['unroll_source_onnx'].string_value})"
-        ins = ", ".join(f"{i.name}{list(i.dims)}{' (optional)' if i.optional else ''}" for i in cfg.input)
-        outs = ", ".join(f"{o.name}{list(o.dims)}" + (" +labels" if o.label_filename else "") for o in cfg.output)
-        files = ", ".join(str(p.relative_to(out / name)) for p in written if p.is_relative_to(out / name))
-        table.add_row(name, runs, ins, outs, files)
-    console.print(table)
+    options = pipeline.RepoOptions(target=target, precision=precision, threads=threads, max_batch_size=max_batch_size,
+                                   queue_delay_us=queue_delay_us, instances=instances, spinning=spinning)
+    served = _bring_up_to_date(names, out, onnx_dir, plan_dir, options, autolam, rebuild)
+    console.print(_summary(served, out, onnx_dir, f"{out} (target {target}, {precision})"))
     others = sorted(p.name for p in Path(out).iterdir() if p.is_dir() and not p.name.startswith(".")
                     and p.name not in served)
     if others:
@@ -176,27 +149,37 @@ def repo(
                      f"--model-repository=/models"))
 
 
+def _summary(served: list[str], out: Path, onnx_dir: Path, title: str) -> Table:
+    """One row per served model, each validated against its graph: how it runs, its tensors and its files."""
+    table = Table("model", "runs as", "inputs", "outputs", "files", title=title)
+    for name in served:
+        cfg = validate_model(out / name, reference_onnx=_reference_onnx(out / name, onnx_dir))
+        runtime = cfg.parameters["cpu_runtime"].string_value if "cpu_runtime" in cfg.parameters else "onnxruntime"
+        runs = f"{cfg.backend} ({runtime}, CPU)" if cfg.backend == "python" else cfg.platform
+        if cfg.platform == "onnxruntime_onnx":
+            runs += f" + TensorRT, strongly typed ({cfg.parameters['unroll_source_onnx'].string_value})"
+        ins = ", ".join(f"{i.name}{list(i.dims)}{' (optional)' if i.optional else ''}" for i in cfg.input)
+        outs = ", ".join(f"{o.name}{list(o.dims)}" + (" +labels" if o.label_filename else "") for o in cfg.output)
+        files = ", ".join(sorted(str(p.relative_to(out / name)) for p in (out / name).rglob("*")
+                                 if p.is_file() and p.name != artifacts.REPOSITORY_SOURCE_FILE))
+        table.add_row(name, runs, ins, outs, files)
+    return table
+
+
 def _attach_cards(items: list[str], names: list[str], onnx_dir: Path, precision: str) -> None:
     """``--card NAME=FILE`` / ``--card FILE``: the card goes into NAME.onnx and NAME.PRECISION.onnx (if there)."""
-    from unroll.export.fuse import attach_card_where_present
-
-    from unroll.card import CardError
-
     for item in items:
         name, sep, file = item.partition("=")
         if not sep:
             if len(names) != 1:
-                raise _fail(f"--card {item}: give it as NAME=FILE when --models names more than one model")
+                raise fail(f"--card {item}: give it as NAME=FILE when --models names more than one model")
             name, file = names[0], item
         if name not in names:
-            raise _fail(f"--card {item}: {name!r} is not one of the models written ({', '.join(names)})")
-        paths = [onnx_dir / f"{name}.onnx", onnx_dir / f"{name}.{precision}.onnx"]
+            raise fail(f"--card {item}: {name!r} is not one of the models written ({', '.join(names)})")
+        paths = [artifacts.graph(name, onnx_dir=onnx_dir), artifacts.graph(name, precision, onnx_dir)]
         if not paths[0].exists():
-            raise _fail(f"--card {item}: {paths[0]} does not exist (put the graph there, e.g. with `unroll fuse`)")
-        try:
-            attach_card_where_present(paths, file, name)
-        except CardError as e:
-            raise _fail(str(e)) from None
+            raise fail(f"--card {item}: {paths[0]} does not exist (put the graph there, e.g. with `unroll fuse`)")
+        attach_card_where_present(paths, file, name)
 
 
 def _reference_onnx(model_dir: Path, onnx_dir: Path) -> Path | None:
@@ -210,9 +193,10 @@ def _reference_onnx(model_dir: Path, onnx_dir: Path) -> Path | None:
     return onnx_dir / cfg.parameters["unroll_source_onnx"].string_value
 
 
+@handles_errors
 def triton(
     repo: Annotated[Path, typer.Option(help="Model repository to serve (write it with `unroll repo`)")]
-        = Path("model_repository"),
+        = artifacts.REPOSITORY_DIR,
     http_port: Annotated[int, typer.Option(help="HTTP/REST port (KServe v2 protocol)")] = 8000,
     grpc_port: Annotated[int, typer.Option(help="gRPC port")] = 8001,
     metrics_port: Annotated[int, typer.Option(help="Prometheus metrics port")] = 8002,
@@ -226,13 +210,10 @@ def triton(
     Waits until every model is loaded and warm (/v2/health/ready), prints the endpoints, and stops
     the server cleanly on SIGINT/SIGTERM.
     """
-    from unroll.serving.repository import validate_repository
-    from unroll.serving.triton import TritonStartError, start
-
     try:  # a clear message for a half-built repository (fresh clone: configs only) before Triton says it
-        validate_repository(repo, onnx_dir=Path("build/onnx"))
-    except RepositoryError as e:
-        raise _fail(str(e).replace("\n", " ")) from None
+        validate_repository(repo, onnx_dir=artifacts.ONNX_DIR)
+    except RepositoryError as e:  # one line, however many models it names
+        raise RepositoryError(str(e).replace("\n", " ")) from None
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -240,9 +221,9 @@ def triton(
             try:
                 handle = start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host,
                                log_file=log_file, timeout_s=timeout_s)
-            except TritonStartError as e:
+            except TritonStartError as e:  # the short reason and where the log is, not the log's tail
                 where = f" (full log: {e.log_path})" if e.log_path else ""
-                raise _fail(e.reason.replace("\n", "; ") + where) from None
+                raise ServingError(e.reason.replace("\n", "; ") + where) from None
         with handle:
             console.print(f"[green]✓[/] Triton ready (pid {handle.pid}) — models from {repo}")
             console.print(f"  HTTP     http://{handle.url}   (try: curl {handle.url}/v2/models/stats)")
@@ -252,7 +233,7 @@ def triton(
             console.print("Press Ctrl-C to stop.")
             while not stop.wait(0.5):
                 if not handle.is_alive():
-                    raise _fail(f"tritonserver exited unexpectedly (code {handle.wait()}); see {handle.log_path}")
+                    raise fail(f"tritonserver exited unexpectedly (code {handle.wait()}); see {handle.log_path}")
             console.print("stopping Triton…")
             code = handle.stop()
         if code == 0:

@@ -1,9 +1,9 @@
 """``unroll build``: the Typer command function for the TensorRT engine builder.
 
 A plain function (no Typer app here) so ``app/cli.py`` can register it with
-``app.command("build")(build)``; ``python -m unroll.app.trt_cli NAME ...`` runs it on its own. Nothing heavy
-is imported until the command runs, so registering it costs the main CLI nothing. Errors print one
-sentence to stderr: exit 2 when this machine cannot build engines at all (no TensorRT or no CUDA GPU) or
+``app.command("build")(build)``; ``python -m unroll.app.trt_cli NAME ...`` runs it on its own. TensorRT itself
+is imported only when an engine is built (:mod:`unroll.export.trt_build`). Errors print one sentence to stderr
+(:mod:`unroll.app.errors`): exit 2 when this machine cannot build engines at all (no TensorRT or no CUDA GPU) or
 an option is malformed, exit 1 for everything else (missing ONNX, a graph the TensorRT lint rejects, a
 profile whose estimated memory exceeds the GPU's or ``--max-memory-gib``, parser or builder errors, a
 failed parity gate). The profile and its memory estimate are printed before anything is built, on any
@@ -17,10 +17,18 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
+import onnx
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from unroll.app.errors import fail, handles_errors
+from unroll.export import trt_build as tb
+from unroll.export.card_attach import NO_CARD_HINT, attach_card_where_present
+from unroll.export.gates import METRICS
+
+from unroll import artifacts
+from unroll.errors import BuildError, CardError, UnrollError
 
 console = Console()
 err = Console(stderr=True, soft_wrap=True)
@@ -30,12 +38,6 @@ class Precision(StrEnum):
     fp32 = "fp32"
     fp16 = "fp16"
     int8 = "int8"
-
-
-def _fail(message: str, code: int = 1) -> typer.Exit:
-    """Print one clear sentence (no traceback) and return the exit to raise."""
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
-    return typer.Exit(code)
 
 
 def parse_size(text: str, option: str) -> tuple[int, int]:
@@ -83,7 +85,7 @@ def parse_dim_range(text: str) -> tuple[str, tuple[int, int, int]]:
     return m.group("name"), (int(m.group("lo")), int(m.group("mid")), int(m.group("hi")))
 
 
-def _dim_ranges(tb, graph, card, given_sizes: tuple, dim_range: list[str] | None, hints: tuple[str, ...]) -> dict:
+def _dim_ranges(graph, card, given_sizes: tuple, dim_range: list[str] | None, hints: tuple[str, ...]) -> dict:
     """The profile's non-batch ranges as ``{"INPUT[AXIS]": (min, opt, max)}``: the card's, then --min/opt/max-size
     for H and W of an image input, then --dim-range; each checked (exit 2 naming the option)."""
     ranges = dict(tb.card_dim_ranges(graph, card))
@@ -132,14 +134,15 @@ def _print_preflight(name: str, checked) -> None:
         console.print(f"within {escape(checked.budget[1])}", highlight=False)
 
 
+@handles_errors
 def build(
     name: Annotated[str, typer.Argument(help="A model name, see `unroll models` (the ONNX file stem).")],
     precision: Annotated[Precision, typer.Option(
         help="fp32 builds build/onnx/NAME.onnx (from `unroll export`); fp16/int8 build NAME.fp16.onnx / "
              "NAME.int8.onnx (from `unroll quantize`). Precision lives in the graph: the network is strongly "
              "typed and no FP16/INT8 builder flag is set.")] = Precision.fp32,
-    out: Annotated[Path, typer.Option(help="Folder for NAME.PRECISION.plan and its .json.")] = Path("build/trt"),
-    onnx_dir: Annotated[Path, typer.Option(help="Folder holding the exported/quantized ONNX.")] = Path("build/onnx"),
+    out: Annotated[Path, typer.Option(help="Folder for NAME.PRECISION.plan and its .json.")] = artifacts.TRT_DIR,
+    onnx_dir: Annotated[Path, typer.Option(help="Folder holding the exported/quantized ONNX.")] = artifacts.ONNX_DIR,
     batch_min: Annotated[int | None, typer.Option(help="Smallest batch the engine accepts \\[default: the model "
                                                       "card's trt_profile.batch].", min=1)] = None,
     batch_opt: Annotated[int | None, typer.Option(help="Batch TensorRT tunes kernels for \\[default: the card's].",
@@ -160,7 +163,7 @@ def build(
                                            min=0, max=5)] = 3,
     timing_cache: Annotated[Path, typer.Option(help="Timing cache loaded before and saved after the build "
                                                     "(speeds up rebuilds on the same GPU and TensorRT).")]
-    = Path("build/trt/timing.cache"),
+    = artifacts.TIMING_CACHE,
     no_timing_cache: Annotated[bool, typer.Option("--no-timing-cache", help="Neither load nor save a "
                                                                              "timing cache.")] = False,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Check the engine against ONNX Runtime "
@@ -189,70 +192,83 @@ def build(
     Needs an NVIDIA GPU and TensorRT 10/11.
     """
     batch_given = (batch_min, batch_opt, batch_max)
-    _ordered(batch_given, "batch", "--batch-min/--batch-opt/--batch-max")
-    hints = ("--min-size", "--opt-size", "--max-size")
-    sizes_given = tuple(None if t is None else parse_size(t, o) for t, o in zip((min_size, opt_size, max_size), hints,
-                                                                                strict=True))
-    for axis, label in ((0, "image height"), (1, "image width")):
-        _ordered(tuple(None if s is None else s[axis] for s in sizes_given), label, "/".join(hints))
-
-    from unroll.export import trt_build as tb
-
+    sizes_given = _given_sizes(batch_given, (min_size, opt_size, max_size))
     prec = Precision(precision).value
-    try:
-        src, ref = tb.require_onnx(name, prec, onnx_dir, verify)
-        if card_file is not None:
-            from unroll.export.fuse import attach_card_where_present
-
-            attach_card_where_present([ref, src], card_file, name)
-        card = tb.read_card(src)
-    except tb.MissingOnnxError as e:
-        raise _fail(f"{str(e).rstrip('.')} (NAME is a model name, see `unroll models`).") from None
-    except tb.TrtBuildError as e:
-        from unroll.export.fuse import NO_CARD_HINT
-
-        raise _fail(f"{e}, {NO_CARD_HINT}" if "carries no unroll model card" in str(e) else str(e)) from None
-    except ValueError as e:  # CardError from --card: unreadable, invalid, or not this graph's
-        raise _fail(str(e)) from None
+    src, card = _source_and_card(name, prec, onnx_dir, verify, card_file)
     batch = _merge(batch_given, card.trt_profile.batch, "trt_profile.batch", "--batch-min/--batch-opt/--batch-max")
     _ordered(batch, "batch", "--batch-min/--batch-opt/--batch-max")
-    import onnx
-
-    graph = onnx.load(str(src), load_external_data=False)
-    ranges = _dim_ranges(tb, graph, card, sizes_given, dim_range, hints)
-    del graph
-    try:
-        checked = tb.preflight(src, card, batch, None, ranges, max_memory_gib)
-    except tb.ProfileMemoryError as e:
-        raise _fail(str(e)) from None
-    except tb.LintError as e:
-        first, _, details = str(e).partition("\n")
-        err.print(escape(details), highlight=False)
-        raise _fail(first) from None
-    except ValueError as e:  # a dynamic axis with no range anywhere
-        raise typer.BadParameter(str(e), param_hint="--dim-range") from None
+    ranges, checked = _preflight(src, card, batch, sizes_given, dim_range, max_memory_gib)
     _print_preflight(name, checked)
     ok, why = tb.tensorrt_available()
     if not ok:
-        raise _fail(why, 2)
+        raise fail(why, 2)
+    report = _build_engine(name, prec, src, dict(
+        onnx_dir=onnx_dir, out_dir=out, batch=batch, dim_ranges=ranges, workspace_gib=workspace_gib,
+        opt_level=opt_level, timing_cache=None if no_timing_cache else timing_cache, verify=verify, tf32=tf32,
+        max_memory_gib=max_memory_gib))
+    _print_summary(report)
+
+
+SIZE_HINTS = ("--min-size", "--opt-size", "--max-size")
+
+
+def _given_sizes(batch_given: tuple, size_texts: tuple[str | None, ...]) -> tuple:
+    """Check the batch options are ordered and parse the image size options (``None`` where not given)."""
+    _ordered(batch_given, "batch", "--batch-min/--batch-opt/--batch-max")
+    sizes_given = tuple(None if t is None else parse_size(t, o) for t, o in zip(size_texts, SIZE_HINTS, strict=True))
+    for axis, label in ((0, "image height"), (1, "image width")):
+        _ordered(tuple(None if s is None else s[axis] for s in sizes_given), label, "/".join(SIZE_HINTS))
+    return sizes_given
+
+
+def _source_and_card(name: str, prec: str, onnx_dir: Path, verify: bool, card_file: Path | None) -> tuple:
+    """The ONNX to build from and its card (``--card`` attached first); a missing graph or card says what to run."""
+    try:
+        src, ref = tb.require_onnx(name, prec, onnx_dir, verify)
+        if card_file is not None:
+            attach_card_where_present([ref, src], card_file, name)
+        card = tb.read_card(src)
+    except tb.MissingOnnxError as e:  # the line says what NAME is
+        raise tb.MissingOnnxError(f"{str(e).rstrip('.')} (NAME is a model name, see `unroll models`).") from None
+    except tb.TrtBuildError as e:
+        if "carries no unroll model card" not in str(e):
+            raise
+        raise tb.TrtBuildError(f"{e}, {NO_CARD_HINT}") from None
+    except UnrollError:
+        raise
+    except ValueError as e:  # --card: unreadable, invalid, or not this graph's
+        raise CardError(str(e)) from None
+    return src, card
+
+
+def _preflight(src: Path, card, batch: tuple, sizes_given: tuple, dim_range: list[str] | None,
+               max_memory_gib: float | None) -> tuple:
+    """The profile's ranges and the CPU checks before TensorRT (lint, memory estimate): ``(ranges, checked)``."""
+    graph = onnx.load(str(src), load_external_data=False)
+    ranges = _dim_ranges(graph, card, sizes_given, dim_range, SIZE_HINTS)
+    del graph
+    try:
+        checked = tb.preflight(src, card, batch, None, ranges, max_memory_gib)
+    except (tb.ProfileMemoryError, tb.LintError):
+        raise  # an error line of its own (unroll.app.errors), not a malformed option
+    except ValueError as e:  # a dynamic axis with no range anywhere
+        raise typer.BadParameter(str(e), param_hint="--dim-range") from None
+    return ranges, checked
+
+
+def _build_engine(name: str, prec: str, src: Path, options: dict) -> dict:
+    """:func:`unroll.export.trt_build.build_engine` under a status line; TensorRT's own exceptions become a
+    :class:`BuildError` of one line."""
     try:
         with err.status(f"building {name} ({prec}) from {src}") as status:
-            report = tb.build_engine(
-                name, prec, onnx_dir=onnx_dir, out_dir=out, batch=batch, dim_ranges=ranges,
-                workspace_gib=workspace_gib, opt_level=opt_level,
-                timing_cache=None if no_timing_cache else timing_cache, verify=verify, tf32=tf32,
-                max_memory_gib=max_memory_gib, progress=lambda msg: status.update(f"{name} ({prec}): {msg}"))
-    except tb.TrtUnavailableError as e:
-        raise _fail(str(e), 2) from None
-    except tb.TrtBuildError as e:
-        first, _, details = str(e).partition("\n")
-        if details:
-            err.print(escape(details), highlight=False)
-        raise _fail(first) from None
+            report = tb.build_engine(name, prec, **options,
+                                     progress=lambda msg: status.update(f"{name} ({prec}): {msg}"))
+    except UnrollError:
+        raise
     except (ValueError, RuntimeError, OSError) as e:  # TensorRT raises RuntimeError from its bindings
-        raise _fail(f"building {name} ({prec}) failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}.") \
-            from None
-    _print_summary(report)
+        raise BuildError(f"building {name} ({prec}) failed: "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}.") from None
+    return report
 
 
 def _print_summary(report: dict) -> None:
@@ -264,8 +280,6 @@ def _print_summary(report: dict) -> None:
              for n, p in report["profiles"][0].items()]
     parity = report.get("parity")
     if parity:
-        from unroll.export.gates import METRICS
-
         rows.append(("max |engine − ORT|", f"{parity['max_abs_diff']:.2e}"))
         rows += [(f"{m} (gate {METRICS[m].format(t)})", METRICS[m].format(parity[m]))
                  for m, t in report.get("gate", {}).items() if m in parity]

@@ -17,6 +17,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from unroll.serving.cpu_runtime import ort_session  # noqa: F401  (the benchmarks' in-process baseline, re-exported)
 
+from unroll import artifacts
+from unroll.errors import BenchError
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -129,7 +132,7 @@ def load_note(machine: dict) -> str:
 # training data (calibration) and gate data.
 
 
-class NoModel(LookupError):
+class NoModel(BenchError, LookupError):
     """The registry has no model a benchmark needs (e.g. no trained denoiser); the message says which."""
 
 
@@ -162,7 +165,7 @@ def exported_card(name: str, onnx_dir: Path):
     """The card inside ``onnx_dir/NAME.onnx`` (as served: λ's default resolved to the trained value)."""
     from unroll.card import from_onnx
 
-    return from_onnx(Path(onnx_dir) / f"{name}.onnx")
+    return from_onnx(artifacts.graph(name, onnx_dir=onnx_dir))
 
 
 def gaussian_noise(x, sigma: float, seed: int):

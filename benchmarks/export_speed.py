@@ -29,6 +29,7 @@ from unroll.export.onnx_export import _Classifier, _torch_export, io_names, reso
 from unroll.serving.cpu_runtime import open_session, unavailable_reason
 
 import unroll
+from unroll import tasks
 from unroll.registry import REGISTRY, get_spec
 from unroll.solvers.shrink import textbook_mode
 
@@ -41,7 +42,7 @@ def default_rows(quick: bool = False) -> list[tuple[str, str, int]]:
     """(model, label, case): the first classifier architecture without weights (a larger network at its own
     input size) and every trained model, both cases each; ``quick``: the trained models' first case only."""
     trained = trained_models()  # (imports the model modules: the registry is filled by then)
-    untrained = [n for n, s in REGISTRY.items() if s.task == "classification" and not s.has_weights][:1]
+    untrained = [n for n, s in REGISTRY.items() if s.task == tasks.CLASSIFICATION and not s.has_weights][:1]
     untrained = [] if quick else untrained
     rows = []
     for name in untrained + trained:

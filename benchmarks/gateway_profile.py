@@ -1,18 +1,9 @@
 """Where the gateway's time goes per request: a sampling profile (py-spy) of a real gateway under real load.
 
-``unroll bench gateway-profile``: a real tritonserver (the trained classifier and its λ rule), a real gateway
-process (one worker, so one process holds every sample) and keep-alive httpx clients sending the classifier's
-real test digits as PNG, closed loop, at each concurrency level. While the load runs, ``py-spy record``
-samples every busy thread of the gateway process; each stack is assigned to the stage of its innermost recognised
-frame (:data:`STAGES`: body read, decode, preprocess, Triton gRPC call, postprocess, JSON, plus the layers
-around them: HTTP server, middleware, routing and dependencies, threadpool hand-off, event loop).
-
-Reported per level and stage: share of the samples and ms per request (samples ÷ rate ÷ requests answered in
-the window). On the event-loop thread at concurrency 1 the samples cover the wall time: the ``waiting``
-rows are the loop idle while the request is elsewhere (in Triton, in the threadpool, on the network or in the
-client); worker-thread stages are their own threads' busy samples. At concurrency > 1 read the busy stages as
-CPU per request. py-spy needs ptrace rights over the gateway (root, or ``kernel.yama.ptrace_scope`` 0) and is a
-benchmark extra (``pip install py-spy``); without it the benchmark says so and exits.
+``unroll bench gateway-profile`` runs a real tritonserver and one gateway worker under closed-loop clients sending
+real test digits, while ``py-spy record`` samples the gateway; each stack goes to the stage of its innermost
+recognised frame (:data:`STAGES`), reported as share of samples and ms per request per concurrency level. py-spy
+needs ptrace rights over the gateway and is a benchmark extra; without it the benchmark says so and exits.
 """
 
 from __future__ import annotations
@@ -30,6 +21,9 @@ from collections import Counter
 from pathlib import Path
 
 from unroll.benchmarks.common import latency_summary, load_note, machine_info, metric_sum, write_results
+
+from unroll import artifacts, pipeline
+from unroll.errors import BenchError  # py-spy missing or not allowed to attach, or a server could not start
 
 #: (stage, patterns): a stack's stage is that of the innermost frame matching one of the patterns, tried in this
 #: order for each frame. Patterns match py-spy's ``function (file:line)`` frame text.
@@ -56,16 +50,12 @@ _STAGE_RE = [(name, [re.compile(p) for p in pats]) for name, pats in STAGES]
 _IDLE_RE = [re.compile(p) for p in IDLE]
 
 
-class ProfileError(RuntimeError):
-    """py-spy missing or not allowed to attach, or a server could not be started."""
-
-
 def py_spy() -> str:
     """Path of the ``py-spy`` executable (next to this interpreter, else on PATH)."""
     here = Path(sys.executable).with_name("py-spy")
     found = str(here) if here.exists() else shutil.which("py-spy")
     if found is None:
-        raise ProfileError("py-spy is not installed (a benchmark extra: pip install py-spy)")
+        raise BenchError("py-spy is not installed (a benchmark extra: pip install py-spy)")
     return found
 
 
@@ -149,7 +139,7 @@ def profile_level(base: str, pid: int, workload, concurrency: int, duration_s: f
     res = closed_loop(gateway_client(base, workload), concurrency, duration_s + 1.0, 0.0)
     log, _ = spy.communicate(timeout=60)
     if spy.returncode != 0 or not raw.exists():
-        raise ProfileError(f"py-spy failed (needs ptrace rights over the gateway, e.g. root): {log.strip()[-400:]}")
+        raise BenchError(f"py-spy failed (needs ptrace rights over the gateway, e.g. root): {log.strip()[-400:]}")
     n = _metric(base, "unroll_gateway_requests_total", route=route, status="200") - n0
     triton_s = _metric(base, "unroll_gateway_triton_request_duration_seconds_sum", outcome="ok") - t0
     # Requests answered while py-spy sampled: the client's rate over its window × py-spy's duration.
@@ -169,7 +159,8 @@ def _ort_p50(onnx_dir: Path, model: str, workload, duration_s: float) -> dict:
     from unroll.benchmarks.serve_bench import closed_loop, ort_client
     from unroll.serving.repository import INTRA_OP_SPINNING
 
-    session = ort_session(onnx_dir / f"{model}.onnx", threads=2, spinning=INTRA_OP_SPINNING)  # as Triton's model
+    # as Triton's model runs it
+    session = ort_session(artifacts.graph(model, onnx_dir=onnx_dir), threads=2, spinning=INTRA_OP_SPINNING)
     res = closed_loop(ort_client(session, workload), 1, duration_s, 0.5)
     return {"requests": len(res.latencies_ms), "errors": len(res.errors),
             "latency_ms": latency_summary(res.latencies_ms)}
@@ -187,12 +178,11 @@ def _throughput(base: str, workload, concurrency: int, duration_s: float, worker
 
 
 def run(concurrency: tuple[int, ...] = (1, 32), duration_s: float = 10.0, rate: int = 250,
-        onnx_dir: Path = Path("build/onnx"), workers: tuple[int, ...] | None = None,
+        onnx_dir: Path = artifacts.ONNX_DIR, workers: tuple[int, ...] | None = None,
         throughput_concurrency: int = 32, log=lambda m: None) -> dict:  # noqa: ANN001
     """The profile at each of ``concurrency`` (one gateway process), in-process ONNX Runtime at concurrency 1, and
     gateway throughput at ``throughput_concurrency`` with each of ``workers`` processes (default: 1 and the
     ``unroll serve`` default, at least 2), all against one Triton."""
-    from unroll.app.serve import ensure_onnx
     from unroll.benchmarks.serve_bench import classify_workload, served_models
     from unroll.serving.gateway.process import gateway_popen
     from unroll.serving.gateway.settings import Settings
@@ -205,7 +195,7 @@ def run(concurrency: tuple[int, ...] = (1, 32), duration_s: float = 10.0, rate: 
     served = served_models()
     machine = machine_info(threads=2)
     load_start = os.getloadavg()
-    ensure_onnx(onnx_dir, [served.classifier])
+    pipeline.run(pipeline.plan([served.classifier], onnx_dir=onnx_dir))  # exports what is missing or stale
     from unroll.benchmarks.common import exported_card
 
     card = exported_card(served.classifier, onnx_dir)  # the trained λ is on the exported graph's card
@@ -220,7 +210,7 @@ def run(concurrency: tuple[int, ...] = (1, 32), duration_s: float = 10.0, rate: 
             triton = start(repo, *free_ports(3), log_file=root / "triton.log", timeout_s=300,
                            extra_args=["--exit-timeout-secs=2"])
         except TritonStartError as e:
-            raise ProfileError(f"could not start Triton: {e.reason}") from None
+            raise BenchError(f"could not start Triton: {e.reason}") from None
         try:
             settings = Settings(triton_url=triton.grpc_url)
             levels = []

@@ -1,8 +1,8 @@
 """The GPU check: every PyTorch runtime the trained models can reach on a CUDA machine, parity-gated, then timed.
 
 Why: a GPU machine is lent rarely and briefly (no TensorRT, no network there), so one run must measure
-everything GPU-dependent and leave committable results. For each trained model's cases (``csc-denoiser`` at
-256² and 512², σ=25; ``sdnet-mnist`` at batch 1 and 64) it builds the candidates — PyTorch eager FP32 (TF32
+everything GPU-dependent and leave committable results. For each registered model with committed weights
+(denoisers at 256² and 512², σ=25; classifiers at batch 1 and 64) it builds the candidates — PyTorch eager FP32 (TF32
 off), eager TF32, FP16/BF16 autocast, ``torch.compile`` (default, then ``max-autotune-no-cudagraphs`` while the
 time budget lasts) and AOTInductor (``torch.export`` → ``aoti_compile_and_package`` → ``aoti_load_package``).
 Each is first checked against the FP32 CPU PyTorch output on the card's gate data (tolerances from the card's
@@ -35,6 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from unroll import tasks
+from unroll.errors import BenchError
+
 STEM = "gpu_check"
 #: σ of the denoiser cases, 0–255 scale.
 SIGMA255 = 25.0
@@ -48,7 +51,7 @@ AT_LEAST = {"top1_agreement"}
 AUTOTUNE_RESERVE_S = 90.0
 
 
-class BudgetExceeded(TimeoutError):
+class BudgetExceeded(BenchError, TimeoutError):
     """Raised (by an alarm) in the candidate that is building or running when the run's time budget ends."""
 
 
@@ -193,6 +196,14 @@ def mnist_digits(batch: int) -> tuple[np.ndarray, np.ndarray | None, str]:
         return rng.random((batch, 1, 28, 28), dtype=np.float32), None, f"seeded random images ({e})"
 
 
+def trained_models() -> list[str]:
+    """Registered denoisers and classifiers with committed weights: the models a GPU run can check."""
+    from unroll.registry import get_spec, list_models
+
+    return [n for n in list_models() if get_spec(n).has_weights
+            and (tasks.get(get_spec(n).task).data == "noisy" or tasks.get(get_spec(n).task).logits)]
+
+
 def build_cases(models: list[str], quick: bool = False) -> list[Case]:
     """The cases of ``models`` with their CPU FP32 reference outputs (TF32 is irrelevant on the CPU)."""
     import torch
@@ -206,7 +217,8 @@ def build_cases(models: list[str], quick: bool = False) -> list[Case]:
         spec = get_spec(name)
         model = unroll.load(name)
         gate_of = spec.card.gate
-        if spec.task == "denoising":
+        task = tasks.get(spec.task)
+        if task.data == "noisy":
             for size in DENOISE_SIZES[:1] if quick else DENOISE_SIZES:
                 clean, img = denoise_clean(size)
                 noisy = data.add_noise(clean, SIGMA255, data.noise_seed(img, SIGMA255))
@@ -215,7 +227,7 @@ def build_cases(models: list[str], quick: bool = False) -> list[Case]:
                     ref = model(*args).numpy()
                 cases.append(Case(name, f"{size}×{size}", 1, args, ref, clean, spec.task, gate_of,
                                   note=f"{img} centre crop, σ={SIGMA255:g}"))
-        elif spec.task == "classification":
+        elif task.logits:
             for b in CLASSIFY_BATCHES[:1] if quick else CLASSIFY_BATCHES:
                 x, y, note = mnist_digits(b)
                 args = (torch.from_numpy(np.ascontiguousarray(x)),)
@@ -237,7 +249,7 @@ def parity(case: Case, out: np.ndarray) -> dict[str, float]:
     m: dict[str, float] = {"max_abs": float(np.max(np.abs(d))),
                            "rel_err": float(np.linalg.norm(d) / max(np.linalg.norm(ref), 1e-30)),
                            "finite": float(np.isfinite(out).all())}
-    if case.task == "denoising":
+    if tasks.get(case.task).data == "noisy":
         from unroll.metrics import psnr
 
         loss = psnr(case.truth, ref[0, 0]) - psnr(case.truth, out[0, 0])
@@ -457,8 +469,12 @@ def write(out: Path, info: dict, cases: list[Case], elapsed_s: float, budget_s: 
 
 def run_check(out: Path, device: str = "cuda", models: list[str] | None = None, candidates: list[str] | None = None,
               warmup: int = 20, repeats: int = 300, time_per_candidate_s: float = 2.0, budget_s: float = 420.0,
-              quick: bool = False) -> list[Case] | None:
-    """Measure every candidate on every case; ``None`` (nothing written) when ``device`` is cuda and CUDA is absent."""
+              quick: bool = False, resume: bool = False) -> list[Case] | None:
+    """Measure every candidate on every case; ``None`` (nothing written) when ``device`` is cuda and CUDA is absent.
+
+    ``resume`` keeps the rows of an earlier run in ``out`` and measures only the rest; a row that run left
+    unfinished (its process died in native code, e.g. a segfault) becomes an error row instead of a retry.
+    """
     if device == "cuda":
         why = cuda_unavailable()
         if why:
@@ -467,7 +483,7 @@ def run_check(out: Path, device: str = "cuda", models: list[str] | None = None, 
     import unroll
 
     start = time.perf_counter()
-    models = models or ["csc-denoiser", "sdnet-mnist"]
+    models = models or trained_models()
     names = candidates or list(CANDIDATES)
     unknown = set(names) - set(CANDIDATES)
     if unknown:
@@ -476,6 +492,8 @@ def run_check(out: Path, device: str = "cuda", models: list[str] | None = None, 
     print(f"gpu_check: {info.get('gpu', device)}, torch {info['torch']} (CUDA {info.get('cuda_build')})", flush=True)
     set_tf32(False)
     cases = build_cases(models, quick=quick)
+    if resume:
+        restore(out, cases)
     dev_models = {m: unroll.load(m).to(device) for m in models}
     order = sorted(names, key=lambda n: (CANDIDATES[n].phase, list(CANDIDATES).index(n)))
     deadline = start + budget_s
@@ -501,6 +519,20 @@ def run_check(out: Path, device: str = "cuda", models: list[str] | None = None, 
     return cases
 
 
+def restore(out: Path, cases: list[Case]) -> None:
+    """Rows of the previous run in ``out`` back into ``cases``; an ``unfinished`` row is the candidate that crashed."""
+    path = out / f"{STEM}.json"
+    if not path.exists():
+        return
+    done = {(c["model"], c["case"]): c["rows"] for c in json.loads(path.read_text())["cases"]}
+    for case in cases:
+        for row in done.get((case.model, case.label), []):
+            if row.get("status") == "unfinished":
+                row = {**row, "status": "error", "reason": "the process died while this candidate built or ran "
+                       "(a crash in native code; the run's log has the trace)"}
+            case.rows[row["candidate"]] = row
+
+
 def _run_all(order: list[str], cases: list[Case], dev_models: dict, device: str, out: Path, info: dict,
              start: float, budget_s: float, warmup: int, repeats: int, time_per_candidate_s: float) -> None:
     """Every candidate on every case, phase by phase; results rewritten after each (and marked before it)."""
@@ -509,6 +541,8 @@ def _run_all(order: list[str], cases: list[Case], dev_models: dict, device: str,
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
         for cand in order:
             for case in cases:
+                if cand in case.rows:  # restored from the run this one resumes
+                    continue
                 left = budget_s - (time.perf_counter() - start)
                 need = AUTOTUNE_RESERVE_S if cand == "compile-max-autotune" else 0.0
                 if left <= need:
@@ -535,16 +569,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder (default: benchmarks/results)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (skips with the reason when absent); cpu: a dry run of the same code")
-    p.add_argument("--models", default="csc-denoiser,sdnet-mnist", help="comma-separated registered models")
+    p.add_argument("--models", default=None, help="comma-separated registered models (default: those with weights)")
     p.add_argument("--candidates", default=",".join(CANDIDATES), help="comma-separated, of: " + ", ".join(CANDIDATES))
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--repeats", type=int, default=300, help="timed calls per candidate (at most)")
     p.add_argument("--time-per-candidate", type=float, default=2.0, help="seconds of timed calls per candidate")
     p.add_argument("--budget-s", type=float, default=420.0, help="whole run; later candidates are skipped past it")
     p.add_argument("--quick", action="store_true", help="one case per model (256², batch 1)")
+    p.add_argument("--resume", action="store_true", help="keep the rows already in --out; measure the rest")
     a = p.parse_args(argv)
-    run_check(a.out, a.device, [m for m in a.models.split(",") if m], [c for c in a.candidates.split(",") if c],
-              a.warmup, a.repeats, a.time_per_candidate, a.budget_s, a.quick)
+    run_check(a.out, a.device, [m for m in (a.models or "").split(",") if m], [c for c in a.candidates.split(",") if c],
+              a.warmup, a.repeats, a.time_per_candidate, a.budget_s, a.quick, a.resume)
     return 0
 
 

@@ -30,6 +30,8 @@ from unroll.benchmarks.common import demo_model, machine_info, write_results
 from unroll.benchmarks.soak import start_serve, stop_serve
 from unroll.serving.triton import proc_stats
 
+from unroll import tasks
+
 GIB = 1024 ** 3
 MIB = 1024 ** 2
 #: The targets (issue "first contact", memory): 4 GiB peak for 20 maximum-size requests, back within 500 MiB.
@@ -121,7 +123,7 @@ def run(requests: int = 20, max_pixels: int = 2048 * 2048, settle_s: float = 8.0
         peak_limit_bytes: int = PEAK_LIMIT_BYTES, return_limit_bytes: int = RETURN_LIMIT_BYTES,
         out: Path | None = None, log=print) -> dict:
     """Measure (module docstring); returns the results and writes them into ``out`` unless it is ``None``."""
-    model = demo_model("denoising")
+    model = demo_model(tasks.DENOISING)
     body = noisy_photo(max_pixels)
     with tempfile.TemporaryDirectory(prefix="unroll-memory-") as tmp:
         os.environ.pop("UNROLL_MAX_PIXELS", None)

@@ -1,23 +1,14 @@
 """The engines, one model at a time: PyTorch eager vs torch.compile vs ONNX Runtime FP32 / FP16 / INT8.
 
-Every registered model at a few batch sizes (classifiers, blocks) or image sizes (denoisers), on
-real inputs from its card's data, with the same thread count for every engine, warm-up, median of
-repeats, and ratios to PyTorch eager from the same run. ONNX graphs come from ``ONNX_DIR/NAME.onnx``
-(exported when missing or stale); the FP16/INT8 graphs are used where ``unroll quantize`` left them
-(and are newer than the FP32 graph). Scaling: the trained denoiser's latency vs pixel count (128² …
-1024², fitted power law ``ms ∝ pixels^k``) and the trained classifier's throughput vs batch size. The
-precision table puts ONNX Runtime FP32/FP16/INT8 speed beside the accuracy figures of the
-quantization reports. Which models are "the trained ones" comes from the registry (committed weights).
-
-``--device cuda`` (:func:`run_cuda`, section "CUDA" below): PyTorch eager and torch.compile on the GPU vs ONNX
-Runtime's CUDA provider, FP32/FP16 at batch 1 and 64, and the FP16/INT8 gates with the candidate on the GPU;
-the rows it runs and the ones it skips (with the reason) come from :func:`cuda_plan` and a real probe of the
-machine (:func:`cuda_environment`). Nothing is written when nothing could be measured.
+Every registered model at a few batch or image sizes, on real inputs from its card's data, with one thread count,
+warm-up, median of repeats and ratios to PyTorch eager from the same run; plus the denoiser's latency vs pixel count,
+the classifier's throughput vs batch size, and ONNX Runtime's speed per precision beside the quantization reports'
+accuracy. ``--device cuda`` (:func:`run_cuda`) runs the GPU rows that :func:`cuda_plan` and a real probe allow, and
+writes nothing when nothing could be measured.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -38,6 +29,10 @@ from unroll.benchmarks.common import (
     trained_models,
     write_results,
 )
+from unroll.pipeline import quantize_stage
+
+from unroll import artifacts, pipeline, tasks
+from unroll.errors import BenchError
 
 ENGINES = ("pytorch eager", "torch.compile", "onnxruntime fp32", "openvino fp32", "onnxruntime fp16",
            "onnxruntime int8")
@@ -61,7 +56,7 @@ QUICK = {"batches": (1, 4), "denoise_sizes": (64,), "scaling_sides": (64, 96, 12
 
 def lam_default(name: str, onnx_dir: Path) -> float | None:
     """The λ a served request gets by default: the exported card's (the first solver layer's trained λ)."""
-    path = Path(onnx_dir) / f"{name}.onnx"
+    path = artifacts.graph(name, onnx_dir=onnx_dir)
     if not path.exists():
         return None
     card = exported_card(name, onnx_dir)
@@ -96,9 +91,10 @@ def case_inputs(name: str, case: int, lam: float | None = None) -> dict[str, tor
 
     spec = get_spec(name)
     card = spec.card
-    if spec.task == "denoising":
+    task = tasks.get(spec.task)
+    if task.data == "noisy":
         return noisy_image(name, case)
-    if spec.task == "classification":
+    if task.logits:
         feeds = {card.input.name: ex.image_batch(spec, case)}
         if card.lam is not None and lam is not None:
             feeds[card.lam.input] = torch.full((case,), lam)
@@ -125,7 +121,7 @@ def cases_for(name: str, quick: bool = False) -> list[tuple[str, int]]:
     from unroll.registry import get_spec
 
     spec = get_spec(name)
-    if spec.task == "denoising":
+    if tasks.get(spec.task).data == "noisy":
         return [(f"{s}×{s}", s) for s in (QUICK["denoise_sizes"] if quick else DENOISE_SIZES)]
     if quick:
         batches = QUICK["batches"]
@@ -142,7 +138,7 @@ def torch_call(model: torch.nn.Module, name: str, feeds: dict[str, torch.Tensor]
 
     card = get_spec(name).card
     x = feeds[card.input.name]
-    if card.task == "classification":
+    if tasks.get(card.task).logits:
         return partial(model, x, feeds.get(card.lam.input) if card.lam is not None else None)
     if card.sigma is not None:
         return partial(model, x, feeds[card.sigma.input])
@@ -153,27 +149,21 @@ def torch_call(model: torch.nn.Module, name: str, feeds: dict[str, torch.Tensor]
 
 
 def ensure_export(name: str, onnx_dir: Path) -> Path:
-    """``onnx_dir/NAME.onnx``, exported (fused, verified) first when missing or older than the weights."""
-    from unroll.app.serve import stale_reason
-    from unroll.export.onnx_export import export_model
-
-    if stale_reason(name, onnx_dir) is not None:
-        export_model(name, onnx_dir, naive=False)
-    return onnx_dir / f"{name}.onnx"
+    """``onnx_dir/NAME.onnx``, exported (fused, verified) first when the pipeline finds it missing or stale."""
+    pipeline.run(pipeline.plan([name], onnx_dir=onnx_dir), progress=None)
+    return artifacts.graph(name, onnx_dir=onnx_dir)
 
 
 def quantized_graphs(name: str, onnx_dir: Path) -> tuple[dict[str, Path], dict[str, str]]:
-    """FP16/INT8 graphs usable for ``name`` and, for the others, why not (missing or stale)."""
-    fp32 = onnx_dir / f"{name}.onnx"
+    """FP16/INT8 graphs usable for ``name`` and, for the others, why not (missing or stale: the quantize stage's
+    rule, :mod:`unroll.pipeline.quantize_stage`)."""
     ok, why = {}, {}
     for p in QUANTIZED:
-        q = onnx_dir / f"{name}.{p}.onnx"
-        if not q.exists():
-            why[p] = "not quantized"
-        elif fp32.exists() and q.stat().st_mtime < fp32.stat().st_mtime:
-            why[p] = "older than the FP32 export (re-run unroll quantize)"
+        reason = quantize_stage.stale_reason(name, p, onnx_dir)
+        if reason is None:
+            ok[p] = artifacts.graph(name, p, onnx_dir)
         else:
-            ok[p] = q
+            why[p] = reason
     return ok, why
 
 
@@ -188,7 +178,7 @@ def ensure_quantized(onnx_dir: Path, models: list[str] | None = None,
 
     ``models`` defaults to the trained, quantizable ones (:func:`quantizable_models`).
     """
-    from unroll.export.quantize import GateFailed, quantize
+    from unroll.export.quantize import GateFailed
 
     failed = {}
     for name in quantizable_models() if models is None else models:
@@ -197,7 +187,7 @@ def ensure_quantized(onnx_dir: Path, models: list[str] | None = None,
         for p in why:
             log(f"quantizing {name} to {p} ({why[p]})")
             try:
-                quantize(name, p, onnx_dir)
+                pipeline.run(pipeline.plan_graph(name, onnx_dir=onnx_dir, precision=p), progress=None)
             except (GateFailed, ValueError, FileNotFoundError) as e:
                 failed[f"{name}.{p}"] = str(e)
                 log(f"  {name} {p}: {e}")
@@ -205,11 +195,7 @@ def ensure_quantized(onnx_dir: Path, models: list[str] | None = None,
 
 
 def quant_report(name: str, precision: str, onnx_dir: Path) -> dict | None:
-    path = onnx_dir / f"{name}.{precision}.report.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    return artifacts.read_json(artifacts.graph_report(name, precision, onnx_dir))
 
 
 # ----------------------------------------------------------------------------------------------- the benchmark
@@ -295,7 +281,7 @@ def scaling(onnx_dir: Path, threads: int, budget_s: float, quick: bool, status: 
     batch (eager, ORT FP32/INT8). A part whose model the registry lacks is left out, with the reason in ``notes``."""
     out: dict = {}
     notes = {}
-    for task, part in (("denoising", _denoiser_scaling), ("classification", _classifier_scaling)):
+    for task, part in ((tasks.DENOISING, _denoiser_scaling), (tasks.CLASSIFICATION, _classifier_scaling)):
         try:
             name = demo_model(task)
         except NoModel as e:
@@ -377,7 +363,7 @@ def precision_table(rows: list[dict], onnx_dir: Path) -> list[dict]:
 
 
 def run(models: list[str] | None = None, threads: int = 2, budget_s: float = 1.0, with_compile: bool = False,
-        quick: bool = False, onnx_dir: Path = Path("build/onnx"), progress: bool = True,
+        quick: bool = False, onnx_dir: Path = artifacts.ONNX_DIR, progress: bool = True,
         out_dir: Path | None = None, with_scaling: bool = True) -> dict:
     """Benchmark every registered model (or ``models``); write ``models.json|md`` + ``models_scaling.png``."""
     from unroll.registry import list_models
@@ -507,11 +493,11 @@ _NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int
                  torch.bool: np.bool_}
 
 
-class NoCuda(RuntimeError):
+class NoCuda(BenchError):
     """CUDA cannot be used here (the message says why): nothing is measured and nothing is written."""
 
 
-class NothingMeasured(RuntimeError):
+class NothingMeasured(BenchError):
     """Every planned row was skipped or failed: the committed results are left as they are."""
 
 
@@ -566,33 +552,32 @@ class CudaPlan:
 def cuda_environment(device: str = "cuda") -> CudaEnv:
     """Probe this machine for a CUDA run (the probes ``unroll doctor`` runs): CUDA through PyTorch with a kernel
     that really runs, ONNX Runtime's CUDA provider with a session that really takes it, torch.compile's Triton."""
-    from unroll import doctor
+    from unroll import machine as probes
 
     if device == "cpu":
-        ort_c = doctor.guarded("ort-cpu", lambda: doctor.probe_ort_provider("CPUExecutionProvider"))
+        ort_c = probes.guarded("ort-cpu", lambda: probes.probe_ort_provider("CPUExecutionProvider"))
         return CudaEnv("cpu", None, "CPUExecutionProvider", None if ort_c.ok else ort_c.summary, None,
                        {"device": "cpu (dry run of the CUDA benchmark's code)"})
     if device != "cuda":
         raise ValueError(f"device must be cuda (or cpu for a dry run), not {device!r}")
-    cuda = doctor.guarded("cuda", doctor.probe_cuda)
+    cuda = probes.guarded("cuda", probes.probe_cuda)
     if not cuda.ok:
-        return CudaEnv("cuda", f"no usable CUDA here ({cuda.summary})", doctor.CUDA_EP, None, None)
-    ort_c = doctor.guarded("ort-cuda", lambda: doctor.probe_ort_provider(doctor.CUDA_EP))
+        return CudaEnv("cuda", f"no usable CUDA here ({cuda.summary})", probes.CUDA_EP, None, None)
+    ort_c = probes.guarded("ort-cuda", lambda: probes.probe_ort_provider(probes.CUDA_EP))
     tc = cuda.facts.get("torch_compile") or {}
-    smi, drv = doctor.guarded("nvidia-smi", doctor.check_nvidia_smi), doctor.guarded("driver", doctor.probe_driver)
+    smi, drv = probes.guarded("nvidia-smi", probes.check_nvidia_smi), probes.guarded("driver", probes.probe_driver)
     dev = cuda.facts["devices"][0]
     gpus = smi.facts.get("gpus") or []
     import onnxruntime as ort
-    from unroll.app.doctor import ort_distributions
 
     machine = {"gpu": dev["name"], "gpu_memory_gib": dev["memory_gib"], "compute_capability": dev["compute_capability"],
                "gpu_count": len(cuda.facts["devices"]),
                "driver": (gpus[0]["driver_version"] if gpus else None) or drv.facts.get("kernel_module"),
                "cuda_driver_api": drv.facts.get("cuda_driver_api"), "cuda_runtime": cuda.facts["runtime"],
                "cudnn": cuda.facts.get("cudnn"), "torch": torch.__version__, "onnxruntime": ort.__version__,
-               "onnxruntime_wheels": ort_distributions(), "ort_providers": ort.get_available_providers(),
+               "onnxruntime_wheels": probes.ort_distributions(), "ort_providers": ort.get_available_providers(),
                "triton_for_torch_compile": tc.get("triton")}
-    return CudaEnv("cuda", None, doctor.CUDA_EP, None if ort_c.ok else ort_c.summary,
+    return CudaEnv("cuda", None, probes.CUDA_EP, None if ort_c.ok else ort_c.summary,
                    None if tc.get("ok") else tc.get("reason", "torch.compile's GPU backend was not checked"), machine)
 
 
@@ -648,7 +633,7 @@ def cuda_inputs(name: str, batch: int, lam: float | None, quick: bool = False) -
     """Graph-named inputs of ``batch`` samples: :func:`case_inputs`, and for denoisers ``batch`` noisy crops."""
     from unroll.registry import get_spec
 
-    if get_spec(name).task == "denoising":
+    if tasks.get(get_spec(name).task).data == "noisy":
         one = noisy_image(name, CUDA_QUICK["denoise_side"] if quick else CUDA_DENOISE_SIDE)
         return {k: v.expand(batch, *v.shape[1:]).contiguous() for k, v in one.items()}
     return case_inputs(name, batch, lam)
@@ -657,7 +642,7 @@ def cuda_inputs(name: str, batch: int, lam: float | None, quick: bool = False) -
 def cuda_case(name: str, batch: int, quick: bool = False) -> str:
     from unroll.registry import get_spec
 
-    if get_spec(name).task == "denoising":
+    if tasks.get(get_spec(name).task).data == "noisy":
         side = CUDA_QUICK["denoise_side"] if quick else CUDA_DENOISE_SIDE
         return f"batch {batch} × {side}×{side}"
     return f"batch {batch}"
@@ -733,8 +718,8 @@ def _measure_rows(name: str, rows: list[PlanRow], env: CudaEnv, onnx_dir: Path, 
                         fn = base if r.precision == "fp32" else partial(_autocast, base, device)
                     else:
                         if r.precision not in sessions:
-                            graph = f"{name}.onnx" if r.precision == "fp32" else f"{name}.{r.precision}.onnx"
-                            sessions[r.precision] = device_session(onnx_dir / graph, env, threads)
+                            graph = artifacts.graph(name, r.precision, onnx_dir)
+                            sessions[r.precision] = device_session(graph, env, threads)
                         fn = _bound_call(sessions[r.precision], feeds, device)
                         sync()  # the bound inputs are written (ONNX Runtime computes on a stream of its own)
 
@@ -777,7 +762,7 @@ def device_gate(name: str, precision: str, env: CudaEnv, onnx_dir: Path, threads
 
     from unroll.card import from_onnx
 
-    fp32, cand = onnx_dir / f"{name}.onnx", onnx_dir / f"{name}.{precision}.onnx"
+    fp32, cand = artifacts.graph(name, onnx_dir=onnx_dir), artifacts.graph(name, precision, onnx_dir)
     card = from_onnx(fp32)
     cases = gate.gate_cases(card)
     refs = gate.reference_outputs(cases, gate.onnxruntime_run(fp32, card.output, threads))
@@ -792,7 +777,7 @@ def device_gate(name: str, precision: str, env: CudaEnv, onnx_dir: Path, threads
 
 
 def run_cuda(models: list[str] | None = None, budget_s: float = 1.0, with_compile: bool = True, quick: bool = False,
-             threads: int = 2, onnx_dir: Path = Path("build/onnx"), out_dir: Path | None = None,
+             threads: int = 2, onnx_dir: Path = artifacts.ONNX_DIR, out_dir: Path | None = None,
              progress: bool = True, env: CudaEnv | None = None) -> dict:
     """Run :func:`cuda_plan` on this machine's GPU; write ``models_cuda.json|md`` in ``out_dir`` when given.
 

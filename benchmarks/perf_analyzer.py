@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from unroll.errors import BenchError
+
 ROOT = Path(__file__).resolve().parent.parent
 SETUP = "bash scripts/perf_analyzer_setup.sh"
 #: Where ``scripts/perf_analyzer_setup.sh`` puts its virtualenv and the wrapper that sets LD_LIBRARY_PATH.
@@ -49,7 +51,7 @@ CLIENT_COLUMNS = {"Client Send": "client_send_ms", "Network+Server Send/Recv": "
 PERCENTILES = ("p50", "p90", "p95", "p99")
 
 
-class PerfAnalyzerError(RuntimeError):
+class PerfAnalyzerError(BenchError):
     """``perf_analyzer`` is missing, failed, or wrote no report; the message says which (and how to set it up)."""
 
 

@@ -31,6 +31,7 @@ from unroll.benchmarks.common import (
     write_results,
 )
 
+from unroll import artifacts, pipeline, tasks
 from unroll.metrics import psnr
 
 SIGMAS = (15.0, 25.0, 50.0)
@@ -105,7 +106,7 @@ def _images(card, quick: bool, images: tuple[str, ...] | None) -> dict[str, np.n
 
 
 def run_denoise(threads: int = 2, sigmas: tuple[float, ...] = SIGMAS, quick: bool = False,
-                images: tuple[str, ...] | None = None, with_bm3d: bool = True, onnx_dir: Path = Path("build/onnx"),
+                images: tuple[str, ...] | None = None, with_bm3d: bool = True, onnx_dir: Path = artifacts.ONNX_DIR,
                 progress: bool = True, out_dir: Path | None = None) -> dict:
     """PSNR/SSIM and wall time per image for every method on the same noisy images."""
     from skimage.metrics import structural_similarity
@@ -114,7 +115,7 @@ def run_denoise(threads: int = 2, sigmas: tuple[float, ...] = SIGMAS, quick: boo
     from unroll.registry import get_spec
 
     onnx_dir = Path(onnx_dir)
-    model = demo_model("denoising")
+    model = demo_model(tasks.DENOISING)
     card = get_spec(model).card
     if quick:
         sigmas = tuple(s for s in sigmas if s in QUICK["sigmas"]) or QUICK["sigmas"]
@@ -240,18 +241,15 @@ def _auto_lam(session, card, x: np.ndarray) -> np.ndarray:
     return np.concatenate([session.run(None, {card.input.name: x[i:i + BATCH]})[0] for i in range(0, len(x), BATCH)])
 
 
-def _lam_rule(name: str, card, onnx_dir: Path, fp32: Path, threads: int):
-    """A session of the card's λ-rule graph (``card.lam.auto``), exported when missing or older than the model."""
-    from unroll.export.onnx_export import export_auto_lam
-
-    path = onnx_dir / f"{card.lam.auto}.onnx"
-    if not path.exists() or path.stat().st_mtime < fp32.stat().st_mtime:
-        export_auto_lam(name, onnx_dir)
-    return ort_session(path, threads)
+def _lam_rule(name: str, card, onnx_dir: Path, threads: int):
+    """A session of the card's λ-rule graph (``card.lam.auto``), exported first when the pipeline finds the model's
+    graphs missing or stale."""
+    pipeline.run(pipeline.plan([name], onnx_dir=onnx_dir), progress=None)
+    return ort_session(artifacts.graph(card.lam.auto, onnx_dir=onnx_dir), threads)
 
 
 def run_classify(threads: int = 2, quick: bool = False, noise: tuple[float, ...] = NOISE_SIGMAS,
-                 onnx_dir: Path = Path("build/onnx"), progress: bool = True, out_dir: Path | None = None) -> dict:
+                 onnx_dir: Path = artifacts.ONNX_DIR, progress: bool = True, out_dir: Path | None = None) -> dict:
     """The trained classifier's accuracy per precision, clean and noisy, λ fixed vs λ auto (where its card has one)."""
     from unroll.benchmarks.models_bench import lam_default
 
@@ -259,12 +257,12 @@ def run_classify(threads: int = 2, quick: bool = False, noise: tuple[float, ...]
     from unroll.registry import get_spec
 
     onnx_dir = Path(onnx_dir)
-    name = demo_model("classification")
+    name = demo_model(tasks.CLASSIFICATION)
     spec = get_spec(name)
     card = spec.card
     graphs, missing = _graphs(name, onnx_dir)
     has_auto = card.lam is not None and card.lam.auto is not None
-    auto = _lam_rule(name, card, onnx_dir, graphs["fp32"], threads) if has_auto else None
+    auto = _lam_rule(name, card, onnx_dir, threads) if has_auto else None
     sessions = {p: ort_session(graphs[p], threads) for p in PRECISIONS if p in graphs}
     x, y = data.dataset(card.data.test).load()
     if y is None:
@@ -339,7 +337,7 @@ def markdown_classify(payload: dict) -> str:
     return "\n".join(lines)
 
 
-def run(threads: int = 2, quick: bool = False, with_bm3d: bool = True, onnx_dir: Path = Path("build/onnx"),
+def run(threads: int = 2, quick: bool = False, with_bm3d: bool = True, onnx_dir: Path = artifacts.ONNX_DIR,
         progress: bool = True, out_dir: Path | None = None) -> dict:
     """Both quality benchmarks; returns ``{"denoise": …, "classify": …}``."""
     return {"denoise": run_denoise(threads, quick=quick, with_bm3d=with_bm3d, onnx_dir=onnx_dir, progress=progress,

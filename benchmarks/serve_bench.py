@@ -1,28 +1,11 @@
 """The serving path under load: in-process ONNX Runtime vs Triton (HTTP, gRPC) vs the REST gateway.
 
-A closed-loop load generator (one thread per in-flight request, each with its own client) drives a
-concurrency sweep for a fixed duration per level, on real inputs of the trained demo models (the
-registered models with committed weights, one per task: see ``unroll.benchmarks.common.demo_model``):
-the classifier's test samples (its card's data), and the denoiser's held-out images resized to 256²
-and 512² with σ = 25 noise. Input names, λ/σ inputs and the λ-rule graph come from the cards.
-Per level it records the client's throughput and latency percentiles and the errors; for the Triton
-and gateway paths also the server's own split from Triton's statistics API (queue, compute input,
-infer, output — deltas of ``/v2/models/NAME/stats`` around the level) and the average batch size
-Triton formed. The gateway's share is its latency minus Triton-direct gRPC (the protocol the gateway
-uses) at the same level. Then dynamic batching on (the main repository) vs off (a second Triton on a
-repository with ``max_batch_size: 1`` and no ``dynamic_batching``) at one concurrency, in interleaved
-rounds (on, off, on, off, …) so that load drifting on a shared machine hits both alike; the speed-up
-is the median of the rounds' ratios (single runs of 5 s ranged 1.3–1.8× here).
-
-Triton direct is also measured by Triton's own client, ``perf_analyzer`` (:mod:`unroll.benchmarks.perf_analyzer`;
-set up by ``scripts/perf_analyzer_setup.sh``, reported missing with that command when absent), on the same real
-inputs, with its per-stage server split; it then drives the batching rounds and a queue-delay comparison (the
-repository default vs :data:`COMPARE_QUEUE_DELAYS_US` at concurrency 1 and the batching level). ONNX Runtime's
-in-process batched ceiling (best batch size, same threads) is the yardstick for Triton's throughput. The targets
-(:func:`targets`) are ratios from this one run.
-
-Everything runs on the same machine as the client, so client, gateway and Triton share its cores:
-the numbers answer "what does this box serve", not "what does the server do on idle cores".
+A closed-loop load generator sweeps concurrency levels on real inputs of the trained demo models and records
+throughput, latency percentiles, errors and Triton's own per-stage split and batch sizes; Triton direct is also
+measured with ``perf_analyzer`` (:mod:`unroll.benchmarks.perf_analyzer`). Dynamic batching on vs off runs in
+interleaved rounds (the median ratio), so load drifting on a shared machine hits both alike. The targets
+(:func:`targets`) are ratios within one run; client, gateway and Triton share the machine's cores, so the numbers
+say what this box serves.
 """
 
 from __future__ import annotations
@@ -51,13 +34,16 @@ from unroll.benchmarks.common import (
     write_results,
 )
 
+from unroll import artifacts, pipeline, tasks
+from unroll.errors import BenchError  # a server could not be started or reached (re-exported for callers)
+
 PATHS = ("onnxruntime", "triton-http", "triton-grpc", "gateway")
 PATH_LABELS = {"onnxruntime": "in-process ONNX Runtime", "triton-http": "Triton HTTP", "triton-grpc": "Triton gRPC",
                "gateway": "gateway (HTTP, PNG)"}
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32)
 DEFAULT_DENOISE_CONCURRENCY = (1, 4)
 DEFAULT_DENOISE_SIZES = (256, 512)
-#: The denoiser sweeps skip Triton HTTP (gRPC stands for "Triton direct"): 512² requests take ~0.6 s each.
+#: The denoiser sweeps skip Triton HTTP (gRPC stands for "Triton direct"): large-image requests are slow.
 DENOISE_PATHS = ("onnxruntime", "triton-grpc", "gateway")
 DENOISE_SIGMA = 25.0
 CLASSIFY_SAMPLES = 256
@@ -75,10 +61,6 @@ CEILING_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 #: Queue delays (µs) compared with the default (serving/repository.py) at concurrency 1 and the batching level.
 COMPARE_QUEUE_DELAYS_US = (500,)
 MAX_ERROR_SAMPLES = 3
-
-
-class BenchError(RuntimeError):
-    """A server could not be started or reached; the message says which and why."""
 
 
 # ----------------------------------------------------------------------------------------------- workloads
@@ -116,7 +98,7 @@ def served_models() -> Served:
     from unroll.registry import get_spec
 
     try:
-        classifier, denoiser = demo_model("classification"), demo_model("denoising")
+        classifier, denoiser = demo_model(tasks.CLASSIFICATION), demo_model(tasks.DENOISING)
     except NoModel as e:
         raise BenchError(str(e)) from None
     lam = get_spec(classifier).card.lam
@@ -415,10 +397,11 @@ def write_repositories(onnx_dir: Path, root: Path, served: Served) -> tuple[Path
     """
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2 as mc
-    from unroll.app.serve import ensure_onnx
-    from unroll.serving.repository import validate_model, write_repository
+    from unroll.serving.repository import write_repository
+    from unroll.serving.repository_check import validate_model
 
-    ensure_onnx(onnx_dir, [served.classifier, served.denoiser])  # registered models; companions come along
+    # export what is missing or stale (registered models; companions come along)
+    pipeline.run(pipeline.plan([served.classifier, served.denoiser], onnx_dir=onnx_dir))
     on, off = root / "batching", root / "no-batching"
     write_repository("cpu", list(served.triton_models), on, onnx_dir=onnx_dir)
     write_repository("cpu", [served.classifier], off, onnx_dir=onnx_dir, max_batch_size=1)
@@ -429,7 +412,7 @@ def write_repositories(onnx_dir: Path, root: Path, served: Served) -> tuple[Path
     cfg.ClearField("dynamic_batching")
     path.write_text(header + "# unroll bench serve: dynamic batching removed (max_batch_size 1, default scheduler).\n"
                     + text_format.MessageToString(cfg))
-    validate_model(off / served.classifier, reference_onnx=onnx_dir / f"{served.classifier}.onnx")
+    validate_model(off / served.classifier, reference_onnx=artifacts.graph(served.classifier, onnx_dir=onnx_dir))
     write_floor_model(off, on / served.classifier / "config.pbtxt")
     return on, off
 
@@ -698,7 +681,7 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
         denoise_concurrency: tuple[int, ...] = DEFAULT_DENOISE_CONCURRENCY, batching_concurrency: int = 16,
         batching_rounds: int = 3, paths: tuple[str, ...] = PATHS, url: str | None = None,
         triton_url: str | None = None,
-        triton_grpc_url: str | None = None, onnx_dir: Path = Path("build/onnx"), threads: int = 2,
+        triton_grpc_url: str | None = None, onnx_dir: Path = artifacts.ONNX_DIR, threads: int = 2,
         classify_samples: int = CLASSIFY_SAMPLES, progress: bool = True, out_dir: Path | None = None,
         log: Callable[[str], None] = print,
         perf_analyzer_concurrency: tuple[int, ...] = PERF_ANALYZER_CONCURRENCY,
@@ -776,7 +759,7 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
                 servers.gateway = url.rstrip("/")
                 servers.gateway_protocol = "unknown (attached)"
                 _wait_ready(servers.gateway + "/readyz", 10)
-        sessions = {m: ort_session(onnx_dir / f"{m}.onnx", threads, spinning=INTRA_OP_SPINNING)
+        sessions = {m: ort_session(artifacts.graph(m, onnx_dir=onnx_dir), threads, spinning=INTRA_OP_SPINNING)
                     for m in (served.classifier, served.denoiser)}
         payload["servers"] = {"triton_http": servers.triton_http, "triton_grpc": servers.triton_grpc,
                               "gateway": servers.gateway, "started_triton": servers.started_triton,

@@ -1,24 +1,10 @@
 """``unroll bench soak``: traffic through a real ``unroll serve`` while parts of Triton are killed.
 
-One ``unroll serve`` subprocess (the supervised Triton and the gateway, the trained demo models, spare
-ports, everything under a temporary folder) goes through two phases:
-
-1. **backend process killed** (issue 22, :mod:`unroll.benchmarks.soak_stub`): 4 clients in closed loop
-   denoise a noisy 512×512 image; after 3 s the denoiser's Python-backend stub is killed with SIGKILL
-   (Triton 2.45 used to die of that with SIGSEGV: see :mod:`unroll.serving.supervisor`). The phase ends once
-   20 requests started after the last failure have succeeded.
-2. **tritonserver killed**: ``requests`` mixed requests from ``concurrency`` clients in closed loop:
-   classifications (trained λ and ``lam=auto``), denoisings of small noisy crops, and ``/v1/models``. When
-   half of them have been sent, ``tritonserver`` is killed with SIGKILL.
-
-What is recorded: every response's status, how long 503s went on after each kill, and, after ``unroll
-serve`` is stopped, whether any process or ``/dev/shm`` region of any of its Triton servers is left.
-
-A request is *lost* when it neither succeeded nor got the documented 503 (Triton unavailable, with
-Retry-After): a 5xx of another kind, a timeout or a dropped connection. The run passes when no request of
-either phase is lost, traffic went on after each recovery (phase 2: at least a tenth of the requests started
-after the last 503, and all of those succeeded), the last 503 of phase 1 came at most
-``soak_stub.TARGET_503_S`` (3 s) after its kill, and nothing is left behind.
+Phase 1 (:mod:`unroll.benchmarks.soak_stub`) kills the denoiser's Python-backend stub under denoise load; phase 2
+kills ``tritonserver`` under mixed traffic. A request is *lost* when it neither succeeded nor got the documented 503
+with ``Retry-After``. The run passes when nothing is lost, traffic goes on after each recovery, phase 1's 503s end
+within ``soak_stub.TARGET_503_S`` of its kill, and no process or ``/dev/shm`` region is left behind. The README's
+soak paragraph is generated from the results (:func:`readme_paragraph`).
 """
 
 from __future__ import annotations
@@ -43,6 +29,8 @@ import numpy as np
 from unroll.benchmarks import soak_stub
 from unroll.benchmarks.common import RESULTS, demo_model, machine_info, png_bytes
 from unroll.serving.triton import SHM_DIR, free_ports, group_members, processes_with, shm_regions
+
+from unroll import artifacts, tasks
 
 READY_TIMEOUT_S = 300.0
 #: How long processes of the stopped server may take to disappear before they count as left behind.
@@ -113,7 +101,7 @@ def _still_there(pids: set[int], grace_s: float) -> dict[str, str]:
 def start_serve(root: Path, models: list[str], log: Callable[[str], None]) -> ServeProcess:
     """``python -m unroll.app.serve`` from ``root`` (its build/ and repository go there) on spare ports."""
     port, http, grpc, metrics = free_ports(4)
-    repo = root / "model_repository"
+    repo = root / artifacts.REPOSITORY_DIR.name
     env = {k: v for k, v in os.environ.items() if not k.startswith("UNROLL_")}
     env["PYTHONUNBUFFERED"] = "1"
     cmd = [sys.executable, "-m", "unroll.app.serve", "--models", ",".join(models), "--port", str(port),
@@ -219,7 +207,7 @@ def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = Pa
 
     ``stub_phase``: run phase 1 (the denoiser's backend process killed) before the mixed traffic."""
     log = progress or (lambda m: None)
-    classifier, denoiser = demo_model("classification"), demo_model("denoising")
+    classifier, denoiser = demo_model(tasks.CLASSIFICATION), demo_model(tasks.DENOISING)
     root = Path(tempfile.mkdtemp(prefix="unroll-soak-")).resolve()
     t_start = time.perf_counter()
     s = start_serve(root, [classifier, denoiser], log)
@@ -250,7 +238,7 @@ def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = Pa
     payload = {
         "machine": machine_info(threads=2),
         "requests": requests, "concurrency": concurrency, "mix": {**MIX, "models": round(1 - sum(MIX.values()), 2)},
-        "models": {"classification": classifier, "denoising": denoiser},
+        "models": {tasks.CLASSIFICATION: classifier, tasks.DENOISING: denoiser},
         "kill": {"at_request": requests // 2, "signal": "SIGKILL", "target": "tritonserver"},
         "status_counts": dict(Counter(str(r["status"]) for r in results)),
         "error_codes": dict(Counter(r["code"] for r in results if r["code"])),
@@ -292,7 +280,7 @@ def markdown(p: dict) -> str:
         *(soak_stub.markdown(stub) if stub else []),
         *([f"## Phase 2: {p['requests']:,} mixed requests at concurrency {p['concurrency']}, tritonserver killed "
            f"(SIGKILL) at request {p['kill']['at_request']:,}", ""] if stub else []),
-        f"Models: {p['models']['classification']} (trained λ and lam=auto), {p['models']['denoising']} (64×64 "
+        f"Models: {p['models'][tasks.CLASSIFICATION]} (trained λ and lam=auto), {p['models'][tasks.DENOISING]} (64×64 "
         "crops, σ=25), and /v1/models.",
         "",
         "| status | requests |", "|---|---|", rows, "",

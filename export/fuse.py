@@ -1,26 +1,10 @@
 """``unroll fuse``: rewrite the textbook shrinkage and step-size forms of a graph unroll did not write.
 
-A graph exported from someone else's ISTA/FISTA/LISTA code computes its soft thresholds the way papers
-write them — ``sign(v)·relu(|v| − θ)``, ``where(|v| > θ, v − sign(v)·θ, 0)``, … — and multiplies step
-sizes into weights at run time (``η·W``). This module rewrites those forms into the ones unroll's own
-export writes (:mod:`unroll.solvers.shrink`), with onnxscript's pattern rewriter
-(``onnxscript.rewriter.pattern``: each form is a target pattern, a replacement and a condition):
-
-* signed soft threshold → ``v − clip(v, −θ, θ)`` (2 nodes) when θ is one constant number, else
-  ``v − min(max(v, −θ), θ)`` (3 nodes, ``−θ`` folded; 4 with a ``Neg`` when θ is computed at run time);
-* ``max(v − θ, 0)`` / ``clip(v − θ, 0)`` → ``relu(v − θ)``; ``relu(soft(v, θ))`` → ``relu(v − θ)`` (θ ≥ 0);
-* ``η·W`` (and ``W / L``) with both constant → one folded initializer; ``Cast``/``Neg`` of a constant →
-  the constant (``torch.onnx`` wraps thresholds in casts); ``Constant`` nodes → initializers.
-
-Forms that are already fused (``relu(v − θ) − …`` excepted: it is rewritten to the shorter clip form)
-are counted, not touched. A rewrite is taken only when its condition proves it exact: equal thresholds
-on both branches, a zero that really is zero, a constant θ that is non-negative. A threshold computed
-at run time (a λ input) is assumed non-negative and the report says so. Anything else — remaining
-``Sign``/``Abs``/``Where``/comparison nodes — is left alone and listed in the report, never guessed at.
-
-The rewritten graph is checked (ONNX checker, shape inference) and run against the input graph with
-ONNX Runtime on random inputs at export's tolerance (max abs 1e-4, norm-wise rel 1e-5) before anything
-is written; ``OUT.report.json`` lists each rewrite with its count, nodes before/after and the parity.
+Papers' soft thresholds (``sign(v)·relu(|v| − θ)``, ``where(|v| > θ, v − sign(v)·θ, 0)``, …) become the fused forms
+unroll's own export writes (:mod:`unroll.solvers.shrink`: ``v − clip(v, −θ, θ)``, ``relu(v − θ)``), and constant
+step sizes are folded into weights, with onnxscript's pattern rewriter. A rewrite is taken only when its condition
+proves it exact; anything else is left alone and listed in the report, never guessed at. The result is checked
+against the input graph with ONNX Runtime before it is written; ``OUT.report.json`` lists every rewrite.
 """
 
 from __future__ import annotations
@@ -30,6 +14,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,8 +25,11 @@ import onnxruntime as ort
 import onnxscript
 from onnx_ir.passes.common import LiftConstantsToInitializersPass, RemoveUnusedNodesPass
 from onnxscript.rewriter import pattern
+from unroll.export.card_attach import check_card_fits, load_card_file
 
+from unroll import artifacts
 from unroll.card import CARD_KEY, CardError, ModelCard, from_onnx, write_to_onnx
+from unroll.errors import ExportError
 
 #: Export's parity tolerance (unroll.export.onnx_export.MAX_ABS_ERR / MAX_REL_ERR).
 MAX_ABS_ERR = 1e-4
@@ -52,7 +40,7 @@ SUSPECT_OPS = ("Sign", "Abs", "Where", "Greater", "Less", "GreaterOrEqual", "Les
 DEFAULT_BATCH, DEFAULT_DIM = 1, 16
 
 
-class FuseError(ValueError):
+class FuseError(ExportError, ValueError):
     """The graph cannot be fused safely (unreadable, or the rewrite changed its outputs); nothing is written."""
 
 
@@ -61,81 +49,6 @@ class FuseResult:
     onnx_path: Path
     report_path: Path
     report: dict
-
-
-# ---------------------------------------------------------------------------------------------- cards
-
-
-def load_card_file(path: str | Path, name: str) -> ModelCard:
-    """A :class:`ModelCard` from a JSON file, named ``name`` (the ONNX file stem, which Triton serves it as).
-
-    A card without ``name`` gets ``name``; one with another name is an error (the model would be served
-    under a name its card does not have).
-    """
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise CardError(f"--card {path}: cannot read it ({e.strerror or e})") from None
-    except ValueError as e:
-        raise CardError(f"--card {path}: not JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise CardError(f"--card {path}: a card is a JSON object, not {type(data).__name__}")
-    if data.setdefault("name", name) != name:
-        raise CardError(f"--card {path}: the card is named {data['name']!r} but the graph is {name!r} (its file "
-                        "stem, the name Triton serves it under); fix the card's name or rename the file")
-    data.update(origin="file", origin_file=path.name)  # messages asking for a field name it in this file
-    return ModelCard.from_json(json.dumps(data), f"--card {path}")
-
-
-def check_card_fits(model: onnx.ModelProto, card: ModelCard, where: str = "--card") -> None:
-    """The card's input/output names must be the graph's (every later stage feeds the graph by them)."""
-    inits = {i.name for i in model.graph.initializer}
-    ins = [i.name for i in model.graph.input if i.name not in inits]
-    outs = [o.name for o in model.graph.output]
-    missing = [n for n in card.input_names if n not in ins]
-    if missing:
-        raise CardError(f"{where}: the card names input(s) {missing} but the graph's inputs are {ins}")
-    extra = [n for n in ins if n not in card.input_names]
-    if extra:
-        raise CardError(f"{where}: the graph has input(s) {extra} that the card does not declare "
-                        f"(card inputs: {card.input_names})")
-    if card.output not in outs:
-        raise CardError(f"{where}: the card's output {card.output!r} is not a graph output ({outs})")
-
-
-def attach_card(onnx_path: str | Path, card_file: str | Path, name: str | None = None) -> ModelCard:
-    """Write the card in ``card_file`` into ``onnx_path`` (replacing any card there); returns it.
-
-    ``name`` defaults to the file stem up to its first dot (``m.fp16.onnx`` → ``m``). The card is validated
-    and checked against the graph's input/output names before the file is rewritten (atomically).
-    """
-    onnx_path = Path(onnx_path)
-    name = name or onnx_path.name.split(".")[0]
-    card = load_card_file(card_file, name)
-    model = onnx.load(str(onnx_path))
-    check_card_fits(model, card, f"--card {card_file}")
-    write_to_onnx(model, card)
-    tmp = onnx_path.with_name(onnx_path.name + ".tmp")
-    onnx.save(model, str(tmp))
-    os.replace(tmp, onnx_path)
-    return card
-
-
-def attach_card_where_present(onnx_paths: list[Path], card_file: str | Path | None,
-                              name: str | None = None) -> ModelCard | None:
-    """``--card`` plumbing for quantize/build/repo: attach ``card_file`` (named ``name``) to each of
-    ``onnx_paths`` that exists (the FP32 graph and its quantized ones)."""
-    if card_file is None:
-        return None
-    card = None
-    for p in dict.fromkeys(Path(p) for p in onnx_paths):
-        if p.exists():
-            card = attach_card(p, card_file, name)
-    return card
-
-
-NO_CARD_HINT = "or attach a card to it with --card FILE (JSON of an unroll ModelCard)"
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -203,7 +116,8 @@ class _Names:
 
 
 def _soft(op, v: ir.Value, t: ir.Value, names: _Names):
-    """The fused signed soft threshold with the fewest nodes for this θ (see the module docstring)."""
+    """The fused signed soft threshold with the fewest nodes for this θ: ``v − clip(v, −θ, θ)`` for one constant
+    number, else ``v − min(max(v, −θ), θ)`` (with a ``Neg`` when θ is computed at run time)."""
     c = _const(t)
     if c is not None:
         rank = _rank(v)
@@ -238,7 +152,11 @@ def _rules(names: _Names, runtime_theta: list[str], kept_hits: dict[str, set[int
             runtime_theta.append(t.name or "?")
         return _soft(op, v, t, names)
 
-    # ---- constants
+    return [_constant_rules(names), _kept_rules(kept_hits), _signed_rules(soft), _nonneg_rules()]
+
+
+def _constant_rules(names: _Names) -> list[_Rule]:
+    """Constants folded: ``η·W``, ``W / L``, casts and negations of constants (step sizes into weights)."""
     def const_binary(op, a, b, out, **_):
         return _const(a) is not None and _const(b) is not None
 
@@ -276,8 +194,11 @@ def _rules(names: _Names, runtime_theta: list[str], kept_hits: dict[str, set[int
               pattern.RewriteRule(lambda op, a: op.Neg(a, _outputs=["out"]), fold_neg, const_unary,
                                   name="neg_const")),
     ]
+    return constants
 
-    # ---- signed soft threshold
+
+def _signed_rules(soft: Callable[..., ir.Value]) -> list[_Rule]:
+    """The textbook signed soft thresholds, each rewritten by ``soft`` into the fused form (when exact)."""
     def cond_theta(context, v, t, **_):
         return _ok_theta(t)
 
@@ -336,8 +257,11 @@ def _rules(names: _Names, runtime_theta: list[str], kept_hits: dict[str, set[int
               pattern.RewriteRule(lambda op, v, lo, hi: op.Sub(v, op.Min(op.Max(v, lo), hi)), minmax,
                                   cond_minmax_scalar, name="minmax_scalar")),
     ]
+    return signed
 
-    # ---- already fused (counted only: the replacement records the match and declines)
+
+def _kept_rules(kept_hits: dict[str, set[int]]) -> list[_Rule]:
+    """Forms already fused, counted only (the replacement records the match in ``kept_hits`` and declines)."""
     def counter(key: str):
         def record(op, out, **_):
             kept_hits.setdefault(key, set()).add(id(out))
@@ -361,8 +285,16 @@ def _rules(names: _Names, runtime_theta: list[str], kept_hits: dict[str, set[int
               pattern.RewriteRule(lambda op, v, lo, hi: op.Sub(v, op.Min(op.Max(v, lo), hi), _outputs=["out"]),
                                   counter("minmax"), cond_minmax_fused, name="kept_minmax"), kept=True),
     ]
+    kept_nonneg = [
+        _Rule("relu_nonneg", "relu(v − θ)", "kept (already fused)",
+              pattern.RewriteRule(lambda op, v, t: op.Relu(op.Sub(v, t), _outputs=["out"]), counter("relu_nonneg"),
+                                  cond_relu_sub, name="kept_relu"), kept=True),
+    ]
+    return kept + kept_nonneg
 
-    # ---- non-negative
+
+def _nonneg_rules() -> list[_Rule]:
+    """The textbook non-negative thresholds (``relu(soft(v, θ))``, ``max(v − θ, 0)``) into ``relu(v − θ)``."""
     def cond_nonneg_zero(context, v, t, z, x, **_):
         return _threshold_like(t) and _is_zero(z, v, x)
 
@@ -392,12 +324,7 @@ def _rules(names: _Names, runtime_theta: list[str], kept_hits: dict[str, set[int
               pattern.RewriteRule(lambda op, v, t, z: op.Clip(op.Sub(v, t, _outputs=["x"]), z), relu_sub,
                                   cond_nonneg_zero, name="clip_nonneg")),
     ]
-    kept_nonneg = [
-        _Rule("relu_nonneg", "relu(v − θ)", "kept (already fused)",
-              pattern.RewriteRule(lambda op, v, t: op.Relu(op.Sub(v, t), _outputs=["out"]), counter("relu_nonneg"),
-                                  cond_relu_sub, name="kept_relu"), kept=True),
-    ]
-    return [constants, kept + kept_nonneg, signed, nonneg]
+    return nonneg
 
 
 def _threshold_like(t: ir.Value) -> bool:
@@ -645,7 +572,7 @@ def fuse(src: str | Path, out: str | Path, card: str | Path | ModelCard | None =
               "versions": {"onnxscript": onnxscript.__version__, "onnx": onnx.__version__,
                            "onnxruntime": ort.__version__}}
     out.parent.mkdir(parents=True, exist_ok=True)
-    report_path = out.with_suffix(".report.json")
+    report_path = artifacts.report_of(out)
     with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".onnx.tmp", delete=False) as tmp:
         tmp_path = Path(tmp.name)
     try:

@@ -1,39 +1,10 @@
 """The one accuracy gate: held-out data, metrics, tolerances and their units, used by quantize and build.
 
-A *candidate* (an FP16/INT8 ONNX in ONNX Runtime, or a TensorRT engine) is compared with the *reference*
-(the verified FP32 ONNX in ONNX Runtime) on real held-out data that the model card names. Everything
-here is read from the card (:mod:`unroll.card`): the task, the data, the λ/σ inputs, the gate levels,
-and the tolerances (``card.gate(precision)``: the task's defaults, then the card's own overrides).
-
-Metrics (one table, :data:`METRICS`; tolerance names are these metric names):
-
-==================  =========  ========  ==========================================================
-metric              direction  unit      what
-==================  =========  ========  ==========================================================
-``top1_agreement``  min        fraction  classifiers: share of samples whose top-1 class equals FP32's
-``accuracy_loss``   max        fraction  classifiers with labels: FP32 accuracy − candidate accuracy
-``psnr_loss_db``    max        dB        denoisers: mean PSNR loss vs FP32, at the worst gate σ
-``psnr_loss_db_``   max        dB        denoisers: the largest PSNR loss vs FP32 of any one gate image at any
-``worst``                                σ (so a mean cannot hide the phantom); ``worst_image`` names it
-``rel_err``         max        ratio     every task: ‖candidate − reference‖₂ / ‖reference‖₂ over all
-                                         gate outputs (the gate of blocks and λ rules)
-==================  =========  ========  ==========================================================
-
-Gate data (:func:`gate_cases`): the card's gate split (``card.data.gate``: ``validation`` for the shipped models —
-every choice is made there) *and* its stress set (``card.data.stress``, synthetic/graphic content), each case
-tagged with its role and image; the test set is measured only to be reported (``split="test"``). By task:
-
-* ``classification`` / ``lambda-rule``: the card's gate split (``card.data.test`` or ``.validation``,
-  per ``card.data.gate``), a labelled dataset, fitted to ``card.input.shape`` (resize, channel match);
-  the λ input, if the graph has one, at ``card.lam.default``. Without labels only agreement is measured.
-* ``denoising``: every image of the gate split at each ``card.sigma.gate_levels`` σ, with the seeded
-  noise every evaluation uses (``data.add_noise(img, σ, data.noise_seed(name, σ))``); the σ input is
-  σ / ``card.sigma.scale``. Crops (centred) keep the images inside an engine's largest H×W.
-* ``block``: an image-like block (``card.input.colour`` set) uses its gate split like a classifier. A
-  feature or token block has no dataset of its own: it gets the export's example inputs, built from the
-  card alone — non-overlapping √d×√d patches of the bundled photos as tokens (``[N, d]``) or laid out on
-  the ``[C, H, W]`` grid (see :mod:`unroll.export.inputs`). That keeps the gate independent of the
-  registry, so a graph whose model is not registered here still has a real gate.
+A candidate (an FP16/INT8 ONNX in ONNX Runtime, or a TensorRT engine) is compared with the reference (the verified
+FP32 ONNX in ONNX Runtime) on real held-out data the model card names: its gate split (validation) and its stress
+set, never the test set, which is only reported. Metrics and units are :data:`METRICS`; tolerances come from
+``card.gate(precision)``. Everything is read from the card, so a graph whose model is not registered here still has
+a real gate.
 """
 
 from __future__ import annotations
@@ -46,7 +17,7 @@ from typing import Literal
 
 import numpy as np
 
-from unroll import data
+from unroll import data, tasks
 from unroll.card import ModelCard
 from unroll.metrics import psnr
 
@@ -69,8 +40,6 @@ class Metric:
     description: str
     #: The value a perfect candidate has (what the safety margin measures towards).
     best: float
-    #: Tasks that produce the metric (a tolerance for another task's metric is an error).
-    tasks: tuple[str, ...]
     scale: float = 1.0  # values are shown times this…
     spec: str = ".3f"  # …in this format…
     suffix: str = ""  # …followed by this
@@ -85,19 +54,23 @@ class Metric:
         return bool(value >= tolerance) if self.direction == "min" else bool(value <= tolerance)
 
 
-_ALL_TASKS = ("classification", "denoising", "block", "lambda-rule")
 METRICS: dict[str, Metric] = {
     "top1_agreement": Metric("min", "fraction", "share of samples whose top-1 class equals the FP32 reference's",
-                             best=1.0, tasks=("classification",), scale=100.0, spec=".2f", suffix="%"),
+                             best=1.0, scale=100.0, spec=".2f", suffix="%"),
     "accuracy_loss": Metric("max", "fraction", "FP32 accuracy minus candidate accuracy on the labelled gate split",
-                            best=0.0, tasks=("classification",), scale=100.0, spec=".2f", suffix=" points"),
+                            best=0.0, scale=100.0, spec=".2f", suffix=" points"),
     "psnr_loss_db": Metric("max", "dB", "mean PSNR of FP32 minus the candidate's, at the worst gate σ",
-                           best=0.0, tasks=("denoising",), spec=".3f", suffix=" dB", where="worst_sigma"),
+                           best=0.0, spec=".3f", suffix=" dB", where="worst_sigma"),
     "psnr_loss_db_worst": Metric("max", "dB", "largest PSNR loss vs FP32 of any one gate image at any gate σ",
-                                 best=0.0, tasks=("denoising",), spec=".3f", suffix=" dB", where="worst_image"),
+                                 best=0.0, spec=".3f", suffix=" dB", where="worst_image"),
     "rel_err": Metric("max", "ratio", "‖candidate − reference‖₂ / ‖reference‖₂ over all gate outputs",
-                      best=0.0, tasks=_ALL_TASKS, spec=".2e"),
+                      best=0.0, spec=".2e"),
 }
+
+
+def task_metrics(card: ModelCard) -> tuple[str, ...]:
+    """The gate metrics ``card``'s task produces: ``rel_err`` and the task's own (``unroll.tasks``)."""
+    return (*tasks.get(card.task).metrics, "rel_err")
 
 
 def tolerances(card: ModelCard, precision: str, overrides: Mapping[str, float] | None = None) -> dict[str, float]:
@@ -109,8 +82,8 @@ def tolerances(card: ModelCard, precision: str, overrides: Mapping[str, float] |
     for name in overrides or {}:
         if name not in METRICS:
             raise ValueError(f"unknown gate metric {name!r}; known: {', '.join(METRICS)}")
-        if card.task not in METRICS[name].tasks:
-            usable = [m for m, spec in METRICS.items() if card.task in spec.tasks]
+        if name not in task_metrics(card):
+            usable = [m for m in METRICS if m in task_metrics(card)]
             raise ValueError(f"gate metric {name!r} does not apply to {card.name} (a {card.task} model); "
                              f"its metrics: {', '.join(usable)}")
     return {**card.gate(precision), **{k: float(v) for k, v in (overrides or {}).items()}}
@@ -150,7 +123,7 @@ def role_dataset(card: ModelCard, role: str) -> data.Dataset:
 
 def fit_to_card(card: ModelCard, x: np.ndarray) -> np.ndarray:
     """``[N, C, H, W]`` images fitted to the card's input: resized to a fixed H×W, channels matched."""
-    from unroll.export.inputs import fit_images
+    from unroll.export.inputs import fit_images  # local: torch (quantize and build use these gates without it)
 
     shape = card.input.shape
     if len(shape) != 3:
@@ -163,7 +136,7 @@ def fit_to_card(card: ModelCard, x: np.ndarray) -> np.ndarray:
 
 def feature_inputs(card: ModelCard) -> np.ndarray:
     """A feature/token block's example inputs: patches of the bundled photos, ``[3, *card.input.shape]``."""
-    from unroll.export.inputs import photo_features
+    from unroll.export.inputs import photo_features  # local: torch (see fit_to_card)
 
     shape = list(card.input.shape)
     for axis, n in enumerate(shape):
@@ -187,7 +160,7 @@ def real_inputs(card: ModelCard, role: str) -> tuple[np.ndarray, np.ndarray | No
 
     A feature/token block without data of its own gets :func:`feature_inputs`.
     """
-    if getattr(card.data, role, None) is None and card.task == "block" and card.input.colour is None:
+    if getattr(card.data, role, None) is None and tasks.get(card.task).data == "plain" and card.input.colour is None:
         return feature_inputs(card), None, "bundled photos as tokens/feature maps (the export's example inputs)"
     ds = role_dataset(card, role)
     if ds.kind != "labelled":
@@ -242,7 +215,7 @@ def gate_roles(card: ModelCard, split: str | None = None) -> list[str]:
 
 def gate_cases(card: ModelCard, split: str | None = None, max_batch: int | None = None,
                max_hw: tuple[int, int] | None = None) -> list[GateCase]:
-    """Real held-out gate data for the card's model (see the module docstring for what, per task).
+    """Real held-out gate data for the card's model, as its task builds it.
 
     ``split``: one data role only (e.g. ``test``, to report); default :func:`gate_roles` — the card's gate split
     and its stress set. ``max_batch``: largest batch per case; ``max_hw``: denoisers' images are centre-cropped
@@ -262,7 +235,7 @@ def gate_source(card: ModelCard, cases: Sequence[GateCase], split: str | None = 
 
 def _role_cases(card: ModelCard, role: str, max_batch: int | None,
                 max_hw: tuple[int, int] | None) -> list[GateCase]:
-    if card.task == "denoising":
+    if tasks.get(card.task).data == "noisy":
         return _denoising_cases(card, role, max_hw)
     x, y, source = real_inputs(card, role)
     step = max_batch or DEFAULT_MAX_BATCH
@@ -358,9 +331,10 @@ def measure(card: ModelCard, cases: Sequence[GateCase], reference_run: Run | Seq
                  "finite": all(bool(np.isfinite(g).all()) for g in gots),
                  "max_abs_diff": max(float(np.max(np.abs(d))) for d in diff),
                  "rel_err": num / max(den, 1e-30)}
-    if card.task == "classification":
+    task = tasks.get(card.task)
+    if task.logits:
         out.update(_classification(cases, refs, gots))
-    elif card.task == "denoising":
+    elif task.data == "noisy":
         out.update(_denoising(cases, refs, gots))
     return out
 

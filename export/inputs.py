@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from unroll import data
+from unroll import data, tasks
 from unroll.card import ModelCard
 from unroll.registry import ModelSpec
 
@@ -95,11 +95,12 @@ def cases(spec: ModelSpec | ModelCard, lam_input: bool, input_shape: tuple[int, 
         card, shape = spec.card, tuple(input_shape or spec.input_shape)
     out = _cases(card, shape, lam_input)
     dynamic_hw = len(card.input.shape) == 3 and min(card.input.shape[1:]) < 0
-    if isinstance(spec, ModelCard) and dynamic_hw and card.task in ("classification", "block"):
+    task = tasks.get(card.task)
+    if isinstance(spec, ModelCard) and dynamic_hw and task.second_size_case:
         gen = torch.Generator().manual_seed(1)
         c, h, w = shape
         other = {card.input.name: torch.rand(2, c, h + 16, w + 8, generator=gen)}
-        if card.task == "classification" and lam_input and card.lam is not None:
+        if task.logits and lam_input and card.lam is not None:
             other[card.lam.input] = _lam_values(card, 2)
         out.append(Case(f"random batch 2 at {h + 16}×{w + 8} (dynamic H×W)", other))
     return out
@@ -109,7 +110,8 @@ def _cases(card: ModelCard, input_shape: tuple[int, ...], lam_input: bool) -> li
     gen = torch.Generator().manual_seed(0)
     name = card.input.name
     out: list[Case] = []
-    if card.task == "classification":
+    kind = tasks.get(card.task).data
+    if kind == "labelled":
         lam = card.lam.input if card.lam else "lam"
         for b in (1, 4):
             c = Case(f"real batch {b}", {name: _image_batch(card, input_shape, b)})
@@ -118,7 +120,7 @@ def _cases(card: ModelCard, input_shape: tuple[int, ...], lam_input: bool) -> li
             out.append(c)
         x = torch.rand(2, *input_shape, generator=gen)
         out.append(Case("random batch 2", {name: x, **({lam: torch.tensor([0.2, 0.5])} if lam_input else {})}))
-    elif card.task == "denoising":
+    elif kind == "noisy":
         sig = card.sigma.input
         scale = card.sigma.scale
         c = input_shape[0]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import hashlib
 import io
 import json
 import linecache
@@ -35,19 +34,23 @@ from unroll.export import inputs as _inputs  # (``export`` has a parameter named
 from unroll.export import inputs as example_inputs
 from unroll.export.tiling_check import tiling_parity
 from unroll.export.trt_lint import format_issues, lint, lint_report
+from unroll.export.user_model import update_card
 
 import unroll
-from unroll.card import ModelCard, write_to_onnx
+from unroll import artifacts, tasks
+from unroll.card import CardError, ModelCard, write_to_onnx
+from unroll.errors import ExportError  # re-exported: the model cannot be exported as a valid, verified graph
+from unroll.models.denoiser import CSCDenoiser
 from unroll.registry import get_spec
+from unroll.solvers.csc import DictBlock, fista_momenta
+from unroll.solvers.dic_attn import DicAttention
+from unroll.solvers.nmf import NMFHam
 from unroll.solvers.shrink import textbook_mode
+from unroll.solvers.vars_attn import VARSAttention
 
 MAX_ABS_ERR = 1e-4
 MAX_REL_ERR = 1e-5
 SHRINK_CHAIN_OPS = ("Sign", "Abs", "Where", "Greater", "Less")
-
-
-class ExportError(RuntimeError):
-    """The model cannot be exported as a valid, verified static graph (nothing was written)."""
 
 
 @dataclass
@@ -85,7 +88,7 @@ def io_names(card: ModelCard, lam_input: bool) -> tuple[list[str], list[str], di
         ins.append(card.sigma.input)
         axes[card.sigma.input] = {0: "batch"}
     # The output follows the input's dynamic axes when it has the input's rank (images, tokens).
-    axes[card.output] = dyn if card.task in ("denoising", "block") else {0: "batch"}
+    axes[card.output] = dyn if tasks.get(card.task).same_shape_output else {0: "batch"}
     return ins, [card.output], axes
 
 
@@ -106,8 +109,6 @@ def resolve_card(card: ModelCard, model: nn.Module, lam_input: bool) -> ModelCar
 
 def set_iterations(model: nn.Module, k: int) -> None:
     """Change K for every solver layer (``--iters``); learned per-step weights cannot be re-unrolled."""
-    from unroll.models.denoiser import CSCDenoiser
-
     for m in model.modules():
         if isinstance(m, CSCDenoiser) and m.n_steps != k:
             raise ExportError(f"the CSC denoiser has learned weights for each of its {m.n_steps} steps; "
@@ -120,12 +121,6 @@ def set_iterations(model: nn.Module, k: int) -> None:
 
 def solver_settings(model: nn.Module) -> list[dict]:
     """What was frozen, per solver layer, for the report."""
-    from unroll.models.denoiser import CSCDenoiser
-    from unroll.solvers.csc import DictBlock, fista_momenta
-    from unroll.solvers.dic_attn import DicAttention
-    from unroll.solvers.nmf import NMFHam
-    from unroll.solvers.vars_attn import VARSAttention
-
     out = []
     for name, m in model.named_modules():
         if isinstance(m, DictBlock):
@@ -357,7 +352,7 @@ def export_module(module: nn.Module, cases: list[example_inputs.Case], ins: list
     tmp_path = out_path.with_suffix(".onnx.tmp")
     tmp_path.write_bytes(blob)
     os.replace(tmp_path, out_path)  # atomic: a reader never sees a half-written model
-    report_path = out_path.with_suffix(".report.json")
+    report_path = artifacts.report_of(out_path)
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     return ExportResult(out_path, report_path, report)
 
@@ -378,25 +373,26 @@ class _AutoLam(nn.Module):
 
 
 def _export_auto_lam(card: ModelCard, model: nn.Module, cases: list[example_inputs.Case], out_dir: Path,
-                     opset: int, weights: str) -> ExportResult:
+                     opset: int, weights: str, built_from: dict | None = None) -> ExportResult:
     """``out_dir/<card.lam.auto>.onnx``: the λ rule of the classifier ``card`` describes (see export_auto_lam).
 
-    ``weights`` goes into the report as the classifier's does: ``unroll serve`` re-exports a registered model's
-    graphs whose report does not say "committed" (serving.serve.stale_reason)."""
+    ``weights`` and ``built_from`` (the classifier's input hashes) go into the report as the classifier's do:
+    :mod:`unroll.pipeline` re-exports a registered model when any of its graphs was built from other inputs."""
     if card.lam is None or card.lam.auto is None:
         raise ExportError(f"{card.name}: its card declares no λ rule (lam.auto)")
     if not hasattr(model, "auto_lam"):
         raise ExportError(f"{card.name}: the card names a λ rule but the model has no auto_lam(image) method")
     main = card.input.name
-    comp = card.companion("lambda-rule", card.lam.auto, f"λ rule (lam=auto) for {card.name}", "lam")
+    comp = card.companion(tasks.LAMBDA_RULE, card.lam.auto, f"λ rule (lam=auto) for {card.name}", "lam")
     comp_cases = [example_inputs.Case(c.label, {main: c.inputs[main]}) for c in cases]
     extra = {"model": comp.name, "task": comp.task, "rule": "lam = clamp(a * rms(x - D c(x)) + b, lam_min, lam_max)",
-             "coefficients": [float(v) for v in model.lam_auto], "weights": weights}
+             "coefficients": [float(v) for v in model.lam_auto], "weights": weights,
+             **({artifacts.BUILT_FROM_KEY: built_from} if built_from is not None else {})}
     return export_module(_AutoLam(model), comp_cases, [main], ["lam"], {main: {0: "batch"}, "lam": {0: "batch"}},
-                         Path(out_dir) / f"{comp.name}.onnx", opset, extra, naive=False, card=comp)
+                         artifacts.graph(comp.name, onnx_dir=out_dir), opset, extra, naive=False, card=comp)
 
 
-def export_auto_lam(name: str, out_dir: Path = Path("build/onnx"), opset: int = 17,
+def export_auto_lam(name: str, out_dir: Path = artifacts.ONNX_DIR, opset: int = 17,
                     model: nn.Module | None = None) -> ExportResult:
     """``out_dir/<card.lam.auto>.onnx``: image → per-sample λ from the model's fitted rule (``lam=auto``).
 
@@ -407,9 +403,10 @@ def export_auto_lam(name: str, out_dir: Path = Path("build/onnx"), opset: int = 
     spec = get_spec(name)
     if spec.card.lam is None or spec.card.lam.auto is None:
         raise ExportError(f"{name}: its card declares no λ rule (lam.auto)")
+    built_from = artifacts.export_inputs(spec, opset=opset) if model is None else None
     model = model if model is not None else unroll.load(name, pretrained=spec.has_weights)
     return _export_auto_lam(spec.card, model, example_inputs.cases(spec, lam_input=False), out_dir, opset,
-                            "committed" if spec.has_weights else "seeded random init")
+                            "committed" if spec.has_weights else "seeded random init", built_from)
 
 
 Examples = (example_inputs.Case | list[example_inputs.Case] | dict[str, torch.Tensor] | torch.Tensor
@@ -461,7 +458,7 @@ def _check_outputs(module: nn.Module, card: ModelCard, case: example_inputs.Case
                           f"{_first_line(e)}") from e
     if not isinstance(y, torch.Tensor):
         raise ExportError(f"{card.name}: forward must return one tensor ({card.output!r}), got {type(y).__name__}")
-    if card.task == "classification":
+    if tasks.get(card.task).logits:
         if y.ndim != 2:
             raise ExportError(f"{card.name}: a classifier returns logits [batch, classes], got shape {list(y.shape)}")
         if card.labels is not None and len(card.labels) != y.shape[1]:
@@ -470,7 +467,7 @@ def _check_outputs(module: nn.Module, card: ModelCard, case: example_inputs.Case
 
 
 def export(module: nn.Module, card: ModelCard | dict, example_inputs: Examples | None = None,
-           out_dir: str | Path = Path("build/onnx"), *, name: str | None = None, opset: int = 17,
+           out_dir: str | Path = artifacts.ONNX_DIR, *, name: str | None = None, opset: int = 17,
            lam_input: bool | None = None, naive: bool | None = None, companions: bool = True,
            extra_report: dict | None = None) -> ExportResult:
     """Export any ``nn.Module`` with its model card to ``out_dir/NAME.onnx`` + ``NAME.report.json``, verified.
@@ -485,8 +482,6 @@ def export(module: nn.Module, card: ModelCard | dict, example_inputs: Examples |
     Raises :class:`ExportError` (nothing written) when the model cannot become a static graph (a
     data-dependent loop or ``if``, an unsupported op), fails a check, or differs from PyTorch.
     """
-    from unroll.card import CardError
-
     if isinstance(card, dict):
         try:
             card = ModelCard.model_validate({**card, "origin": "python"})  # field hints name this dict
@@ -507,18 +502,19 @@ def export(module: nn.Module, card: ModelCard | dict, example_inputs: Examples |
     solvers = solver_settings(module)
     naive = bool(solvers) if naive is None else naive  # textbook_mode only changes unroll's own solver layers
     fixed = None
-    if card.task == "classification" and card.input.fixed_hw is not None:
+    if tasks.get(card.task).logits and card.input.fixed_hw is not None:
         fixed = (f"fixed {card.input.fixed_hw[0]}×{card.input.fixed_hw[1]} input: the model was built and trained "
                  "for this resolution")
     extra = {"model": card.name, "task": card.task, "weights": "given module", **(extra_report or {}),
              "lam_input": lam_input, "fixed_resolution": fixed, "solvers": solvers}
-    out_path = Path(out_dir) / f"{card.name}.onnx"
+    out_path = artifacts.graph(card.name, onnx_dir=out_dir)
     result = export_module(module, cases, ins, outs, axes, out_path, opset, extra, naive, card=card)
     inner = module.model if isinstance(module, _Classifier) else module
     if companions and lam_input and card.lam.auto is not None and hasattr(inner, "auto_lam"):
         try:
             result.companions.append(_export_auto_lam(card, inner, cases, Path(out_dir), opset,
-                                                      result.report.get("weights", "given module")))
+                                                      result.report.get("weights", "given module"),
+                                                      result.report.get(artifacts.BUILT_FROM_KEY)))
         except BaseException:  # all or nothing: the classifier without its λ rule is not served half-way
             result.onnx_path.unlink(missing_ok=True)
             result.report_path.unlink(missing_ok=True)
@@ -526,15 +522,7 @@ def export(module: nn.Module, card: ModelCard | dict, example_inputs: Examples |
     return result
 
 
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def export_model(name: str, out_dir: Path = Path("build/onnx"), iters: int | None = None, opset: int = 17,
+def export_model(name: str, out_dir: Path = artifacts.ONNX_DIR, iters: int | None = None, opset: int = 17,
                  lam_input: bool | None = None, naive: bool = True, companions: bool = True,
                  checkpoint: str | Path | None = None, card_updates: dict | None = None,
                  export_name: str | None = None) -> ExportResult:
@@ -547,8 +535,6 @@ def export_model(name: str, out_dir: Path = Path("build/onnx"), iters: int | Non
     ``export_name`` the name the graph is written and served under. With ``companions``, the graphs its
     card names are exported too (its λ rule for ``lam=auto``); they are in ``ExportResult.companions``.
     """
-    from unroll.export.user_model import update_card
-
     spec = get_spec(name)
     card = update_card(spec.card, card_updates or {})
     weights = "committed" if spec.has_weights else "seeded random init"
@@ -565,9 +551,13 @@ def export_model(name: str, out_dir: Path = Path("build/onnx"), iters: int | Non
             raise ExportError(f"{path}: not a readable PyTorch checkpoint ({type(e).__name__}: {_first_line(e)})"
                               ) from None
         weights = f"checkpoint {path}"
-        extra["checkpoint"] = {"path": str(path.resolve()), "sha256": file_sha256(path), "bytes": path.stat().st_size}
+        extra["checkpoint"] = {"path": str(path.resolve()), "sha256": artifacts.sha256(path),
+                               "bytes": path.stat().st_size}
     else:
         model = unroll.load(name, pretrained=spec.has_weights)
+    # what unroll.pipeline compares to decide whether this export is stale
+    extra[artifacts.BUILT_FROM_KEY] = artifacts.export_inputs(spec, card=card, checkpoint=checkpoint, iters=iters,
+                                                              opset=opset, lam_input=lam_input)
     if iters is not None:
         set_iterations(model, iters)
     has_lam = card.lam is not None

@@ -1,83 +1,12 @@
-"""``unroll quantize``: FP16 and INT8 (explicit Q/DQ) ONNX behind accuracy gates, evaluated on CPU.
+"""``unroll quantize``: FP16 and INT8 (explicit Q/DQ) ONNX graphs behind the card's accuracy gates, on the CPU.
 
-TensorRT 10 deprecated (and 11 removed) implicit INT8 calibration and the FP16/INT8 builder flags:
-precision now lives in the graph and engines are built strongly typed. So this step rewrites the
-verified FP32 export:
-
-* **FP16** with ONNX Runtime's float16 converter (the maintained ``onnxconverter-common`` code, shipped
-  in ``onnxruntime.transformers``), inputs/outputs kept FP32, and the numerically fragile ops kept in
-  FP32: divisions, exponentials, reductions, softmax, square roots, top-k (NMF's ``/(… + 1e-6)``, the
-  random-feature ``exp`` in VARS, the denoiser's σ-dependent thresholds and image mean).
-* **INT8** with ONNX Runtime's static quantizer in QDQ format, with the settings TensorRT's explicit
-  quantization wants (:data:`TRT_QDQ_OPTIONS`), calibrated on *training* data only (the card's
-  ``data.train``: training samples for classifiers, noisy patches of the training images for denoisers).
-  ONNX Runtime's tool was chosen over ModelOpt because it installs everywhere (no CUDA), and its QDQ
-  output is the explicit-precision form TensorRT consumes once it is set up as follows (each option's
-  meaning is ONNX Runtime's own, from ``onnxruntime/quantization/quantize.py`` and ``qdq_quantizer.py``
-  of the installed onnxruntime; the choices follow TensorRT's rules, see :mod:`unroll.export.trt_lint`):
-
-  - ``QuantType.QInt8`` for activations and weights, ``ActivationSymmetric`` / ``WeightSymmetric``: zero
-    point 0 everywhere. TensorRT quantizes symmetrically only ("zeroPt must only contain zero-valued
-    coefficients", ``IQuantizeLayer``); ONNX Runtime's default (asymmetric UINT8 activations) is rejected
-    by TensorRT's parser ("Non-zero zero point is not supported"; UINT8 only on DLA).
-  - ``per_channel=True`` with ``QDQOpTypePerChannelSupportToAxis`` ``Conv`` 0, ``ConvTranspose`` 1,
-    ``MatMul`` -1 (Gemm: ONNX Runtime's default, by ``transB``): one scale per *output* channel of the
-    weight, 1-D along ``axis`` — the per-channel form TensorRT accepts (a scalar or a 1-D scale whose size
-    is the channel count along ``axis``). Conv/ConvTranspose are NVIDIA ModelOpt's axes
-    (``modelopt/onnx/quantization/ort_utils.py``, ``trt_guided_options``); MatMul's output channels are
-    the weight's last axis, which ONNX Runtime's default (axis 1) misses for a batched ``[G, K, N]``
-    weight (VARS-SD's stacked random features: the lint caught it).
-  - ``QuantizeBias=False``: biases stay FP32. With the default, ONNX Runtime writes int32 biases behind a
-    ``DequantizeLinear``, a type TensorRT's DequantizeLinear does not take (its table: INT8, FP8, FP4,
-    INT4); ModelOpt's TensorRT options turn it off too.
-  - ``AddQDQPairToWeight=True``: weights stay FP32 with a QuantizeLinear→DequantizeLinear pair, and
-    TensorRT quantizes them at build time with that scale (TensorRT's "Quantized Weights": high-precision
-    weights go through an ``IQuantizeLayer``; ONNX Runtime: "QDQ BERT model for TensorRT, QDQ should
-    always appear as a pair"; ModelOpt: "Instead of quantizing the weights, add QDQ node").
-  - ``DedicatedQDQPair=True``: quantized consumers of one tensor get a Q/DQ pair each instead of sharing
-    one (ONNX Runtime: "In TRT, QDQ pair can't be shared between nodes"; TensorRT 10 does not need it to
-    parse — current ModelOpt leaves it off). ONNX Runtime splits only among the nodes it quantized, so
-    :func:`qdq_on_weighted_inputs_only` finishes the job: each INT8 layer gets its own pair and every
-    other reader the float tensor (with a shared pair the denoiser's residual ``Sub`` read the
-    INT8-rounded image). This *dedicated* style is tried first; the *shared* style (ONNX Runtime's
-    pairing: every reader of a quantized tensor reads the rounded copy) is tried for a placement only
-    when the dedicated one misses the safety margin. Which readers should see the rounded tensor is a
-    per-model question, so it is measured like the FP32 placement: NMF's multiplicative update
-    ``H ⊙ num/den`` needs the ``H`` it multiplies to be the one ``num``/``den`` were computed from
-    (the NMF block, all INT8, 64 calibration samples: rel. error 0.068 dedicated, 0.010 shared), while the
-    denoiser gains from dedicated pairs (gate margin 0.570 → 0.716). Both styles are TensorRT-legal.
-  - ``OpTypesToExcludeOutputQuantization`` = the weighted ops: Q/DQ sit on the *inputs* of
-    Conv/ConvTranspose/Gemm/MatMul, not on their outputs (ONNX Runtime: "In TRT, it's not recommended to
-    quantize outputs for weighted ops ... followed by nodes that require high resolution inputs";
-    ModelOpt: "No output quantization"). Without it ONNX Runtime quantized the classifier's logits and
-    the residual ``Sub``/``Add`` inputs of the unrolled solvers (the demo denoiser, all INT8, 64 calibration
-    patches: gate margin 0.031 with quantized outputs, 0.570 without).
-  - QDQ format needs opset 13+ for per-axis scales (the ``axis`` attribute); exports are opset 17.
-
-  Which convolutions stay in FP32, the calibration method and the Q/DQ style are chosen by measurement on
-  the card's *validation* and *stress* sets (:func:`unroll.export.gates.gate_cases`; never on the test set,
-  which is measured afterwards for the report only). The gate holds on the worst single image as well as on
-  the mean (``psnr_loss_db_worst``): measured on the demo denoiser (256 calibration patches), all-INT8 with
-  percentile calibration — the choice when only the mean over natural images was gated — loses 0.85 /
-  0.64 / 0.80 dB on the Shepp–Logan phantom and 0.30 / 0.35 / 0.99 dB on a checkerboard at σ 15/25/50
-  (percentile clipping of the activation ranges, fit to natural images); minmax calibration brings the
-  phantom to 0.03 dB but the checkerboard still loses 0.31 dB at σ 15; keeping the last convolution (the
-  decoder that writes the image) in FP32 with minmax calibration brings every validation and stress image
-  under 0.04 dB. Candidates are tried from "quantize all" towards more FP32, and the first that passes the
-  gate with a safety margin (by default a fifth of each tolerance left unused) is kept —
-  a placement that scrapes through on the gate images will not hold on a user's. If none has that margin,
-  the most quantized one that passes at all is kept and the report says so. All tries go in the report.
-
-Every graph written here is linted for TensorRT (:func:`unroll.export.trt_lint.lint`: the TensorRT
-ONNX parser's operator table, its Q/DQ rules, unroll's serving-graph policy) before it is written; the
-result is the report's ``trt_lint`` entry, and a graph that fails is not written (a clear error names
-each node and reason).
-
-Nothing here knows a model by name: the card in ``NAME.onnx`` says what the model is, which data
-calibrates and gates it, and its tolerances. The gate (:mod:`unroll.export.gates`, the same one
-``unroll build`` uses) runs the candidate and the FP32 graph in ONNX Runtime on held-out data; a failing
-model is not written as a deployable artifact. The card is copied into the written graph, so the later
-stages read it from there.
+TensorRT 10 deprecated implicit INT8 calibration and the precision builder flags, so precision lives in the graph.
+FP16 keeps the numerically fragile ops (:data:`FP16_KEEP_FP32`) in FP32. INT8 uses ONNX Runtime's static QDQ
+quantizer (it installs without CUDA) set up for TensorRT's explicit quantization (:data:`TRT_QDQ_OPTIONS`),
+calibrated on the card's training data. Which layers stay FP32, the calibration method and the Q/DQ style are
+searched from "all INT8" towards more FP32 on the validation + stress sets (never the test set, which is only
+reported); the first candidate that passes every gate with the safety margin is kept, and every try is in the
+report. Each graph is linted for TensorRT (:mod:`unroll.export.trt_lint`) before it is written.
 """
 
 from __future__ import annotations
@@ -86,6 +15,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +24,9 @@ import onnxruntime as ort
 from unroll.export import gates as gate
 from unroll.export.trt_lint import LintError, lint, lint_report
 
+from unroll import artifacts, tasks
 from unroll.card import CardError, ModelCard, from_onnx, write_to_onnx
+from unroll.errors import QuantizeError
 
 FP16_KEEP_FP32 = ["Div", "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "ReduceMean", "ReduceSum", "ReduceMax",
                   "ReduceL2", "Softmax", "TopK", "Min", "Max", "Range", "CumSum"]
@@ -109,7 +41,11 @@ CALIB_SIGMA_MAX = 55.0
 CALIB_BATCH = 32
 #: The weighted ops INT8 quantizes (their inputs: activation and weight).
 INT8_OPS = ["Conv", "ConvTranspose", "Gemm", "MatMul"]
-#: ONNX Runtime ``quantize_static`` extra options for TensorRT's explicit quantization (module docstring).
+#: ONNX Runtime ``quantize_static`` extra options for TensorRT's explicit quantization (its rules:
+#: :mod:`unroll.export.trt_lint`): symmetric INT8, since TensorRT takes zero point 0 only; one weight scale per
+#: output channel (ModelOpt's Conv/ConvTranspose axes; MatMul's last axis, which ONNX Runtime's default misses for
+#: a batched weight); FP32 biases (TensorRT's DequantizeLinear takes no int32); FP32 weights behind a Q/DQ pair
+#: (TensorRT quantizes them at build time); a pair per consumer; no Q/DQ on the weighted ops' outputs.
 TRT_QDQ_OPTIONS = {
     "ActivationSymmetric": True,
     "WeightSymmetric": True,
@@ -121,14 +57,15 @@ TRT_QDQ_OPTIONS = {
 }
 #: Per-axis Q/DQ (the ``axis`` attribute) needs this opset.
 MIN_QDQ_OPSET = 13
-#: Q/DQ styles tried for each FP32 placement, TensorRT's recommendation first (module docstring).
+#: Q/DQ styles tried for each FP32 placement: dedicated pairs (TensorRT's recommendation) first; shared pairs
+#: where a reader needs the rounded tensor its neighbours read (NMF's multiplicative update). The gate decides.
 QDQ_STYLES = {
     "dedicated": "dedicated Q/DQ on INT8-layer inputs",
     "shared": "shared Q/DQ pairs",
 }
 
 
-class GateFailed(RuntimeError):
+class GateFailed(QuantizeError):
     """The quantized model missed its accuracy gate (the report says by how much)."""
 
 
@@ -165,7 +102,7 @@ def calibration_inputs(card: ModelCard, n: int, seed: int = 0) -> list[dict[str,
     or, for a feature/token block without data, the export's example inputs (see :mod:`unroll.export.gates`).
     """
     rng = np.random.default_rng(seed)
-    if card.task == "denoising":
+    if tasks.get(card.task).data == "noisy":
         return _denoising_calibration(card, n, rng)
     x, _, _ = gate.real_inputs(card, "train")
     idx = np.sort(rng.choice(len(x), size=min(n, len(x)), replace=False))
@@ -315,17 +252,17 @@ def qdq_on_weighted_inputs_only(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _source(name: str, onnx_dir: Path, card: str | Path | None = None) -> tuple[Path, ModelCard]:
-    src = Path(onnx_dir) / f"{name}.onnx"
+    src = artifacts.graph(name, onnx_dir=onnx_dir)
     if not src.exists():
         raise FileNotFoundError(f"{src} not found: run `unroll export {name}` first")
     if card is not None:  # a third-party graph: its card comes from the command line (validated, name = NAME)
-        from unroll.export.fuse import attach_card
+        from unroll.export.card_attach import attach_card
 
         return src, attach_card(src, card, name)
     try:
         return src, from_onnx(src)
     except CardError as e:
-        from unroll.export.fuse import NO_CARD_HINT
+        from unroll.export.card_attach import NO_CARD_HINT
 
         raise CardError(f"{e}, {NO_CARD_HINT}") from None
 
@@ -336,7 +273,15 @@ def _try(desc: str, res: gate.GateResult, **extra) -> dict:
             "margin": round(res.margin, 4)}
 
 
-def quantize(name: str, precision: str, onnx_dir: Path = Path("build/onnx"), calib: int = 256,
+def quantize_inputs(src: Path, precision: str, calib: int = 256, gates: dict | None = None,
+                    safety: float = DEFAULT_SAFETY) -> dict:
+    """What ``NAME.PRECISION.onnx`` is built from, as hashes (its report's ``built_from``; :mod:`unroll.pipeline`
+    re-quantizes when they differ): the FP32 graph (its card inside) and the options that change the result."""
+    return artifacts.built_from(upstream=src, options={"precision": precision, "calib": calib, "gates": gates,
+                                                       "safety": safety})
+
+
+def quantize(name: str, precision: str, onnx_dir: Path = artifacts.ONNX_DIR, calib: int = 256,
              gates: dict | None = None, progress=None, safety: float = DEFAULT_SAFETY,
              card: str | Path | None = None) -> dict:
     """Write ``NAME.<precision>.onnx`` + report if the gate passes; raise :class:`GateFailed` otherwise.
@@ -347,7 +292,7 @@ def quantize(name: str, precision: str, onnx_dir: Path = Path("build/onnx"), cal
     ``safety``: for INT8, the fraction of every tolerance a placement must leave unused to be taken
     without trying more FP32 (0 takes the first that passes at all).
     ``card``: a card JSON file attached to ``NAME.onnx`` first (a third-party graph that has none, or to
-    replace the one it has; see :func:`unroll.export.fuse.attach_card`).
+    replace the one it has; see :func:`unroll.export.card_attach.attach_card`).
     """
     if not 0.0 <= safety < 1.0:
         raise ValueError(f"safety must be in [0, 1), not {safety}")
@@ -363,72 +308,23 @@ def quantize(name: str, precision: str, onnx_dir: Path = Path("build/onnx"), cal
     def judge(candidate: onnx.ModelProto) -> gate.GateResult:
         return gate.evaluate(card, cases, refs, gate.onnxruntime_run(candidate, card.output), tol)
 
-    out = Path(onnx_dir) / f"{name}.{precision}.onnx"
-    report_path = out.with_suffix(".report.json")
+    out = artifacts.graph(name, precision, onnx_dir)
+    report_path = artifacts.report_of(out)
     tries: list[dict] = []
     notes: list[str] = []
     if precision not in card.precisions:
         notes.append(f"the card lists {', '.join(card.precisions)} as worth building, not {precision}")
-    chosen: tuple[onnx.ModelProto, gate.GateResult, str, list[str], str | None] | None = None
     if precision == "fp16":
-        cand = to_fp16(fp32)
-        res = judge(cand)
-        tries.append(_try("fp16 with fragile ops in fp32", res, keep_fp32_ops=FP16_KEEP_FP32))
-        chosen = (cand, res, tries[-1]["config"], FP16_KEEP_FP32, None)
+        chosen = _choose_fp16(fp32, judge, tries)
     else:
-        feeds = calibration_inputs(card, calib)
-        first_pass = None  # most quantized placement that passes, in case none has the safety margin
-        with tempfile.TemporaryDirectory() as tmp:
-            for i, (desc, exclude) in enumerate(int8_candidates(fp32)):
-                best = None
-                for style, style_desc in QDQ_STYLES.items():  # the next style only if this one has no margin
-                    for method in CALIBRATION_METHODS:
-                        if progress:
-                            progress(f"INT8 ({style_desc}; {method} calibration): {desc}")
-                        cand = to_int8(src, feeds, exclude, Path(tmp) / f"q{i}_{style}_{method}.onnx",
-                                       method=method, style=style)
-                        res = judge(cand)
-                        tries.append(_try(f"{desc}; {style_desc}; {method} calibration", res, fp32_nodes=exclude,
-                                          qdq=style))
-                        if best is None or res.margin > best[1].margin:
-                            best = (cand, res, tries[-1]["config"], exclude, style)
-                    if best[1].passed and best[1].margin >= safety:
-                        break
-                chosen = best
-                if chosen[1].passed and first_pass is None:
-                    first_pass = chosen
-                if chosen[1].passed and chosen[1].margin >= safety:
-                    break
-            else:
-                if first_pass is not None:
-                    chosen = first_pass
-                    notes.append(f"no placement passed with the {safety:.0%} safety margin; kept the most "
-                                 "quantized one that passes")
-    assert chosen is not None
+        chosen = _choose_int8(src, fp32, calibration_inputs(card, calib), safety, judge, tries, notes, progress)
     model, res, desc, kept, style = chosen
     if res.unmeasured:
         notes.append(f"not measured (the gate data has no labels): {', '.join(res.unmeasured)}")
     write_to_onnx(model, card)  # the converters do not all keep metadata_props: the card travels on explicitly
     issues = lint(model)  # TensorRT parses this graph: lint it like the FP32 export, before anything is written
-    hist: dict[str, int] = {}
-    for n in model.graph.node:
-        hist[n.op_type] = hist.get(n.op_type, 0) + 1
-    test = _test_report(card, fp32, model, tol)
-    report = {"model": name, "precision": precision, "source": str(src), "passed": res.passed, "chosen": desc,
-              "kept_in_higher_precision": kept, "gate": tol, "gate_data": gate.gate_source(card, cases),
-              "metrics": res.metrics, "failures": res.failures, "margin": round(res.margin, 4), "test": test,
-              "tries": tries,
-              "notes": notes,
-              "calibration": (None if precision == "fp16" else
-                              {"samples": calib, "source": _calibration_source(card), "safety_margin": safety,
-                               "format": "QDQ, symmetric int8, zero point 0, per-channel weights along the "
-                                         "output-channel axis, FP32 biases and weights (Q→DQ pairs), no "
-                                         f"quantized outputs of weighted ops; {QDQ_STYLES[style]}",
-                               "qdq_style": style, "onnxruntime_extra_options": qdq_options(style)}),
-              "trt_lint": lint_report(model, issues),
-              "op_histogram": dict(sorted(hist.items())), "seconds": round(time.perf_counter() - t0, 1),
-              "versions": {"onnxruntime": ort.__version__, "onnx": onnx.__version__},
-              "card": card.model_dump(mode="json")}
+    report = _quantize_report(name, precision, src, card, fp32, model, res, desc, kept, style, tol, cases, tries,
+                              notes, issues, {"calib": calib, "gates": gates, "safety": safety}, t0)
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     if issues:
         out.unlink(missing_ok=True)
@@ -441,6 +337,85 @@ def quantize(name: str, precision: str, onnx_dir: Path = Path("build/onnx"), cal
     onnx.save(model, tmp_out)
     os.replace(tmp_out, out)
     return report
+
+
+Chosen = tuple[onnx.ModelProto, gate.GateResult, str, list[str], str | None]  # graph, result, config, kept, style
+
+
+def _choose_fp16(fp32: onnx.ModelProto, judge: Callable[[onnx.ModelProto], gate.GateResult],
+                 tries: list[dict]) -> Chosen:
+    """FP16 with the fragile ops kept in FP32: one candidate, judged and recorded in ``tries``."""
+    cand = to_fp16(fp32)
+    res = judge(cand)
+    tries.append(_try("fp16 with fragile ops in fp32", res, keep_fp32_ops=FP16_KEEP_FP32))
+    return cand, res, tries[-1]["config"], FP16_KEEP_FP32, None
+
+
+def _choose_int8(src: Path, fp32: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], safety: float,
+                 judge: Callable[[onnx.ModelProto], gate.GateResult], tries: list[dict], notes: list[str],
+                 progress: Callable[[str], None] | None) -> Chosen:
+    """The most quantized INT8 placement that passes with the ``safety`` margin (each placement tried in every
+    QDQ style and calibration method until one has it), else the most quantized that passes at all, else the
+    last one tried; every candidate is recorded in ``tries``."""
+    chosen: Chosen | None = None
+    first_pass = None  # most quantized placement that passes, in case none has the safety margin
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (desc, exclude) in enumerate(int8_candidates(fp32)):
+            best = None
+            for style, style_desc in QDQ_STYLES.items():  # the next style only if this one has no margin
+                for method in CALIBRATION_METHODS:
+                    if progress:
+                        progress(f"INT8 ({style_desc}; {method} calibration): {desc}")
+                    cand = to_int8(src, feeds, exclude, Path(tmp) / f"q{i}_{style}_{method}.onnx",
+                                   method=method, style=style)
+                    res = judge(cand)
+                    tries.append(_try(f"{desc}; {style_desc}; {method} calibration", res, fp32_nodes=exclude,
+                                      qdq=style))
+                    if best is None or res.margin > best[1].margin:
+                        best = (cand, res, tries[-1]["config"], exclude, style)
+                if best[1].passed and best[1].margin >= safety:
+                    break
+            chosen = best
+            if chosen[1].passed and first_pass is None:
+                first_pass = chosen
+            if chosen[1].passed and chosen[1].margin >= safety:
+                break
+        else:
+            if first_pass is not None:
+                chosen = first_pass
+                notes.append(f"no placement passed with the {safety:.0%} safety margin; kept the most "
+                             "quantized one that passes")
+    assert chosen is not None
+    return chosen
+
+
+def _quantize_report(name: str, precision: str, src: Path, card: ModelCard, fp32: onnx.ModelProto,
+                     model: onnx.ModelProto, res: gate.GateResult, desc: str, kept: list[str], style: str | None,
+                     tol: dict, cases: list[gate.GateCase], tries: list[dict], notes: list[str], issues: list,
+                     options: dict, t0: float) -> dict:
+    """The JSON beside ``NAME.PRECISION.onnx``: what was chosen and why, every try, the lint, the test set."""
+    calib, gates, safety = options["calib"], options["gates"], options["safety"]
+    hist: dict[str, int] = {}
+    for n in model.graph.node:
+        hist[n.op_type] = hist.get(n.op_type, 0) + 1
+    test = _test_report(card, fp32, model, tol)
+    return {"model": name, "precision": precision, "source": str(src),
+           artifacts.BUILT_FROM_KEY: quantize_inputs(src, precision, calib, gates, safety),
+           "passed": res.passed, "chosen": desc,
+           "kept_in_higher_precision": kept, "gate": tol, "gate_data": gate.gate_source(card, cases),
+           "metrics": res.metrics, "failures": res.failures, "margin": round(res.margin, 4), "test": test,
+           "tries": tries,
+           "notes": notes,
+           "calibration": (None if precision == "fp16" else
+                           {"samples": calib, "source": _calibration_source(card), "safety_margin": safety,
+                            "format": "QDQ, symmetric int8, zero point 0, per-channel weights along the "
+                                      "output-channel axis, FP32 biases and weights (Q→DQ pairs), no "
+                                      f"quantized outputs of weighted ops; {QDQ_STYLES[style]}",
+                            "qdq_style": style, "onnxruntime_extra_options": qdq_options(style)}),
+           "trt_lint": lint_report(model, issues),
+           "op_histogram": dict(sorted(hist.items())), "seconds": round(time.perf_counter() - t0, 1),
+           "versions": {"onnxruntime": ort.__version__, "onnx": onnx.__version__},
+           "card": card.model_dump(mode="json")}
 
 
 def _test_report(card: ModelCard, fp32: onnx.ModelProto, model: onnx.ModelProto, tol: dict) -> dict | None:

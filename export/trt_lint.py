@@ -1,43 +1,11 @@
 """TensorRT compatibility lint for ONNX graphs, runnable on a CPU.
 
-Every graph that TensorRT will parse — the FP32 export and the FP16 / INT8 graphs ``unroll quantize``
-writes — goes through :func:`lint` before it is written, so a graph TensorRT would reject fails here,
-naming the node and the reason, instead of on the GPU server. Two kinds of rule, kept apart:
-
-* **TensorRT's rules** (:func:`tensorrt_issues`), from TensorRT's own documentation only:
-
-  - the ONNX parser's operator support matrix, ``onnx/onnx-tensorrt`` ``docs/operators.md`` for
-    TensorRT 10.15 (commit ``fa5aa9f61e7781d2ca8f5351d42c1f19525a6124``), transcribed into the package
-    data file ``tensorrt_onnx_ops_10.15.json`` beside this module (:func:`op_table`): an operator is "not
-    supported by TensorRT 10.15" only where that list marks it N (or does not list it); the per-operator
-    type column and the restrictions that can bite a vision graph (reduction ``axes`` initializers, pooling
-    dilations, ``Resize`` modes, ``TopK`` ``sorted``/``K``, ...) are checked from the same table; TensorRT
-    *does* parse ``Loop``, ``If``, ``Scan``, ``NonZero`` and the random ops;
-  - explicit quantization (Q/DQ): TensorRT quantizes symmetrically, so every ``QuantizeLinear`` /
-    ``DequantizeLinear`` needs a build-time-constant scale whose coefficients are all positive (and
-    finite), a constant zero point of all zeros in a quantized type (INT8, or FP8/INT4/FP4) — a UINT8 or
-    INT32 zero point is not INT8 quantization, and a QuantizeLinear without one produces UINT8 in ONNX
-    but INT8 in TensorRT — and a scale that is a scalar (per-tensor) or 1-D with one coefficient per
-    channel along ``axis`` (per-channel; ``axis`` needs opset 13). Sources: TensorRT's
-    ``IQuantizeLayer`` reference ("zeroPt must only contain zero-valued coefficients, because only
-    symmetric quantization is supported", "All scale coefficients must have strictly positive values",
-    the scale "must be a scalar for per-tensor quantization, a 1D tensor for per-channel quantization"),
-    its Quantize operator page ("The scale tensor must be a build-time constant"), and the parser's
-    ``QuantDequantLinearHelper`` (``onnxOpImporters.cpp``, onnx-tensorrt commit
-    ``dd0a3a9f8794ae4f0316ed07ea68cda9b944bb3c``: "Non-zero zero point is not supported", "The number of
-    scales is not equal to the number of output channels", "ONNX default is UINT8, TRT will default to
-    INT8", UINT8 only with the DLA flag). One rule is unroll's own and says so: a per-channel *weight*
-    scale must run along the consuming layer's output-channel axis (``Conv`` 0, ``ConvTranspose`` 1,
-    ``Gemm`` by ``transB``, ``MatMul`` the last) — TensorRT's parser only counts the coefficients, and a
-    scale along another axis quantizes input channels instead of filters.
-
-* **unroll's serving-graph policy** (:func:`policy_issues`): what TensorRT parses but unroll refuses in
-  a served, *unrolled* graph — control flow left in (``Loop``/``If``/``Scan``), data-dependent output
-  shapes (``NonZero``), random sampling. These messages say "unroll policy", never "not supported by
-  TensorRT".
-
-:func:`lint` returns both; :func:`lint_report` is the ``trt_lint`` entry of the export and quantize
-reports.
+Every graph TensorRT will parse (the FP32 export and the FP16/INT8 graphs of ``unroll quantize``) goes through
+:func:`lint` before it is written, so a graph TensorRT would reject fails here, naming the node and the reason,
+rather than on the GPU server. Two kinds of rule, kept apart: TensorRT's own (:func:`tensorrt_issues`: the ONNX
+parser's operator table for TensorRT 10.15, shipped as ``tensorrt_onnx_ops_10.15.json``, and its documented Q/DQ
+rules), and unroll's serving-graph policy (:func:`policy_issues`: no control flow, data-dependent shapes or random
+ops in an unrolled graph), whose messages say "unroll policy", never "not supported by TensorRT".
 """
 
 from __future__ import annotations
@@ -50,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
+
+from unroll.errors import BuildError
 
 OPS_FILE = Path(__file__).with_name("tensorrt_onnx_ops_10.15.json")
 
@@ -131,12 +101,16 @@ class LintIssue:
         return f"node {self.node!r} ({self.op}): {self.reason}"
 
 
-class LintError(ValueError):
-    """A graph failed the lint; ``issues`` holds every :class:`LintIssue`."""
+class LintError(BuildError, ValueError):
+    """A graph failed the lint, so TensorRT was not run; ``issues`` holds every :class:`LintIssue` (or its line).
 
-    def __init__(self, what: str, issues: list[LintIssue]) -> None:
+    The message says ``what`` fails the lint and lists the issues, unless the caller words it (``message``: the
+    builder names the parser rules it checked).
+    """
+
+    def __init__(self, what: str, issues: list[LintIssue] | list[str], message: str | None = None) -> None:
         self.issues = issues
-        super().__init__(f"{what} fails the TensorRT lint:\n{format_issues(issues)}")
+        super().__init__(message or f"{what} fails the TensorRT lint:\n{format_issues(issues)}")
 
 
 def format_issues(issues: list[LintIssue]) -> str:

@@ -1,22 +1,10 @@
 """How much GPU memory an engine needs at its profile's largest shapes: an estimate from the ONNX alone.
 
-``unroll build`` prints this before it asks TensorRT for anything, and refuses to start a build that
-cannot fit (see :func:`check_budget`). The estimate is computed on a CPU:
-
-1. **Shapes.** Every graph input is fixed to the profile's *max* shape and ONNX shape inference (with
-   data propagation, so ``Shape``→``Gather``→``Reshape`` chains resolve) gives every intermediate
-   tensor a concrete shape; ONNX Runtime's symbolic shape inference is the fallback for tensors ONNX
-   leaves open. Tensors whose shape neither resolves are listed in :attr:`MemoryEstimate.unknown` (and
-   count as 0 bytes, so a graph with unknowns gets a *lower* bound, said so in :meth:`~MemoryEstimate.summary`).
-2. **Liveness.** Nodes run in the graph's (topological) order; a tensor is live from the step that
-   produces it (graph inputs: from the start) to the last step that reads it (graph outputs: to the
-   end). The activation peak is the largest sum of bytes live at one step.
-3. **Weights.** Initializers and ``Constant`` outputs, once.
-
-This is the unfused graph: TensorRT fuses element-wise chains and reuses buffers, so the engine's own
-activation memory is usually lower; it is the right order of magnitude for choosing a profile, and an
-estimate over the GPU's memory means the profile is wrong. TensorRT's workspace (``--workspace-gib``,
-scratch for its kernels) comes on top.
+``unroll build`` prints it before asking TensorRT for anything and refuses a build that cannot fit
+(:func:`check_budget`). On a CPU: ONNX shape inference at the profile's max shapes (ONNX Runtime's symbolic
+inference as fallback; unresolved tensors make it a lower bound, and the summary says so), the peak of tensors live
+at once in topological order, plus the weights. It is the unfused graph, so TensorRT usually needs less; the right
+order of magnitude for choosing a profile. TensorRT's workspace comes on top.
 """
 
 from __future__ import annotations
@@ -28,13 +16,15 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto
 
+from unroll.errors import BuildError
+
 __all__ = ["GIB", "MemoryBudgetError", "MemoryEstimate", "TensorBytes", "check_budget", "estimate",
            "gpu_total_bytes", "infer_shapes"]
 
 GIB = 1 << 30
 
 
-class MemoryBudgetError(ValueError):
+class MemoryBudgetError(BuildError, ValueError):
     """The estimate exceeds the memory available to the build; the message says by how much and what to lower."""
 
 

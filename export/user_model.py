@@ -19,14 +19,13 @@ from typing import Any
 
 from pydantic import ValidationError
 from torch import nn
-from unroll.export.onnx_export import ExportError
 
+from unroll import data, tasks
 from unroll.card import CardError, ModelCard
+from unroll.errors import ExportError
 
 #: A model name is a file stem and a Triton model name.
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-#: Default graph input / output names per task (CONVENTIONS.md).
-DEFAULT_IO = {"classification": ("image", "logits"), "denoising": ("noisy", "denoised"), "block": ("x", "y")}
 
 
 def _one_line(e: ValidationError, where: str) -> CardError:
@@ -52,8 +51,6 @@ def check_name(name: str) -> str:
 
 
 def _check_datasets(card: ModelCard) -> None:
-    from unroll import data
-
     for role in ("train", "validation", "test", "stress"):
         ds = getattr(card.data, role)
         if ds is not None and ds not in data.DATASETS:
@@ -77,22 +74,23 @@ def card_from_options(name: str, task: str, input_shape: tuple[int, ...], update
                       ) -> ModelCard:
     """The card of a user's module: the task's conventions (input/output names, colour from the channel
     count, resize policy) under the options given (``updates``, as :func:`card_updates` builds them)."""
-    if task not in DEFAULT_IO:
-        raise CardError(f"--task: one of {', '.join(DEFAULT_IO)}, not {task!r}")
+    offered = [t.name for t in tasks.all_tasks() if t.io is not None]  # default I/O names: CONVENTIONS.md
+    if task not in offered:
+        raise CardError(f"--task: one of {', '.join(offered)}, not {task!r}")
+    spec = tasks.get(task)
     shape = tuple(int(d) for d in input_shape)
     if not shape or any(d == 0 or d < -1 for d in shape):
         raise CardError(f"--input-shape: sizes per sample (C,H,W; -1 for a dynamic axis), not {list(shape)}")
-    if task in ("classification", "denoising") and (len(shape) != 3 or shape[0] < 1):
+    if spec.image_input and (len(shape) != 3 or shape[0] < 1):
         raise CardError(f"--input-shape: a {task} model takes images C,H,W (C fixed), not {list(shape)}")
-    inp, out = DEFAULT_IO[task]
-    image = len(shape) == 3 and shape[0] in (1, 3) and task != "block"
+    inp, out = spec.io
+    image = len(shape) == 3 and shape[0] in (1, 3) and spec.image_input
     base: dict[str, Any] = {
         "name": check_name(name), "task": task, "output": out, "origin": "options",
         "input": {"name": inp, "shape": list(shape), "colour": ({1: "gray", 3: "rgb"}[shape[0]] if image else None),
-                  "resize": "stretch" if task == "classification" and min(shape[1:]) > 0 else "none"},
+                  "resize": "none"},
     }
-    if task == "denoising":
-        base["sigma"] = {"input": "sigma"}
+    base = _merge(base, spec.card_defaults(shape))
     try:
         card = ModelCard.model_validate(_merge(base, updates or {}))
     except ValidationError as e:

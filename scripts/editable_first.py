@@ -1,19 +1,10 @@
 """Make the editable ``unroll`` win over a folder named ``unroll`` in the working directory (run by ``make venv``).
 
-Why: ``pip install -e .`` maps ``export/``, ``serving/`` and ``benchmarks/`` to ``unroll.export`` … (see
-pyproject.toml), which setuptools serves with an import finder it *appends* to ``sys.meta_path``, after the
-standard ``PathFinder``. ``python -c``/``-m`` put the working directory first on ``sys.path``, so from the folder
-above a clone named ``unroll`` (the default clone name) ``PathFinder`` finds that folder (no ``__init__.py``),
-returns a namespace package, and the editable finder is never asked: ``import unroll`` gives an empty module
-(pypa/setuptools#3557, kept as a known limitation upstream).
-
-What: this writes ``unroll-editable-first.pth`` into the interpreter's site-packages. ``site`` runs ``.pth``
-files in name order, so it runs after setuptools' ``__editable__.unroll-*.pth`` and moves that finder just before
-``PathFinder``. The finder only answers for ``unroll`` and its mapped subpackages, so no other import changes.
-The alternative, ``editable_mode=strict``, links every file into ``build/`` (gone after ``make clean``) and
-hides files added later until a reinstall. Without setuptools' finder (a future layout) the line does nothing.
-
-Usage: ``.venv/bin/python scripts/editable_first.py`` (prints the file it wrote).
+Why: setuptools serves the ``package-dir`` mapping (``export/`` → ``unroll.export`` …) with an import finder it
+appends after ``PathFinder``, so from the folder above a clone named ``unroll``, ``import unroll`` finds the clone as
+an empty namespace package (pypa/setuptools#3557). This writes ``unroll-editable-first.pth`` into site-packages,
+which runs after setuptools' own ``.pth`` and moves that finder before ``PathFinder``; it answers only for
+``unroll``, so no other import changes. Usage: ``.venv/bin/python scripts/editable_first.py``.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ fi
 
 # Bootstrap: `unroll` from this checkout; when it is not installed, the repository root joins its package path,
 # so unroll.benchmarks, unroll.export ... resolve to the top-level folders as pyproject's package-dir maps them.
+check() {
 "$PYTHON" - "$ROOT" "$@" <<'EOF'
 import importlib.util
 import runpy
@@ -42,3 +43,16 @@ if importlib.util.find_spec("unroll.benchmarks") is None:
     unroll.__path__.append(root)
 runpy.run_module("unroll.benchmarks.gpu_check", run_name="__main__", alter_sys=True)
 EOF
+}
+
+# A candidate that crashes the process in native code (seen: AOTInductor's package load) must not end the check:
+# the run is resumed, keeping the rows written so far and recording that candidate as an error.
+resume=()
+for attempt in 1 2 3 4; do
+    rc=0
+    check "$@" "${resume[@]}" || rc=$?
+    if (( rc <= 128 )); then exit "$rc"; fi
+    echo "==> gpu_check: the process died with signal $((rc - 128)); resuming (attempt $((attempt + 1)))" >&2
+    resume=(--resume)
+done
+exit "$rc"

@@ -1,19 +1,11 @@
 """Render the Helm chart in deploy/helm/unroll offline and validate the manifests for a target Kubernetes version.
 
-Rendering uses Helm's own template engine (Helm v4's Go SDK, through the ``helm-python-sdk`` wheel from the
-package index: no ``helm`` binary, no cluster, no network), so what is checked is what ``helm template`` /
-``helm install`` would produce. Validation:
-
-- Kubernetes' own kinds (Deployment, Service, ConfigMap, HorizontalPodAutoscaler autoscaling/v2 ...) with
-  ``kubernetes-validate`` in strict mode (unknown fields are errors) against that version's OpenAPI schemas.
-- Custom resources, which kubernetes-validate skips with a warning (KServe ``InferenceService``, Prometheus
-  Operator ``PodMonitor``), against the JSON Schemas committed in deploy/schemas/ (generated from the KServe SDK
-  and cloudcoil's Prometheus Operator models, see deploy/schemas/generate.py), equally strict; the Kubernetes
-  types inside them resolve to kubernetes-validate's definitions for the same version.
+Rendering uses Helm's own engine (the ``helm-python-sdk`` wheel: no ``helm`` binary, cluster or network), so what is
+checked is what ``helm template`` produces. Kubernetes' kinds are validated with ``kubernetes-validate --strict``;
+the custom resources (KServe ``InferenceService``, ``PodMonitor``) against deploy/schemas/, as strictly.
 
     python scripts/render_manifests.py -o build/deploy/unroll.yaml --set replicaCount=2
-    python scripts/render_manifests.py --validate --set gpu.enabled=true,autoscaling.enabled=true \
-        deploy/kserve/inferenceservice.yaml
+    python scripts/render_manifests.py --validate --set gpu.enabled=true deploy/kserve/inferenceservice.yaml
 """
 
 from __future__ import annotations
@@ -28,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from unroll.errors import UnrollError
+
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "unroll"
 SCHEMAS = ROOT / "deploy" / "schemas"
@@ -40,7 +34,7 @@ CRD_SCHEMAS = {
 }
 
 
-class ManifestError(ValueError):
+class ManifestError(UnrollError, ValueError):
     """Rendering failed or a manifest does not validate; the message names the object and the field."""
 
 

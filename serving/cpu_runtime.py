@@ -1,26 +1,10 @@
 """One CPU inference call for an exported graph, on ONNX Runtime or OpenVINO: the per-model CPU runtime.
 
-Which runtime is faster depends on the graph (measured by ``unroll bench export``: OpenVINO runs the denoiser
-1.15–1.26× faster, ONNX Runtime has less per-call overhead for the small classifier), so the
-choice is made per model by measurement and recorded on its card. Both runtimes read the same fused ONNX
-file; :func:`open_session` hides their differences behind one callable::
-
-    run = open_session("build/onnx/NAME.onnx", "openvino", threads=2)
-    outputs = run({"noisy": x, "sigma": s})        # {"denoised": array}
-    run.inputs                                     # {"noisy": [None, 1, None, None], "sigma": [None]}
-
-The Triton Python backend (``serving/triton_backend_model.py``) and ``unroll bench export`` both run graphs
-through it, with the runtime the model card names (``card.cpu_runtime``).
-
-Settings, the same for both: ``threads`` intra-op threads and nothing else (one inference at a time,
-latency first). ONNX Runtime: CPU provider, all graph optimizations, one inter-op thread, sequential
-execution, idle threads sleep instead of spinning unless ``spinning`` (spinning costs latency when other
-processes share the cores). OpenVINO: the ``CPU`` device with the ``LATENCY`` hint and **FP32 inference precision**: on
-CPUs with AVX-512 BF16 or AMX its default is bfloat16, which is far outside the export's parity tolerance,
-so FP32 is forced. OpenVINO comes with the ``serve`` extra and the serving image; where it is missing,
-:func:`available` says so and a model whose card names it refuses to load with that reason.
-
-Nothing here imports PyTorch (the CPU serving image has none).
+Which runtime is faster depends on the graph, so the card records the choice per model (``card.cpu_runtime``,
+measured by ``unroll bench export``), and :func:`open_session` hides both behind one callable (``run(feeds)``,
+``run.inputs``) for the Triton Python backend and the benchmarks. Settings: ``threads`` intra-op threads, latency
+first; OpenVINO is forced to FP32 because its default on CPUs with BF16 support is bfloat16, outside the export's
+parity tolerance. Nothing here imports PyTorch (the CPU serving image has none).
 """
 
 from __future__ import annotations
@@ -34,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from unroll.errors import ServingError
+
 RUNTIMES = ("onnxruntime", "openvino")
 DEFAULT_RUNTIME = "onnxruntime"
 
@@ -41,7 +27,7 @@ Session = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 """Also carries ``.runtime`` (its name) and ``.inputs`` ({graph input: dims, ``None`` where dynamic})."""
 
 
-class RuntimeUnavailable(RuntimeError):
+class RuntimeUnavailable(ServingError):
     """The requested CPU runtime is not installed (or not a known runtime)."""
 
 
@@ -84,7 +70,8 @@ def open_session(path: str | Path, runtime: str = DEFAULT_RUNTIME, threads: int 
 
 
 def ort_session(path: str | Path, threads: int, spinning: bool = False):
-    """The ONNX Runtime CPU session behind :func:`open_session` (the settings in the module docstring).
+    """The ONNX Runtime CPU session behind :func:`open_session`: CPU provider, all graph optimizations, one inter-op
+    thread, sequential execution; idle threads sleep unless ``spinning`` (spinning takes CPU from neighbours).
 
     The benchmarks' in-process baseline uses it too, so "in-process ONNX Runtime" and Triton's model run the
     graph with the same settings.

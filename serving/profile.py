@@ -18,13 +18,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from unroll.errors import BuildError
+
 #: Triton config ``parameters`` key holding the served profile (GPU target only).
 PROFILE_KEY = "unroll.profile"
 
 Shape = tuple[int, ...]
 
 
-class ProfileError(ValueError):
+class ProfileError(BuildError, ValueError):
     """A profile is malformed (the message names where it came from and what is wrong)."""
 
 

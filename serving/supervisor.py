@@ -1,35 +1,12 @@
 """Keep a tritonserver running for ``unroll serve``: notice when it dies or hangs, clean up, restart it.
 
-Without this, a ``kill -9`` of tritonserver (or an abort while Triton restarts a dead Python-backend stub)
-left the gateway answering 503 for good, the server a zombie, its stubs running under PID 1 and their
-``/dev/shm`` regions behind. :class:`TritonSupervisor` owns the server from a thread of its own:
-
-* it launches the server (the first time too) from that thread, which lives as long as the server must:
-  Triton's parent-death signal follows the thread that forked it (see :mod:`unroll.serving.triton`);
-* it watches the server and its Python-backend stubs (:class:`~unroll.serving.process_watch.ExitWatch`: woken
-  the moment one exits) and probes readiness: an exit of the server is reaped at once; a server that is alive
-  but not ready for ``unready_restart_s`` (a model that never comes back) is stopped;
-* a stub that dies while its server runs (``kill -9``, the OOM killer) makes the supervisor replace the whole
-  server at once (SIGKILL, no drain), because Triton 2.45 cannot be trusted after it: its Python backend
-  restarts the stub in place, unmapping the stub's shared-memory pool, and then still writes to, reads from
-  and frees the failed batch's requests in that pool. Where the new pool is mapped elsewhere (always, once the
-  pool had grown for large tensors, as the denoiser's 512×512 batches make it) that is a SIGSEGV in
-  ``InferRequest::SetReleaseFlags`` or ``~InferRequest``; where the new pool happens to land on the old
-  address it is a write into the new stub's memory. A stub killed while it held the pool's mutex makes Triton
-  abort (``boost::interprocess::lock_exception``) even before that. A clean restart costs about as long as the
-  in-place one and has none of these (``restart_on_stub_exit=False`` leaves it to Triton); the gateway answers
-  the requests that were inside the dead stub with 503 and ``Retry-After``, like those during the restart;
-* :meth:`TritonHandle.stop` then kills what is left of the server's process group (its stubs), reaps
-  them (this process is made a child subreaper, so orphaned stubs are re-parented to us, not to PID 1)
-  and unlinks the shared-memory regions of that server's stubs only;
-* it starts a new server on the same ports after a back-off (``backoff_s``: none after a first failure, so a
-  lone crash costs only the restart; longer after each crash in a row, reset once a server stayed up
-  ``stable_s``), and gives up after ``max_restarts`` restarts within
-  ``window_s`` — then ``on_give_up`` is called (``unroll serve`` exits with the reason) rather than
-  serving 503 forever. Every step is logged.
-
-The gateway needs no signal: its gRPC channel reconnects within a second and its catalog re-discovers
-the models after Triton was unavailable (:mod:`unroll.serving.gateway.triton_client`).
+:class:`TritonSupervisor` owns the server from a thread of its own (Triton's parent-death signal follows the thread
+that started it). It is woken the moment the server or one of its Python-backend stubs exits
+(:class:`~unroll.serving.process_watch.ExitWatch`) and probes readiness; it then kills and reaps what is left,
+removes that server's shared-memory regions, and starts a new server on the same ports after a growing back-off,
+giving up (``on_give_up``) after ``max_restarts`` within ``window_s``. A dead stub replaces the whole server,
+because Triton 2.45's in-place stub restart reuses the dead stub's unmapped shared memory (issue 22). The gateway
+reconnects by itself and answers 503 with ``Retry-After`` meanwhile.
 """
 
 from __future__ import annotations

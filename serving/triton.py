@@ -1,57 +1,11 @@
 """Start and stop a real Triton Inference Server: the ``tritonserver`` binary from the nvidia-pytriton wheel.
 
-The wheel ships the server, its shared libraries, the Python backend and one Python-backend stub per
-interpreter version. We run that binary directly (not pytriton's in-process model proxy) so the model
-repository written by :mod:`unroll.serving.repository` is served exactly as the NGC container would serve it.
-
-Where the pieces are comes from pytriton's own helpers (``pytriton.utils.distribution``:
-``get_root_module_path``, ``get_libs_path`` — which also knows the editable-install layout — and
-``get_stub_path(version)``). That module is loaded on its own (:func:`_distribution`): importing it the
-usual way first runs ``pytriton/__init__``, which imports pytriton's client, model config and in-process
-server (and reconfigures other libraries' loggers), all for three path functions.
-What the helpers do not cover is ours, each for a reason:
-
-* the binary is ``<root>/tritonserver/bin/tritonserver``, the path ``pytriton.triton`` builds inline;
-* the stub must sit beside ``libtriton_python.so``. pytriton copies the whole server tree into a fresh
-  workspace on every start; we put the stub into the wheel's backend directory once (or into a cached copy
-  when site-packages is read-only, :func:`_install_stub`);
-* the stub embeds libpython and must adopt this interpreter's packages (onnxruntime, NumPy):
-  ``LD_LIBRARY_PATH`` gets this interpreter's ``libpython`` folder, ``PATH`` its ``bin`` (pytriton's
-  ``TritonServer`` does the latter too, but lives in the module whose import is heavy);
-* pytriton's ``TritonServer`` launcher keeps the log in memory and stops with SIGINT only; we need a
-  log file for post-mortems, readiness checked against our own ``--id``, and a stop that escalates.
-
-``start(...)`` returns a :class:`TritonHandle` once ``/v2/health/ready`` says every model is loaded
-and warm; a failure raises :class:`TritonStartError` with the tail of Triton's log (which model
-failed and why).
-
-No orphans: the server runs in its own process group; ``stop()`` (also run at interpreter exit for a
-forgotten handle) sends SIGTERM, then SIGKILL to the whole group after a grace period. A parent that
-dies without running any Python (``kill -9``, the OOM killer) cannot do that, so Triton is started with
-the Linux parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGTERM)`` in the child before ``exec``, as
-pytriton's own launcher does): the kernel sends Triton SIGTERM, Triton unloads its models, and that
-ends their stub processes (``tests/test_triton.py`` SIGKILLs a parent and checks that neither
-``tritonserver`` nor one of its stubs is left a few seconds later). The stubs get no parent-death
-signal of their own: that signal follows the *thread* that forked, and Triton's threads are its own
-business. (A SIGKILLed ``tritonserver`` does leave its stubs running; ``stop()`` kills the whole group,
-which covers that while our process lives.) Because the signal follows the forking thread,
-:func:`start` must be called from the main thread: a server started from a worker thread would be
-stopped when that thread ends, so it refuses instead — unless the caller says the thread outlives the
-server (``any_thread=True``: the supervisor's thread, :mod:`unroll.serving.supervisor`).
-
-Clean-up after a crash: each Python-backend stub gets a POSIX shared-memory region from Triton
-(``/dev/shm/triton_python_backend_shm_region_<uuid>``, named on the stub's command line) that only a
-clean Triton shutdown removes. ``stop()`` therefore kills what is left of the server's process group,
-reaps what it can, and unlinks the regions *this* server's stubs used (read from their command lines,
-recorded while they ran by :meth:`TritonHandle.snapshot`) — never other servers' regions.
-
-Locked down (``api_key``): every Triton API except health (metadata, inference, shared memory, model
-config, repository, statistics, trace, logging) needs the header :data:`RESTRICTED_HEADER` with the
-key, on HTTP and gRPC (Triton's ``--http-restricted-api`` / ``--grpc-restricted-protocol``; over gRPC
-Triton expects the header as ``triton-grpc-protocol-`` + its name).
-
-Logs: with a ``log_file``, the previous one is rotated to ``<log>.1`` … ``<log>.<log_keep>`` at each
-start, so a long-lived install keeps a bounded history and each file is one server's run.
+The binary is run directly (not pytriton's in-process proxy), so the repository :mod:`unroll.serving.repository`
+writes is served as the NGC container serves it; pytriton's path helpers are loaded without its heavy package import.
+:func:`start` returns a :class:`TritonHandle` once every model is ready, or raises :class:`TritonStartError` with
+the log's reason. No orphans: the server runs in its own process group with the parent-death signal (so it follows
+the thread that started it: call :func:`start` from the main thread), and ``stop()`` escalates SIGTERM → SIGKILL and
+removes the shared-memory regions of *this* server's stubs. ``api_key`` locks every API but health.
 """
 
 from __future__ import annotations
@@ -87,6 +41,8 @@ from types import ModuleType, TracebackType
 from unroll.serving import malloc
 from unroll.serving.process_watch import ProcStat, read_stat
 
+from unroll.errors import ServingError
+
 LOG_TAIL_LINES = 40
 #: The server inside the pinned nvidia-pytriton wheel (pyproject.toml); the tests check the running one says so.
 BUNDLED_TRITON_VERSION = "2.45.0"
@@ -113,7 +69,7 @@ SHM_PREFIX = "triton_python_backend_shm_region_"
 SHM_DIR = Path("/dev/shm")
 
 
-class TritonStartError(RuntimeError):
+class TritonStartError(ServingError):
     """The server binary is missing, could not start, or a model did not load (message has Triton's reason).
 
     ``reason`` is the short form (one line per failed model) for command-line output; the message
@@ -523,7 +479,7 @@ def start(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port
     served is exactly what the repository says. ``log_file`` defaults to a new temporary file (kept
     after the server stops, for post-mortems). Ports are checked first, and readiness is only
     accepted from the server we launched (``--id``), never from another one on the same port.
-    Call it from the main thread (see the module docstring: Triton dies with the thread that started it),
+    Call it from the main thread (the parent-death signal follows the thread that started Triton),
     or pass ``any_thread=True`` from a thread that outlives the server. ``api_key`` locks every API but
     health behind :data:`RESTRICTED_HEADER` (:func:`restricted_api_args`). A given ``log_file`` is rotated
     first (``log_keep`` older ones kept; 0 appends to it instead).

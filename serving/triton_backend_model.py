@@ -1,49 +1,11 @@
 """Triton Python-backend model that runs an exported ONNX graph on the CPU (ONNX Runtime or OpenVINO).
 
-:mod:`unroll.serving.repository` copies this file, unchanged, to ``<model>/1/model.py`` for every model of
-a ``--target cpu`` repository; everything model-specific comes from ``config.pbtxt``:
-
-* ``parameters { key: "onnx_file" }`` — the graph beside this file (``model.onnx``);
-* ``parameters { key: "cpu_runtime" }`` — ``onnxruntime`` (default) or ``openvino``: the card's ``cpu_runtime``,
-  run through :func:`unroll.serving.cpu_runtime.open_session` (so the stub needs unroll importable, as
-  ``unroll serve`` and the serving image arrange);
-* ``parameters { key: "intra_op_num_threads" }`` — threads per instance (one session per instance,
-  created here in ``initialize`` and reused for every request);
-* ``parameters { key: "intra_op_spinning" }`` — ``"1"`` (what ``unroll repo`` writes): ONNX Runtime's threads
-  spin briefly for the next piece of work before they sleep, which cuts latency and raises throughput
-  (measured, serving/repository.py); ``"0"``: they sleep at once (for cores shared with busier neighbours);
-* ``parameters { key: "input_defaults" }`` — JSON ``{name: value}`` for ``optional: true`` inputs
-  (the λ input a card declares), filled per request when the client leaves them out;
-* ``parameters { key: "unroll.profile" }`` — only in the test-only CPU stand-in of a GPU config
-  (``write_repository(..., cpu_stand_in=True)``): the TensorRT optimization profile the GPU engine would
-  cover; a request outside it is refused, as TensorRT refuses it, so tests of the gateway in front of GPU
-  configs see what a GPU would answer.
-
-Tensors cross the stub boundary zero-copy through DLPack (``np.from_dlpack(tensor)`` in,
-``pb_utils.Tensor.from_dlpack`` out), not ``as_numpy()`` / ``pb_utils.Tensor(name, array)``: the
-wheel's stub was built with a pybind11 that predates NumPy 2's dtype ABI, and under NumPy 2 those
-two return wrong data (inputs read as repeated first elements, outputs as zero bytes).
-
-Outputs go as a capsule we keep (:func:`_to_triton`): the stub marks a consumed capsule ``used_dlpack``
-instead of the DLPack protocol's ``used_dltensor``, so NumPy's capsule destructor did not recognise it,
-failed ``PyCapsule_GetPointer`` and printed a 5-line traceback into Triton's log on every response
-(nothing leaked: the stub's tensor calls the DLPack deleter itself). We give the capsule the protocol's
-name after the stub took it, so NumPy's destructor leaves it alone, as the protocol intends.
-
-Where a request's time goes (one digit, concurrency 1, measured inside the stub with timers and cProfile on a
-shared 2-core machine, so approximate): ``session.run`` is nearly all of ``execute``; the rest is ~0.1–0.2 ms of
-Python (``np.from_dlpack`` and ``pb_utils.Tensor.from_dlpack`` ~9 µs each, building the response); no
-exception is raised or caught per inference (tests/test_perf_analyzer.py checks Triton's log stays clean). The
-large cost outside the model was the dynamic batcher's queue delay, which a lone request paid in full: the
-repository default is now no delay (serving/repository.py). Optional inputs' defaults are filled from arrays
-made once per shape.
-
-The requests of one dynamic batch are concatenated into one ``session.run`` per group of equal
-non-batch shapes (the denoiser takes any H×W, so one batch can mix sizes) and the outputs are split
-back per request. A failure in one group becomes a Triton error on exactly those requests; the
-instance keeps serving.
-
-It only runs inside Triton's Python-backend stub (``triton_python_backend_utils`` exists there).
+:mod:`unroll.serving.repository` copies this file unchanged to ``<model>/1/model.py``; everything model-specific
+comes from ``config.pbtxt`` parameters (``onnx_file``, ``cpu_runtime``, ``intra_op_num_threads``,
+``intra_op_spinning``, ``input_defaults`` for optional inputs, and ``unroll.profile`` in the test-only GPU stand-in,
+which refuses inputs outside the profile as TensorRT does). Tensors cross the stub zero-copy through DLPack,
+because the wheel's stub predates NumPy 2's dtype ABI and its ``as_numpy()`` returns wrong data under NumPy 2. One
+dynamic batch runs as one ``session.run`` per group of equal shapes; a failing group fails only its requests.
 """
 
 from __future__ import annotations
@@ -58,6 +20,7 @@ import triton_python_backend_utils as pb_utils
 from unroll.serving.cpu_runtime import DEFAULT_RUNTIME, RuntimeUnavailable, open_session
 
 from unroll.card import CARD_KEY
+from unroll.errors import UsageError
 
 
 class TritonPythonModel:
@@ -115,7 +78,7 @@ class TritonPythonModel:
             if t is None:
                 missing.append((name, dtype, shape, default))
                 continue
-            a = np.from_dlpack(t)  # zero-copy view of the request's shared-memory buffer (see module doc)
+            a = np.from_dlpack(t)  # zero-copy view of the request's buffer (as_numpy: wrong under NumPy 2)
             if shape is not None and list(a.shape[1:] if self.batching else a.shape) != shape:
                 # config `reshape` (dims [1] → graph []), applied here too so either client form works
                 a = a.reshape((a.shape[0], *shape) if self.batching else tuple(shape))
@@ -218,7 +181,7 @@ def _to_triton(name: str, a: np.ndarray):
     return tensor
 
 
-class BadInput(ValueError):
+class BadInput(UsageError, ValueError):
     """A request the model cannot take (Triton's INVALID_ARG: HTTP 400), as opposed to a failure while running."""
 
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 
 import pytest
 import typer
 from typer.testing import CliRunner
-from unroll.benchmarks import cli
+from unroll.app import bench_cli as cli
 from unroll.benchmarks.common import demo_model, latency_summary, quantizable, trained_models
 from unroll.benchmarks.serve_bench import closed_loop, stats_delta
 
@@ -193,7 +192,7 @@ def test_cuda_plan_against_this_machine(tmp_path: Path) -> None:
     import torch
     from unroll.benchmarks import models_bench as mb
 
-    from unroll import doctor
+    from unroll import machine
 
     models = [CLASSIFIER, DENOISER, next(n for n, s in REGISTRY.items() if s.task == "block")]
     env = mb.cuda_environment()
@@ -212,7 +211,7 @@ def test_cuda_plan_against_this_machine(tmp_path: Path) -> None:
         if r.runtime == "pytorch eager":
             assert why is None
         elif r.runtime == env.ort_runtime or r.runtime == env.gate_runtime:
-            if doctor.CUDA_EP not in ort.get_available_providers():
+            if machine.CUDA_EP not in ort.get_available_providers():
                 assert why and "has no CUDAExecutionProvider (pip install onnxruntime-gpu)" in why
             elif r.precision != "fp32":
                 assert why and "not quantized" in why
@@ -224,15 +223,18 @@ def test_cuda_plan_skip_reasons(tmp_path: Path) -> None:
     import dataclasses
 
     from unroll.benchmarks import models_bench as mb
+    from unroll.export.quantize import quantize_inputs
 
-    from unroll import doctor
+    from unroll import machine
 
     env = mb.cuda_environment("cpu")
     assert env.reason is None and env.ort_reason is None  # the CPU provider always runs
     onnx = tmp_path / "onnx"
     onnx.mkdir()
     (onnx / f"{CLASSIFIER}.onnx").write_bytes(b"")
-    (onnx / f"{CLASSIFIER}.fp16.onnx").write_bytes(b"")  # newer than the FP32 one: usable
+    (onnx / f"{CLASSIFIER}.fp16.onnx").write_bytes(b"")  # made from this FP32 one (its report says so): usable
+    (onnx / f"{CLASSIFIER}.fp16.report.json").write_text(json.dumps(
+        {"built_from": quantize_inputs(onnx / f"{CLASSIFIER}.onnx", "fp16")}))
     plan = mb.cuda_plan([CLASSIFIER, DENOISER], env, onnx, quick=True, with_compile=False)
     assert _plan_keys(plan) == _expected_keys([CLASSIFIER, DENOISER], env, quick=True)
     skipped = dict(plan.skipped)
@@ -248,12 +250,12 @@ def test_cuda_plan_skip_reasons(tmp_path: Path) -> None:
     assert "its card names no calibration/gate data" in dict(only.skipped)[mb.PlanRow(block, env.ort_runtime, "fp16",
                                                                                        1)]
     assert not any(r.runtime == env.gate_runtime for r in only.rows)  # no gate data, no gate row
-    os.utime(onnx / f"{CLASSIFIER}.fp16.onnx", (1, 1))  # FP32 re-exported after the FP16 graph: stale
+    (onnx / f"{CLASSIFIER}.onnx").write_bytes(b"re-exported")  # FP32 re-exported after the FP16 graph: stale
     stale = dict(mb.cuda_plan([CLASSIFIER], env, onnx, quick=True).skipped)
     assert "older than the FP32 export" in stale[mb.PlanRow(CLASSIFIER, env.ort_runtime, "fp16", 1)]
 
-    cuda_ep = doctor.probe_ort_provider(doctor.CUDA_EP)  # this machine's real answer
-    no_ort = dataclasses.replace(env, ort_provider=doctor.CUDA_EP, ort_reason=None if cuda_ep.ok else cuda_ep.summary)
+    cuda_ep = machine.probe_ort_provider(machine.CUDA_EP)  # this machine's real answer
+    no_ort = dataclasses.replace(env, ort_provider=machine.CUDA_EP, ort_reason=None if cuda_ep.ok else cuda_ep.summary)
     plan = mb.cuda_plan([CLASSIFIER], no_ort, onnx, quick=True)
     if not cuda_ep.ok:
         assert not any(r.runtime in (env.ort_runtime, env.gate_runtime) for r in plan.rows)
@@ -267,7 +269,7 @@ def test_cuda_bench_without_cuda_writes_nothing(tmp_path: Path) -> None:
     """No CUDA: exit 1 with the probe's reason; the results folder (here with a sentinel) is left untouched."""
     import torch
 
-    from unroll import doctor
+    from unroll import machine
 
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here: the command would measure")
@@ -279,7 +281,7 @@ def test_cuda_bench_without_cuda_writes_nothing(tmp_path: Path) -> None:
     assert res.exit_code == 1, res.output
     text = " ".join(res.output.split())
     assert "--device cuda: no usable CUDA here" in text and "nothing was written" in text
-    assert " ".join(doctor.probe_cuda().summary.split()) in text
+    assert " ".join(machine.probe_cuda().summary.split()) in text
     assert [p.name for p in out.iterdir()] == ["models_cuda.json"] and (out / "models_cuda.json").read_text() == \
         "committed\n"
     assert not (tmp_path / "onnx").exists()  # nothing exported either

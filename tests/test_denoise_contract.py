@@ -213,8 +213,8 @@ def _srgb() -> bytes:
 
 
 def _rows() -> dict[str, tuple[Callable[[], bytes], str]]:
-    """Input name → (its bytes, the PNG mode that must come back): the table of the module docstring of
-    ``serving/gateway/images.py`` and of the README."""
+    """Input name → (its bytes, the PNG mode that must come back): the README's table, which
+    ``serving/gateway/images.py`` implements."""
     rgb = Image.fromarray(photo())
     rgba = Image.fromarray(np.dstack([photo(), _alpha()]))
     gray16 = (photo()[..., 1].astype(np.uint16) * 257)

@@ -108,7 +108,7 @@ def test_readme_way3_serves_the_model(user_dir: Path) -> None:
 def test_field_hints_name_the_field_where_the_card_was_written() -> None:
     """Each origin gets its own spelling: registration (Python attribute), JSON file (the JSON nesting, in that file),
     ``unroll export --model`` options (the option), a dict given to ``export()``."""
-    from unroll.export.fuse import load_card_file
+    from unroll.export.card_attach import load_card_file
     from unroll.export.user_model import card_from_options
 
     from_file = load_card_file(CARD, NAME)

@@ -21,9 +21,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from unroll.app import doctor_probes, doctor_verdicts
 from unroll.export.trt_build import tensorrt_available
 
-from unroll import doctor
+from unroll import machine
 
 TIMEOUT_S = "120"
 
@@ -63,13 +64,13 @@ def _provider_taken(provider: str) -> bool:
 
 def test_components_match_ground_truth(report: dict) -> None:
     c = report["components"]
-    assert list(c) == list(doctor.ORDER)
+    assert list(c) == list(doctor_verdicts.ORDER)
     assert all(v["status"] != "unknown" for v in c.values()), {k: v["summary"] for k, v in c.items()}
 
     o = c["onnxruntime"]
     assert o["status"] == "ok" and o["facts"]["version"] == ort.__version__
     assert o["facts"]["providers"] == ort.get_available_providers()
-    for name, provider in (("ort-cuda", doctor.CUDA_EP), ("ort-tensorrt", doctor.TRT_EP)):
+    for name, provider in (("ort-cuda", machine.CUDA_EP), ("ort-tensorrt", machine.TRT_EP)):
         if provider not in ort.get_available_providers():
             assert c[name]["status"] == "missing" and "pip install onnxruntime-gpu" in c[name]["summary"]
         else:
@@ -114,7 +115,7 @@ def test_components_match_ground_truth(report: dict) -> None:
 
     import importlib.util
 
-    for group, pkgs in doctor.PACKAGE_GROUPS.items():
+    for group, pkgs in doctor_probes.PACKAGE_GROUPS.items():
         for label, (module, _) in pkgs.items():
             assert c[group]["facts"][label]["ok"] == (importlib.util.find_spec(module) is not None), (group, label)
 
@@ -142,17 +143,17 @@ def test_bench_serve_verdict_says_what_happens_without_perf_analyzer(report: dic
     else:
         assert not bench["ok"] and "perf_analyzer" in bench["reason"], bench
     # every state, judged from components built here (the same rule without depending on this machine)
-    ok = {n: doctor.Component(n, "ok", "", {label: {"ok": True} for label in doctor.PACKAGE_GROUPS.get(n, {})})
-          for n in doctor.ORDER}
+    ok = {n: machine.Component(n, "ok", "", {label: {"ok": True} for label in doctor_probes.PACKAGE_GROUPS.get(n, {})})
+          for n in doctor_verdicts.ORDER}
     for status, works in (("missing", True), ("broken", False), ("unknown", False)):
-        comps = {**ok, "perf_analyzer": doctor.Component("perf_analyzer", status, f"perf_analyzer {status}")}
-        v = next(v for v in doctor._verdicts(comps) if v.command == "bench serve")
+        comps = {**ok, "perf_analyzer": machine.Component("perf_analyzer", status, f"perf_analyzer {status}")}
+        v = next(v for v in doctor_verdicts._verdicts(comps) if v.command == "bench serve")
         assert v.ok == works and ("Triton-direct" in (v.note if works else v.reason)), (status, v)
 
 
 def test_commands_follow_from_what_was_found(report: dict) -> None:
     cmds = {v["command"]: v for v in report["commands"]}
-    assert list(cmds) == list(doctor.COMMANDS)
+    assert list(cmds) == list(doctor_verdicts.COMMANDS)
     assert all(v["reason"] for v in cmds.values() if not v["ok"])  # every ✗ says why
     assert cmds["export"]["ok"] and cmds["bench models"]["ok"]  # PyTorch + ONNX Runtime on CPU: always here
     ok, why = tensorrt_available()
@@ -162,9 +163,10 @@ def test_commands_follow_from_what_was_found(report: dict) -> None:
     assert cmds["serve --target gpu"]["ok"] == (report["components"]["gpu"]["status"] == "ok")
     podman = report["components"]["podman"]["status"] == "ok" and report["components"]["buildah"]["status"] == "ok"
     assert cmds["container images"]["ok"] == podman
-    for alias, cmd in doctor.ALIASES.items():
-        assert doctor.resolve_command(alias) == cmd and doctor.resolve_command(f"unroll  {alias}") == cmd
-    assert doctor.resolve_command("nonsense") is None
+    resolve = doctor_verdicts.resolve_command
+    for alias, cmd in doctor_verdicts.ALIASES.items():
+        assert resolve(alias) == cmd and resolve(f"unroll  {alias}") == cmd
+    assert doctor_verdicts.resolve_command("nonsense") is None
 
 
 def test_require_a_command_that_cannot_work_exits_1_with_the_reason() -> None:
@@ -206,11 +208,11 @@ def test_broken_tools_are_reported_not_fatal(tmp_path: Path) -> None:
 
 
 def test_a_probe_that_raises_or_hangs_is_reported() -> None:
-    c = doctor.guarded("x", lambda: 1 / 0)
+    c = machine.guarded("x", lambda: 1 / 0)
     assert c.status == "broken" and "ZeroDivisionError" in c.summary
-    r = doctor.run_binary([sys.executable, "-c", "import time; time.sleep(60)"], timeout=0.5)
+    r = machine.run_binary([sys.executable, "-c", "import time; time.sleep(60)"], timeout=0.5)
     assert r.rc is None and r.error and r.error.startswith("did not finish")
-    r = doctor.run_binary([str(Path(__file__))], timeout=5)  # not executable
+    r = machine.run_binary([str(Path(__file__))], timeout=5)  # not executable
     assert r.rc is None and "PermissionError" in (r.error or "")
 
 
@@ -221,17 +223,17 @@ def test_onnxruntime_log_reason() -> None:
            "onnxruntime::Provider& onnxruntime::ProviderLibrary::Get() [ONNXRuntimeError] : 1 : FAIL : Failed to "
            "load library libonnxruntime_providers_cuda.so with error: libcublasLt.so.11: cannot open shared "
            "object file: No such file or directory\n")
-    assert doctor.ort_log_reason(log) == ("Failed to load library libonnxruntime_providers_cuda.so with error: "
+    assert machine.ort_log_reason(log) == ("Failed to load library libonnxruntime_providers_cuda.so with error: "
                                           "libcublasLt.so.11: cannot open shared object file: No such file or "
                                           "directory")
-    assert re.match(r"^\S", doctor.ort_log_reason("plain text\n") or "")
+    assert re.match(r"^\S", machine.ort_log_reason("plain text\n") or "")
 
 
 def test_provider_probe_runs_a_session_for_real() -> None:
     """The code path that decides "usable" for the CUDA/TensorRT providers, on the provider every build has."""
-    c = doctor.probe_ort_provider("CPUExecutionProvider")
+    c = machine.probe_ort_provider("CPUExecutionProvider")
     assert c.status == "ok" and c.facts["session"][0] == "CPUExecutionProvider"
-    missing = doctor.probe_ort_provider("NoSuchExecutionProvider")
+    missing = machine.probe_ort_provider("NoSuchExecutionProvider")
     assert missing.status == "missing" and ort.__version__ in missing.summary
 
 
@@ -239,14 +241,15 @@ def test_a_child_that_crashes_loses_only_the_probe_it_was_in() -> None:
     """A real segfault (SIGSEGV sent to itself) in the second of three probes: the first keeps its result, the
     second is broken with the signal, the third runs in a fresh interpreter; a child that exits with a Python
     error is named with its last line."""
+    marker = doctor_probes.MARKER
     script = ("import json, os, signal, sys\n"
               "for n in sys.argv[1].split(','):\n"
               "    if n == 'segv': os.kill(os.getpid(), signal.SIGSEGV)\n"
               "    if n == 'boom': raise SystemExit('boom: the import failed')\n"
-              f"    print({doctor.MARKER!r} + json.dumps({{'name': n, 'status': 'ok', 'summary': n, 'facts': {{}}}}),"
+              f"    print({marker!r} + json.dumps({{'name': n, 'status': 'ok', 'summary': n, 'facts': {{}}}}),"
               " flush=True)\n")
-    got = doctor._run_children(60, (("a", "segv", "c"), ("boom", "d")),
-                               lambda names: [sys.executable, "-c", script, ",".join(names)])
+    got = doctor_probes.run_children(60, (("a", "segv", "c"), ("boom", "d")),
+                                     lambda names: [sys.executable, "-c", script, ",".join(names)])
     assert {n: c.status for n, c in got.items()} == {"a": "ok", "segv": "broken", "c": "ok", "boom": "broken",
                                                      "d": "ok"}
     assert "crashed Python (SIGSEGV)" in got["segv"].summary and got["segv"].facts["reported_before_the_crash"] == ["a"]
@@ -255,9 +258,9 @@ def test_a_child_that_crashes_loses_only_the_probe_it_was_in() -> None:
 
 def test_kernel_module_version_of_both_driver_flavours() -> None:
     """``/proc/driver/nvidia/version`` as the proprietary and the open kernel modules write it."""
-    assert doctor.kernel_module_version("NVRM version: NVIDIA UNIX x86_64 Kernel Module  520.61.05  Thu Sep 29 "
+    assert machine.kernel_module_version("NVRM version: NVIDIA UNIX x86_64 Kernel Module  520.61.05  Thu Sep 29 "
                                         "05:30:25 UTC 2022\nGCC version:  gcc version 9.4.0\n") == "520.61.05"
-    assert doctor.kernel_module_version("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.142  Release "
+    assert machine.kernel_module_version("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.142  Release "
                                         "Build  (dvs-builder@U22-I3-AD05-51-5)  Tue Mar  3 19:14:46 UTC 2026\n"
                                         ) == "580.142"
-    assert doctor.kernel_module_version("something else") is None
+    assert machine.kernel_module_version("something else") is None

@@ -36,13 +36,8 @@ from unroll.serving.gateway import images
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.triton_client import model_info
 from unroll.serving.profile import PROFILE_KEY, ServedProfile
-from unroll.serving.repository import (
-    PLAN_JSON,
-    RepositoryError,
-    validate_model,
-    validate_repository,
-    write_repository,
-)
+from unroll.serving.repository import RepositoryError, write_repository
+from unroll.serving.repository_check import PLAN_JSON, validate_model, validate_repository
 
 from unroll.card import from_onnx
 

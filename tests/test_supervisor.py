@@ -446,7 +446,8 @@ def test_an_outdated_model_py_in_the_repository_is_rewritten(demo_onnx_dir: Path
 def test_a_fresh_export_of_the_served_models_is_not_stale(demo_onnx_dir: Path) -> None:
     """Every graph `unroll serve` needs, λ-rule companion included, is up to date right after an export (a companion
     report without "weights" made every start re-export the classifier)."""
-    from unroll.app.serve import graphs_of, stale_reason
+    from unroll.pipeline import graphs_of
+    from unroll.pipeline.export_stage import stale_reason
 
     graphs = graphs_of(["sdnet-mnist", "csc-denoiser"], demo_onnx_dir)
     assert "sdnet-mnist-autolam" in graphs

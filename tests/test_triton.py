@@ -31,7 +31,8 @@ from typer.testing import CliRunner
 from unroll.app.triton_cli import repo as repo_cmd
 from unroll.app.triton_cli import triton as triton_cmd
 from unroll.serving import triton
-from unroll.serving.repository import RepositoryError, validate_model, validate_repository, write_repository
+from unroll.serving.repository import RepositoryError, write_repository
+from unroll.serving.repository_check import validate_model, validate_repository
 from unroll.serving.triton import free_ports
 
 from unroll.card import CARD_KEY, ModelCard, from_onnx

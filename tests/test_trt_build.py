@@ -16,7 +16,7 @@ import typer
 from onnx import TensorProto, helper, numpy_helper
 from typer.testing import CliRunner
 from unroll.app.trt_cli import build
-from unroll.export import gates, trt_memory
+from unroll.export import gates, trt_engine, trt_memory
 from unroll.export import trt_build as tb
 from unroll.export.onnx_export import export_model
 from unroll.export.quantize import to_fp16
@@ -182,10 +182,12 @@ def test_missing_onnx_names_the_command_that_writes_it(tmp_path: Path, precision
 
 
 def test_onnx_path_per_precision() -> None:
-    assert tb.onnx_path_for("csc-denoiser", "fp32") == Path("build/onnx/csc-denoiser.onnx")
-    assert tb.onnx_path_for("csc-denoiser", "int8", Path("x")) == Path("x/csc-denoiser.int8.onnx")
+    from unroll import artifacts
+
+    assert artifacts.graph("csc-denoiser", "fp32") == Path("build/onnx/csc-denoiser.onnx")
+    assert artifacts.graph("csc-denoiser", "int8", Path("x")) == Path("x/csc-denoiser.int8.onnx")
     with pytest.raises(ValueError, match="fp32, fp16, int8"):
-        tb.onnx_path_for("csc-denoiser", "bf16")
+        artifacts.graph("csc-denoiser", "bf16")
 
 
 # ------------------------------------------------------------------------------------------ profiles
@@ -549,7 +551,8 @@ def stand_in(monkeypatch, tmp_path: Path):
     records."""
     import torch
 
-    monkeypatch.setattr(tb, "tensorrt_available", lambda: (True, "stand-in"))
+    for module in (tb, trt_engine):  # what the CLI asks, and what require_tensorrt asks
+        monkeypatch.setattr(module, "tensorrt_available", lambda: (True, "stand-in"))
     monkeypatch.setattr(tb, "ENGINE_DEVICE", "cpu")  # host buffers: the stand-in engine reads them by address
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d=0: "Stand-in GPU")

@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from unroll import registry
+        from unroll import registry  # local: keeps `import unroll` light (module docstring)
 
         return getattr(registry, name)
     raise AttributeError(f"module 'unroll' has no attribute {name!r}")

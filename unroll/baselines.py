@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from unroll import data
+from unroll.metrics import psnr
 
 
 def bm3d_denoise(noisy: np.ndarray, sigma255: float) -> np.ndarray:
@@ -16,8 +17,6 @@ def bm3d_denoise(noisy: np.ndarray, sigma255: float) -> np.ndarray:
 def bm3d_psnr(sigmas: tuple[float, ...], images: dict[str, np.ndarray] | None = None,
               progress=None) -> dict[str, dict[str, float]]:
     """BM3D's PSNR per σ on the held-out images, on the *same* seeded noisy images as the model."""
-    from unroll.metrics import psnr
-
     images = images if images is not None else data.denoise_test_set()
     out: dict[str, dict[str, float]] = {}
     for s in sigmas:

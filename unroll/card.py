@@ -16,18 +16,19 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from unroll import tasks
+from unroll.errors import CardError  # re-exported: ``unroll.card.CardError`` is the same class
 
 #: ``metadata_props`` key in the ONNX, and ``parameters`` key in the Triton config.
 CARD_KEY = "unroll.card"
 CARD_VERSION = 1
 
-Task = Literal["classification", "denoising", "block", "lambda-rule"]
+#: A registered task's name (:mod:`unroll.tasks`: ``classification``, ``denoising``, ``block``, ``lambda-rule`` and
+#: any task registered since); the card's validator checks it against the registry.
+Task = str
 Precision = Literal["fp32", "fp16", "int8"]
-
-
-class CardError(ValueError):
-    """A card is missing or invalid (the message names the file and the field)."""
 
 
 #: Where a card was written: ``register_model(card=...)``, ``unroll export --model``'s options, a JSON file
@@ -173,18 +174,6 @@ class TileCard(_Strict):
         return self
 
 
-#: Default gate tolerances per task and precision (metric → tolerance; units in unroll.export.gates).
-DEFAULT_GATES: dict[str, dict[str, dict[str, float]]] = {
-    # fp32 (a TensorRT engine against ONNX Runtime) also bounds the logits: same classes with drifted scores fail.
-    "classification": {"fp32": {"top1_agreement": 0.999, "accuracy_loss": 0.001, "rel_err": 1e-4},
-                       "fp16": {"top1_agreement": 0.999, "accuracy_loss": 0.001},
-                       "int8": {"top1_agreement": 0.995, "accuracy_loss": 0.003}},
-    "denoising": {"fp32": {"psnr_loss_db": 0.01}, "fp16": {"psnr_loss_db": 0.02}, "int8": {"psnr_loss_db": 0.15}},
-    "block": {"fp32": {"rel_err": 1e-4}, "fp16": {"rel_err": 1e-2}, "int8": {"rel_err": 5e-2}},
-    "lambda-rule": {"fp32": {"rel_err": 1e-4}, "fp16": {"rel_err": 1e-2}, "int8": {"rel_err": 5e-2}},
-}
-
-
 class ModelCard(_Strict):
     """What every stage after export needs to know about one model (see the module docstring)."""
 
@@ -201,7 +190,8 @@ class ModelCard(_Strict):
     lam: LamCard | None = None
     sigma: SigmaCard | None = None
     data: DataCard = DataCard()
-    #: Gate tolerances per precision, overriding :data:`DEFAULT_GATES` for this task metric by metric.
+    #: Gate tolerances per precision, overriding the task's defaults (``unroll.tasks.get(task).gates``) metric by
+    #: metric.
     gates: dict[str, dict[str, float]] = Field(default_factory=dict)
     trt_profile: ProfileCard = ProfileCard()
     #: Precisions worth building/serving; ``serve`` is what ``unroll serve`` deploys.
@@ -222,12 +212,16 @@ class ModelCard(_Strict):
     origin: Origin = "registration"
     origin_file: str | None = None
 
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, v: str) -> str:
+        if v not in tasks.names():
+            raise ValueError(f"unknown task {v!r}; registered tasks: {', '.join(tasks.names())}")
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> ModelCard:
-        if self.task == "classification" and self.labels is not None and len(self.labels) < 2:
-            raise ValueError("a classifier needs at least 2 labels")
-        if self.task == "denoising" and self.sigma is None:
-            raise ValueError("a denoising card needs sigma (its noise-level input)")
+        tasks.get(self.task).check(self)
         unknown = set(self.gates) - {"fp32", "fp16", "int8"}
         if unknown:
             raise ValueError(f"gates are per precision (fp32, fp16, int8), not {sorted(unknown)}")
@@ -237,7 +231,7 @@ class ModelCard(_Strict):
 
     def gate(self, precision: str) -> dict[str, float]:
         """Tolerances for ``precision``: the task's defaults, then this card's overrides."""
-        return {**DEFAULT_GATES[self.task].get(precision, {}), **self.gates.get(precision, {})}
+        return {**tasks.get(self.task).gates.get(precision, {}), **self.gates.get(precision, {})}
 
     @property
     def input_names(self) -> list[str]:

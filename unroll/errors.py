@@ -1,8 +1,10 @@
 """One error hierarchy: every error unroll raises on purpose derives from :class:`UnrollError`.
 
 Each stage has its own subclass, so a caller can catch one stage's failures, and the two places that turn
-errors into answers do it once: the CLI (``unroll.app.cli``: one line on stderr, ``exit_code``) and the
+errors into answers do it once: the CLI (``unroll.app.errors``: one line on stderr, ``exit_code``) and the
 gateway (``unroll.serving.gateway.errors``: JSON ``{"error": {"code", "message"}}`` with ``http_status``).
+Where a stage's error is also a builtin error that callers catch (``ValueError``, ``KeyError``), it derives from
+both.
 """
 
 from __future__ import annotations
@@ -27,16 +29,17 @@ class UsageError(UnrollError):
     code = "bad_request"
 
 
-class CardError(UnrollError):
-    """A model card is missing, malformed or contradicts the graph it describes."""
+class CardError(UnrollError, ValueError):
+    """A model card is missing, malformed or contradicts the graph it describes (a ValueError too)."""
 
     http_status = 422
     code = "invalid_card"
 
 
-class RegistryError(UsageError, KeyError):
+class RegistryError(UnrollError, KeyError):
     """No registered model (or architecture option) of that name; a KeyError too, for mapping-style callers."""
 
+    http_status = 404
     code = "unknown_model"
 
     def __str__(self) -> str:  # KeyError would quote the message
@@ -63,8 +66,8 @@ class BuildError(UnrollError):
     """A TensorRT plan could not be built (lint, profiles, memory, missing TensorRT)."""
 
 
-class RepositoryError(UnrollError):
-    """The Triton model repository cannot be written or does not match its cards and artifacts."""
+class RepositoryError(UnrollError, ValueError):
+    """The Triton model repository cannot be written or does not match its cards and artifacts (a ValueError too)."""
 
 
 class PipelineError(UnrollError):

@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from unroll import tasks
 from unroll.card import ModelCard, Task
+from unroll.errors import RegistryError
 
 if TYPE_CHECKING:
     from torch import nn
@@ -114,9 +116,11 @@ def _ensure_builtin() -> None:
             return
         for mod in BUILTIN_MODULES:
             importlib.import_module(mod)
-        # Import order is an accident of module dependencies; list trained demos first, then by task.
-        order = {"classification": 0, "denoising": 1, "block": 2}
-        ranked = sorted(REGISTRY.values(), key=lambda s: (not s.has_weights, order.get(s.task, 3)))
+        # Import order is an accident of module dependencies (whichever stage imported a model file first); list
+        # trained demos first, then by task, then in BUILTIN_MODULES order, so every command lists them alike.
+        rank = {m: i for i, m in enumerate(BUILTIN_MODULES)}
+        ranked = sorted(REGISTRY.values(), key=lambda s: (not s.has_weights, tasks.get(s.task).order,
+                                                          rank.get(s.builder.__module__, len(rank))))
         REGISTRY.clear()
         REGISTRY.update((s.name, s) for s in ranked)
 
@@ -137,7 +141,7 @@ def get_spec(name: str) -> ModelSpec:
     _ensure_builtin()
     if name not in REGISTRY:
         why = f" ({_builtin_missing})" if _builtin_missing else ""
-        raise KeyError(f"unknown model {name!r}; registered models: {', '.join(REGISTRY) or 'none'}{why}")
+        raise RegistryError(f"unknown model {name!r}; registered models: {', '.join(REGISTRY) or 'none'}{why}")
     return REGISTRY[name]
 
 

@@ -1,22 +1,11 @@
 """Overlapping tiles: a large image through a graph in fixed-size windows, stitched back exactly.
 
-A convolutional solver's output at a pixel depends only on the input within its receptive radius, so a window that
-extends ``margin`` ≥ that radius past the part it keeps computes the kept part exactly as the whole image would —
-and the memory of each graph execution is bounded by the window, not by the image. The card's ``tiling``
-(:class:`unroll.card.TileCard`) says how: the window ``size``, the ``margin``, the offset grid ``align`` (a
-stride-2 dictionary's phase grid) and whether the graph removes its input's mean (``mean_centred``).
-
-A mean-centred graph computes one global statistic, the input's mean, which a window would compute over itself
-alone. So each window carries a strip of *filler* pixels on a side that lies inside the image (never on an image
-border, where the graph's own padding must see the real edge), beyond the margin so no kept output sees it, with
-one constant value chosen so that the window's mean equals the whole image's. The kept outputs then see exactly
-what they see in the whole image; the result equals the untiled one up to float summation order (the export
-checks it against the export's parity tolerance and records it in the report).
-
-Windows along an axis all have one length (so one graph execution can batch windows of several images of the
-same size), start on the ``align`` grid, and step by at most ``size - 2·margin``; an axis that fits in one window is
-not cut. :func:`run_tiled` is the synchronous driver (export check, tests); the gateway streams
-:meth:`Tiler.cut` / :meth:`Tiler.paste` itself.
+A convolutional solver's output at a pixel depends only on its receptive radius, so a window that extends
+``margin`` ≥ that radius past the part it keeps computes that part as the whole image would, and memory is bounded
+by the window. The card's ``tiling`` (:class:`unroll.card.TileCard`) gives the window ``size``, ``margin``, offset
+grid ``align`` and ``mean_centred``: a graph that removes its input's mean gets, in each window, a strip of filler
+pixels outside every kept output's view whose value makes the window's mean the whole image's. :func:`run_tiled` is
+the synchronous driver; the gateway streams :meth:`Tiler.cut` / :meth:`Tiler.paste` itself.
 """
 
 from __future__ import annotations

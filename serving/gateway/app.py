@@ -10,23 +10,25 @@ lazily, so the gateway may start before Triton.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import numpy as np
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, FastAPI
 from starlette.concurrency import run_in_threadpool
 from unroll.serving import malloc
 from unroll.serving.gateway import classify, denoise, errors, images, info, ops
-from unroll.serving.gateway.errors import error_response
 from unroll.serving.gateway.metrics import Metrics, MetricsMiddleware
 from unroll.serving.gateway.openapi import API_VERSION, DESCRIPTION, TAGS, install_docs
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.gateway.state import Gateway
-from unroll.serving.gateway.triton_client import TritonRejected, TritonTimeout, TritonUnavailable
+
+from unroll import tasks
+from unroll.tasks import Task
 
 log = logging.getLogger("unroll.gateway")
+#: The router of each kind of answer a task's route gives (``Route.answer``): JSON predictions or a PNG image.
+ROUTES: dict[str, Callable[[Task], APIRouter]] = {"predictions": classify.routes, "image": denoise.routes}
 
 
 def _warm_sigma_estimator() -> None:
@@ -61,27 +63,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # (a redirected POST re-sends the upload). docs_url/redoc_url=None: install_docs serves them without a CDN.
     app = FastAPI(title="unroll gateway", version=API_VERSION, description=DESCRIPTION, lifespan=lifespan,
                   openapi_tags=TAGS, redirect_slashes=False, docs_url=None, redoc_url=None)
-    errors.install(app)
-    _install_triton_errors(app, settings.retry_after_s)
+    errors.install(app, settings.retry_after_s)  # every UnrollError, Triton's failures included, in one handler
     app.add_middleware(MetricsMiddleware, metrics=metrics)
-    for module in (classify, denoise, info, ops):  # /v1 routers (each behind the API key), then /healthz, ...
+    for task in tasks.routed():  # one /v1 route per task that has one, answered as the route says
+        app.include_router(ROUTES[task.route.answer](task))
+    for module in (info, ops):  # /v1/models (behind the API key), then /healthz, ...
         app.include_router(module.router)
     install_docs(app)
     return app
 
-
-def _install_triton_errors(app: FastAPI, retry_after_s: int) -> None:
-    """Triton's failures as 503 (unreachable or model not ready, with Retry-After), 504 (too slow), 502 (error)."""
-    async def unavailable(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(503, "triton_unavailable", str(exc), {"Retry-After": str(retry_after_s)})
-
-    async def timeout(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(504, "triton_timeout", str(exc))
-
-    async def rejected(_: Request, exc: Exception) -> JSONResponse:
-        log.warning("Triton error: %s", exc)
-        return error_response(502, "triton_error", str(exc))
-
-    app.add_exception_handler(TritonUnavailable, unavailable)
-    app.add_exception_handler(TritonTimeout, timeout)
-    app.add_exception_handler(TritonRejected, rejected)

@@ -1,18 +1,9 @@
 """Read the uploaded image from a request — raw body or multipart field ``image`` — within a byte limit.
 
-The limit is enforced twice: a declared ``Content-Length`` over it is refused before reading anything,
-and the streamed bytes are counted chunk by chunk (chunked uploads, lying headers, multipart), so the
-gateway stops buffering the moment the limit is crossed instead of after reading the whole body.
-Multipart bodies are parsed while streaming (Starlette's parser on the counted stream), never
-buffered whole first.
-
-Reading is bounded in time twice as well: each piece must come within ``idle_s`` of the previous one (a
-client that declares a body and sends nothing is cut off in seconds) and the whole body within
-``timeout_s`` (a steady trickle). Both answer 408 with ``Connection: close``. Reading happens *before*
-the request takes an inference slot (:meth:`.state.Gateway.read_image`), so slow uploaders cannot
-starve inference; how many bodies are read at once is bounded separately (``max_uploads``). A client
-that goes away mid-upload surfaces as Starlette's ``ClientDisconnect``, which the metrics middleware
-counts as 499 (not an error).
+The limit holds on the declared ``Content-Length`` and on the streamed bytes (chunked uploads, lying headers,
+multipart parsed while streaming), so buffering stops the moment it is crossed. Reading is also bounded in time
+(``idle_s`` between pieces, ``timeout_s`` for the whole body: 408) and happens before the request takes an inference
+slot, so slow uploaders cannot starve inference. A client gone mid-upload is counted as 499.
 """
 
 from __future__ import annotations

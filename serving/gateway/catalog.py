@@ -1,20 +1,10 @@
 """What the gateway serves, discovered from Triton: each model's card from its config, never from its name.
 
-``unroll repo`` copies every model's card into its Triton config (``parameters["unroll.card"]``). The
-catalog reads Triton's repository index and, for each loaded model, its config (card, optional inputs'
-defaults) and metadata (tensor shapes), and decides what ``/v1`` serves:
-
-* a model whose card says ``classification`` or ``denoising`` and whose card's tensors exist in Triton is
-  served by that route (unless the operator narrowed the task with ``UNROLL_CLASSIFY_MODELS`` /
-  ``UNROLL_DENOISE_MODELS``);
-* everything else is listed with the reason it is not served (no card, an invalid card, a λ rule, a
-  solver block, not loaded).
-
-Discovery is lazy and cached: nothing is asked before the first request, so the gateway may start before
-Triton. The snapshot is rebuilt when a request names a model it does not know, when Triton was
-unavailable since the last look (it may have come back with another repository), and while a model is
-still loading or nothing is served; rebuilds are at least :data:`MIN_REFRESH_S` apart so a client asking
-for unknown names cannot turn every request into a round of Triton calls.
+``unroll repo`` copies each card into its Triton config; the catalog reads the repository index, each loaded
+model's config and metadata, and serves a model on its task's route when its card's tensors exist in Triton;
+everything else is listed with the reason. Discovery is lazy and cached (the gateway may start before Triton) and
+rebuilt when a request names an unknown model, after Triton was unavailable, or while models load, at most once per
+:data:`MIN_REFRESH_S`.
 """
 
 from __future__ import annotations
@@ -25,15 +15,14 @@ import time
 from dataclasses import dataclass, field
 
 from unroll.serving.gateway.errors import ApiError
-from unroll.serving.gateway.settings import Settings
+from unroll.serving.gateway.settings import ENV_PREFIX, Settings
 from unroll.serving.gateway.triton_client import ModelInfo, TritonBackend, TritonError, model_info
 
+from unroll import tasks
 from unroll.card import CARD_KEY, CardError, ModelCard
 
 log = logging.getLogger("unroll.gateway")
 
-#: Tasks with a ``/v1`` route.
-ROUTED_TASKS = ("classification", "denoising")
 #: Least time between two discoveries triggered by requests.
 MIN_REFRESH_S = 1.0
 #: State of a model Triton lists without a state: in its repository but not asked to load (explicit model control,
@@ -79,6 +68,11 @@ class Snapshot:
     def complete(self) -> bool:
         """Nothing loading and something served: no reason to look again before Triton changes."""
         return any(self.by_task.values()) and all(e.state in ("READY", NOT_LOADED) for e in self.entries.values())
+
+
+def routed_tasks() -> tuple[str, ...]:
+    """Names of the tasks with a ``/v1`` route (``unroll.tasks``: ``Task.route``)."""
+    return tuple(t.name for t in tasks.routed())
 
 
 class Catalog:
@@ -144,7 +138,7 @@ class Catalog:
         entries = await asyncio.gather(*(self._entry(m) for m in index if m["name"]))
         by_name = {e.name: e for e in sorted(entries, key=lambda e: e.name)}
         by_name = self._apply_settings(by_name)
-        by_task = {task: self._served(by_name, task) for task in ROUTED_TASKS}
+        by_task = {task: self._served(by_name, task) for task in routed_tasks()}
         snap = Snapshot(by_name, by_task, time.monotonic(), generation)
         log.info("gateway: Triton serves %s", "; ".join(f"{t}: {', '.join(n) or 'none'}" for t, n in by_task.items()))
         return snap
@@ -176,11 +170,11 @@ class Catalog:
         """Narrow each task to the models the operator configured (if any); configured but unusable names are
         listed with the reason, so ``/readyz`` and ``/v1/models`` show the mistake."""
         out = dict(entries)
-        for task in ROUTED_TASKS:
+        for task in routed_tasks():
             wanted = self.settings.configured(task)
             if not wanted:
                 continue
-            var = f"UNROLL_{'CLASSIFY' if task == 'classification' else 'DENOISE'}_MODELS"
+            var = ENV_PREFIX + str(tasks.get(task).route.setting).upper()
             for name, e in entries.items():
                 if e.served and e.task == task and name not in wanted:
                     out[name] = Entry(name, e.state, e.card, e.info, f"not in {var}")
@@ -200,10 +194,9 @@ class Catalog:
 
 def _why_not_routed(card: ModelCard, info: ModelInfo) -> str | None:
     """``None`` when ``/v1`` can serve this model; else why not (its task has no route, its tensors differ)."""
-    if card.task == "lambda-rule":
-        return f"λ rule of {card.companion_of or 'a classifier'} (used by lam=auto)"
-    if card.task not in ROUTED_TASKS:
-        return f"task {card.task!r} has no /v1 route"
+    reason = tasks.get(card.task).not_served_reason(card)
+    if reason is not None:
+        return reason
     wanted_in = [card.input.name] + [c.input for c in (card.lam, card.sigma) if c is not None]
     missing = [n for n in wanted_in if n not in info.inputs] + [n for n in (card.output,) if n not in info.outputs]
     if missing:

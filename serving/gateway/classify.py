@@ -14,7 +14,7 @@ import time
 from typing import Annotated, Literal
 
 import numpy as np
-from fastapi import Depends, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 from PIL import Image
 from pydantic import BaseModel, Field
@@ -24,12 +24,12 @@ from unroll.serving.gateway.body import check_declared_length
 from unroll.serving.gateway.catalog import Entry
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.openapi import IMAGE_BODY, errors
-from unroll.serving.gateway.state import Gateway, GatewayDep, v1_router
+from unroll.serving.gateway.state import Gateway, GatewayDep, route_task, v1_router
 from unroll.serving.gateway.triton_client import TritonRejected, fit_shape
 
+from unroll import tasks
 from unroll.card import InputCard, ModelCard
-
-router = v1_router()
+from unroll.tasks import Task
 
 
 class Prediction(BaseModel):
@@ -53,11 +53,11 @@ class ClassifyResponse(BaseModel):
         "predictions": [{"label": "cat", "index": 3, "score": 0.9931}, {"label": "dog", "index": 5, "score": 0.004}]}]}}
 
 
-async def classifier(gw: GatewayDep, model: Annotated[str | None, Query(
+async def classifier(request: Request, gw: GatewayDep, model: Annotated[str | None, Query(
         description="Classifier to use (default: the first served; see GET /v1/models)",
         examples=["my-classifier"])] = None) -> Entry:
-    """The served classifier the request names (404 otherwise)."""
-    return await gw.catalog.resolve(model, "classification")
+    """The served model of the route's task that the request names (404 otherwise)."""
+    return await gw.catalog.resolve(model, route_task(request))
 
 
 ClassifierDep = Annotated[Entry, Depends(classifier)]
@@ -110,9 +110,16 @@ def check_lam(card: ModelCard, lam: float | str | None) -> float | str | None:
     return lam
 
 
-@router.post("/classify", response_model=ClassifyResponse, response_model_exclude_none=True, tags=["inference"],
-             summary="Classify an image (top-k labels with probabilities)", openapi_extra=IMAGE_BODY,
-             responses=errors(400, 404, 408, 413, 415, 422, 429, 502, 503, 504))
+def routes(task: Task) -> APIRouter:
+    """``task``'s ``/v1`` route answered with the top-k labels of the model's logits (JSON)."""
+    assert task.route is not None
+    router = v1_router()
+    router.post(task.route.path, response_model=ClassifyResponse, response_model_exclude_none=True,
+                tags=["inference"], summary=task.route.summary, openapi_extra=IMAGE_BODY,
+                responses=errors(400, 404, 408, 413, 415, 422, 429, 502, 503, 504))(classify)
+    return router
+
+
 async def classify(
     request: Request,
     gw: GatewayDep,
@@ -138,7 +145,7 @@ async def classify(
         raise ApiError(422, "invalid_parameter", f"top_k: {entry.name} has {n_classes} classes (got {top_k})")
     lam_v = check_lam(card, parse_lam(lam))
     inv = check_invert(card.input, invert)
-    rule = await gw.catalog.companion(card.lam.auto, entry.name, "lambda-rule") if lam_v == "auto" else None
+    rule = await gw.catalog.companion(card.lam.auto, entry.name, tasks.LAMBDA_RULE) if lam_v == "auto" else None
     settings = gw.settings
     check_declared_length(request, settings.max_body_bytes)
     data = await gw.read_image(request)  # before the slot: a slow upload never holds an inference slot

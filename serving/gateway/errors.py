@@ -1,7 +1,9 @@
 """One error shape for every failure: ``{"error": {"code", "message"}}`` with the right HTTP status.
 
-Clients branch on ``code`` (stable, snake_case) and show ``message`` (one human sentence). FastAPI's own
-validation errors and Starlette's 404/405 are reshaped to match, so no response ever has another format.
+Clients branch on ``code`` (stable, snake_case) and show ``message`` (one human sentence). Every
+:class:`~unroll.errors.UnrollError` (an :class:`ApiError`, Triton's failures, any stage's error) is answered by one
+handler from its ``http_status`` and ``code``; FastAPI's own validation errors and Starlette's 404/405 are reshaped
+to match, so no response ever has another format.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from unroll.errors import ServingError, UnrollError
+
 log = logging.getLogger("unroll.gateway")
 
 #: code used for each HTTP status when Starlette raises a plain HTTPException (unknown route, wrong method).
@@ -23,12 +27,12 @@ _DEFAULT_CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405
                   429: "too_many_requests", 503: "unavailable", 504: "timeout"}
 
 
-class ApiError(Exception):
+class ApiError(UnrollError):
     """An error the client should see as-is: HTTP status, stable code, readable message, extra headers."""
 
     def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.status = self.http_status = status
         self.code = code
         self.message = message
         self.headers = headers or {}
@@ -55,9 +59,21 @@ def _field(loc: tuple) -> str:
     return ".".join(parts) or "request"
 
 
-async def _api_error(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, ApiError)
-    return error_response(exc.status, exc.code, exc.message, exc.headers)
+def _unroll_error(retry_after_s: int | None):
+    """The one handler of :class:`UnrollError`: its status and code, its message, its headers. A server-side
+    unavailability (a :class:`ServingError` answered 503, e.g. Triton unreachable) adds ``Retry-After``; any other
+    5xx is logged, since it is the server's fault, not the client's."""
+
+    async def handler(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, UnrollError)
+        headers = dict(getattr(exc, "headers", None) or {})
+        if retry_after_s is not None and isinstance(exc, ServingError) and exc.http_status == 503:
+            headers.setdefault("Retry-After", str(retry_after_s))
+        elif exc.http_status >= 500 and exc.http_status not in (503, 504):
+            log.warning("%s: %s", exc.code, exc)
+        return error_response(exc.http_status, exc.code, str(exc), headers or None)
+
+    return handler
 
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
@@ -95,9 +111,10 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return error_response(500, "internal_error", f"internal error ({type(exc).__name__}); see the gateway log")
 
 
-def install(app: FastAPI) -> None:
-    """Route every exception type the app can raise to the common JSON shape."""
-    app.add_exception_handler(ApiError, _api_error)
+def install(app: FastAPI, retry_after_s: int | None = None) -> None:
+    """Route every exception type the app can raise to the common JSON shape (``retry_after_s``: the
+    ``Retry-After`` seconds sent with a 503 for an unavailable server)."""
+    app.add_exception_handler(UnrollError, _unroll_error(retry_after_s))
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -1,61 +1,10 @@
 """Image decoding and conversion with Pillow: bytes → model tensors → PNG, with the limits checked first.
 
-Rules (documented in the README and the OpenAPI description):
-
-* Accepted formats: PNG, JPEG, WebP, TIFF, BMP (Pillow is restricted to these, so no other decoder ever
-  runs on client bytes). Multi-frame files (TIFF, animated WebP) use their first frame.
-* The pixel count and the aspect ratio come from the header and are checked *before* any pixel is decoded
-  (``max_pixels``: 413; ``max_aspect_ratio``, longer side ÷ shorter side: 422); Pillow's own
-  decompression-bomb guard (``Image.MAX_IMAGE_PIXELS``) is set to the same pixel limit as a second line, and
-  its refusals quote the configured limit too.
-* Memory: every array this module allocates is bounded by the pixel limit or the model's input size, never by
-  the image's longer side squared: a classifier's padding is never materialised (``pad-square`` resizes the
-  image as if it sat on a black square — the same Lanczos weights as Pillow's on the padded square — without
-  allocating the square), colour planes are made one at a time, and the two resampling passes run in the
-  order that keeps the intermediate smaller. :func:`work_bytes_bound` states the bound.
-* Classification, driven by the model's card (``card.input``): EXIF orientation applied; alpha flattened
-  onto **black**; colour converted to the card's (``gray``: RGB → luma, ITU-R 601-2 as Pillow's ``L``;
-  ``rgb``: three planes in the card's ``channel_order``, RGB or BGR; a gray image repeated); inverted when asked
-  (``invert``, below); fitted to the card's fixed H×W by its ``resize`` policy (``pad-square``: padded with black
-  to a centred square, then resized; ``stretch``: resized; ``shorter-side-crop``: resized keeping the aspect so
-  that it just covers H×W ÷ ``crop_ratio`` — a square input's shorter side becomes ``floor(side / crop_ratio)``,
-  224 → 256 — then the centred H×W is taken, as torchvision's ``Resize`` + ``CenterCrop``; ``none``: the exact
-  size is required), with the card's ``interpolation`` computed as Pillow's float resize does (Lanczos-3,
-  bilinear or bicubic, antialiased), clipped to [0, 1]; a dynamic-size input (``-1`` in the card's shape) takes
-  the image as it is, both sides ≥ ``min_size`` (422 otherwise); then scaled to the card's value range and
-  normalised per channel, ``(x - mean) / std``.
-* Polarity (``invert``): ``true`` inverts (``1 - x``) before fitting, ``false`` never does, ``auto`` needs a
-  card that declares ``input.polarity`` and inverts when the median brightness (luma after alpha flattening,
-  0–1) of the image's outermost pixel frame is on the other side of mid-grey (0.5) from the card's background:
-  above 0.5 for ``light-on-dark`` (a digit drawn dark on white, sent to a model trained on white-on-black),
-  below 0.5 for ``dark-on-light``; exactly 0.5 never inverts.
-* Denoising (:func:`to_planes` → the model → :func:`from_planes` → :func:`encode_png`) returns, per input mode as
-  Pillow decodes it (the README has the same table)::
-
-      input (mode as Pillow decodes it)        PNG returned
-      1 (bilevel: PNG, TIFF, BMP)              1: denoised as gray, thresholded at mid-grey (no dithering)
-      L, LA, RGB, RGBA                         the same mode
-      P (palette, tRNS transparency or not)    P: the input's palette and transparency; each pixel the nearest
-                                               palette colour (RGB, exact) among entries of its own alpha
-      PA (TIFF)                                RGBA (PNG has no palette + alpha mode)
-      I;16, I;16B (16-bit gray)                I;16
-      I (32-bit integer gray, TIFF)            I;16 (values outside 0..65535: 415)
-      CMYK (JPEG, TIFF), LAB (TIFF)            RGB (Pillow's conversion, no colour management)
-      JPEG (YCbCr, decoded as RGB), YCbCr      RGB
-      16-bit colour PNG                        RGB(A) (Pillow reads 16-bit colour as 8 bits)
-      F (float)                                refused (415)
-
-  Size: the input's as displayed. Orientation: the EXIF orientation (1–8) is applied, as a viewer applies it, and
-  the Orientation tag is not written, so the PNG displays like the input in any viewer, EXIF-aware or not (a
-  header-size check, e.g. a TensorRT profile's H×W, sees the displayed size too). EXIF: the input's EXIF block
-  (JPEG, PNG eXIf, WebP) is copied into the PNG's eXIf chunk without its Orientation tag; a TIFF's tags describe
-  its own file and are not copied. ICC profile: copied (iCCP), except from CMYK, LAB and HSV inputs, whose profile
-  describes a colour space the output is no longer in. Alpha is copied exactly. Other metadata (text chunks, XMP,
-  DPI, gamma) is not copied. A single-channel denoiser (card ``shape[0]`` 1) takes each colour channel as one item
-  of a batch ``[C,1,H,W]``; a colour one (``shape[0]`` 3) takes the image natively as ``[1,3,H,W]`` in its
-  ``channel_order``, and a gray image is repeated to three planes and the three outputs averaged back to one.
-* Noise σ, when the client gives none: :mod:`unroll.serving.gateway.sigma` (finite, at most the card's
-  ``sigma.max``, with the rules that made it unreliable).
+Only PNG, JPEG, WebP, TIFF and BMP are decoded (no other decoder runs on client bytes). The pixel count and aspect
+ratio come from the header and are checked before any pixel is decoded, and every array allocated here is bounded
+by the pixel limit or the model's input size, never by the longer side squared (:func:`work_bytes_bound`). What a
+classifier's card asks (colour, polarity, resize policy, normalisation) and the mode each denoised PNG comes back
+in are the README's REST API rules, tested row by row by ``tests/test_denoise_contract.py``.
 """
 
 from __future__ import annotations
@@ -76,7 +25,7 @@ from unroll.serving.gateway.errors import ApiError
 
 from unroll.card import InputCard
 
-#: What ``POST /v1/denoise`` returns (its OpenAPI description; the module docstring has the table).
+#: What ``POST /v1/denoise`` returns (its OpenAPI description; the README has it as a table).
 DENOISE_OUTPUT = (
     "The denoised image as PNG, at the input's size as displayed, in the input's mode where PNG has one: 1, L, LA, "
     "RGB, RGBA and 16-bit gray (I;16) are kept; a palette image (P) comes back as P with the input's palette and "
@@ -291,7 +240,7 @@ def pixels(img: Image.Image) -> Pixels:
 
 def to_planes(img: Image.Image) -> Planes:
     """Any supported mode, turned upright by its EXIF orientation, as float channels (+ alpha) and what is needed to
-    write the result back in the input's mode (the table in the module docstring); modes PNG cannot hold map to the
+    write the result back in the input's mode (the README's table); modes PNG cannot hold map to the
     nearest it can, float images are refused (415)."""
     exif = _upright(img)
     mode = img.mode
@@ -350,7 +299,7 @@ def encode_png(img: Image.Image) -> bytes:
     """PNG bytes with the image's ICC profile (iCCP), EXIF (eXIf) and palette transparency (tRNS), if it has them."""
     buf = io.BytesIO()
     extra = {k: img.info[k] for k in ("icc_profile", "exif") if img.info.get(k)}
-    img.save(buf, format="PNG", compress_level=3, **extra)  # level 3: ~2× faster than 6, a few % larger
+    img.save(buf, format="PNG", compress_level=3, **extra)  # level 3: faster than the default 6, files a little larger
     return buf.getvalue()
 
 
@@ -364,7 +313,7 @@ class Fitted:
 
 def classifier_input(img: Image.Image, card: InputCard, invert: Invert = "false",
                      profile_hw: HWRange | None = None, model: str = "the model") -> Fitted:
-    """``[1, C, H, W]`` float32 for a classifier, following the rules in the module docstring and its card.
+    """``[1, C, H, W]`` float32 for a classifier, following its card.
 
     Alpha is flattened onto black; colour is converted to the card's (``gray`` → luma, ``rgb`` → three planes in
     its ``channel_order``, a gray image repeated); inverted per ``invert``; fitted to the card's fixed H×W by its
@@ -482,7 +431,8 @@ def border_brightness(px: Pixels) -> float:
 
 
 def _should_invert(px: Pixels, card: InputCard, invert: Invert) -> bool:
-    """``invert`` resolved for this image (rule in the module docstring); ``auto`` needs ``card.polarity``."""
+    """``invert`` resolved for this image. ``auto`` needs ``card.polarity`` and inverts when the median luma of the
+    image's outermost pixel frame is on the other side of mid-grey (0.5) from the card's background."""
     if invert == "auto":
         if card.polarity is None:
             raise ApiError(422, "invalid_parameter", "invert=auto: the model's card declares no polarity "
@@ -617,7 +567,8 @@ def work_bytes_bound(max_pixels: int, model_hw: tuple[int, int]) -> int:
     ``tracemalloc``): Pillow's export of the pixels (≤ 4 B/px, twice while it joins its chunks), two float32
     planes, the fit's intermediates (≤ ``max(th, tw)·√max_pixels`` floats each) and the model input with its
     normalisation temporaries. Pillow's own decoded image (≤ 4 B/px, plus 4 when a mode is converted, e.g.
-    palette → RGBA) lives outside Python's allocator and comes on top (see the README's memory table)."""
+    palette → RGBA) lives outside Python's allocator and comes on top
+    (``unroll bench memory`` measures the whole service)."""
     th, tw = model_hw
     return 16 * max_pixels + 8 * max(th, tw) * (math.isqrt(max_pixels) + 1) + 48 * th * tw
 

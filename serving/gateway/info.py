@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from unroll.serving.gateway.catalog import ROUTED_TASKS, Entry
+from unroll.serving.gateway.catalog import Entry, routed_tasks
 from unroll.serving.gateway.openapi import API_VERSION, errors
 from unroll.serving.gateway.state import GatewayDep, v1_router
+
+from unroll import tasks
 
 router = v1_router()
 
@@ -18,7 +20,7 @@ router = v1_router()
 async def models(gw: GatewayDep) -> dict[str, Any]:
     snap = await gw.catalog.snapshot()
     t = gw.settings.ready_timeout_s
-    served = [(task, i, snap.entries[name]) for task in ROUTED_TASKS for i, name in enumerate(snap.served(task))]
+    served = [(task, i, snap.entries[name]) for task in routed_tasks() for i, name in enumerate(snap.served(task))]
     ready = await asyncio.gather(*(gw.backend.model_ready(e.name, t) for _, _, e in served))
     out = [_served(e, task, default=i == 0, ready=ok) for (task, i, e), ok in zip(served, ready, strict=True)]
     others = [{"name": e.name, "task": e.task, "state": e.state, "reason": e.reason}
@@ -32,15 +34,7 @@ def _served(e: Entry, task: str, default: bool, ready: bool) -> dict[str, Any]:
     assert card is not None and info is not None
     entry: dict[str, Any] = {"name": e.name, "task": task, "ready": ready, "default": default,
                              "description": card.description}
-    if task == "classification":
-        n = len(card.labels) if card.labels else info.outputs[card.output].shape[-1]
-        entry["params"] = {"top_k": f"1…{n}"}
-        if card.lam is not None:
-            hi = "∞" if card.lam.max is None else f"{card.lam.max:g}"
-            entry["params"]["lam"] = f"{card.lam.min:g}…{hi}" + (" | auto" if card.lam.auto else "")
-        entry["lam_auto"] = card.lam is not None and card.lam.auto is not None
-    else:
-        entry["params"] = {"sigma": "0…255 (omit to estimate)"}
+    entry.update(tasks.get(task).listing(card, tuple(info.outputs[card.output].shape)))  # params, per task
     entry.update(info.public())
     entry["card"] = card.model_dump(mode="json")
     return entry

@@ -8,7 +8,7 @@ import asyncio
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from unroll.serving.gateway.catalog import ROUTED_TASKS, Snapshot
+from unroll.serving.gateway.catalog import Snapshot, routed_tasks
 from unroll.serving.gateway.errors import error_response
 from unroll.serving.gateway.openapi import error_doc
 from unroll.serving.gateway.state import GatewayDep
@@ -35,11 +35,11 @@ async def readyz(gw: GatewayDep) -> JSONResponse:
     except (TritonError, TimeoutError) as e:
         return error_response(503, "not_ready", f"cannot list Triton's models: {e or 'timed out'}", retry,
                               triton=True, models={})
-    names = _required(snap, gw.settings.classify_models + gw.settings.denoise_models)
+    names = _required(snap, tuple(m for task in routed_tasks() for m in gw.settings.configured(task)))
     states = await asyncio.gather(*(gw.backend.model_ready(m, t) for m in names))
     ready = dict(zip(names, states, strict=True))
     if not names:
-        return error_response(503, "not_ready", "Triton serves no model whose card says " + " or ".join(ROUTED_TASKS)
+        return error_response(503, "not_ready", "Triton serves no model whose card says " + " or ".join(routed_tasks())
                               + " (see GET /v1/models)", retry, triton=True, models={})
     if all(states):
         return JSONResponse({"status": "ready", "triton": True, "models": ready})
@@ -50,7 +50,7 @@ async def readyz(gw: GatewayDep) -> JSONResponse:
 def _required(snap: Snapshot, configured: tuple[str, ...]) -> list[str]:
     """Served models, the λ rules their cards name, and every model the operator configured by name."""
     names: list[str] = []
-    for task in ROUTED_TASKS:
+    for task in routed_tasks():
         for name in snap.served(task):
             card = snap.entries[name].card
             names.append(name)

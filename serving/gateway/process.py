@@ -19,10 +19,12 @@ from unroll.serving.gateway.http_settings import HttpSettings
 from unroll.serving.gateway.settings import ENV_PREFIX, Settings
 from unroll.serving.triton import free_ports
 
+from unroll.errors import ServingError
+
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-class GatewayStartError(RuntimeError):
+class GatewayStartError(ServingError):
     """The gateway process exited, or a server did not answer in time; the message holds the end of its log."""
 
 

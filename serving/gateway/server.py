@@ -1,24 +1,11 @@
 """The HTTP server layer: uvicorn's h11 protocol with a header deadline, size limits and JSON refusals.
 
-Why a protocol subclass and not middleware: an ASGI app (and any middleware) is called only once a
-request's headers are complete, so it can neither time a client that trickles its headers (slow-loris)
-nor refuse a head too large to parse. uvicorn bounds neither (h11's ``max_incomplete_event_size`` only
-applies while a head is *incomplete*, so a 100 KB request line arriving in one read passes, and nothing
-times the head). :class:`GatewayH11Protocol` therefore
-
-* arms a timer when a connection opens, and again when the first byte of a kept-alive connection's next
-  request arrives, and cancels it when h11 has parsed the head; if it fires first: ``408`` and close;
-* checks every parsed head: request target ≤ ``max_url_bytes`` (else ``414``), line + headers ≤
-  ``max_header_bytes`` (else ``431``; h11 enforces the same bound on incomplete heads), and refuses a request
-  with both ``Content-Length`` and ``Transfer-Encoding`` (``400``: the two framings disagree, the classic
-  request-smuggling vector; RFC 9112 §6.3 lets a server reject it);
-* closes a connection whose client keeps trickling a body nobody reads (the app answered without reading
-  it, e.g. a 404) ``keep_alive_s`` after the answer: uvicorn's keep-alive timer is reset by every byte;
-* answers every refusal before the app — malformed HTTP included — with the gateway's JSON error shape
-  ``{"error": {"code", "message"}}`` and ``Connection: close``, instead of uvicorn's plain-text 400.
-
-The pure-Python h11 parser is used (not httptools) because these hooks exist only for it; ``uvicorn_options``
-gives the keyword arguments for ``uvicorn.run``/``uvicorn.Config`` that install it.
+A protocol subclass rather than middleware, because an ASGI app is called only once a request's head is complete:
+it can neither time a client that trickles its headers (slow-loris) nor refuse a head too large to parse, and
+uvicorn bounds neither. :class:`GatewayH11Protocol` answers those (408, 414, 431, and 400 for a request framed by
+both ``Content-Length`` and ``Transfer-Encoding``) with the gateway's JSON error shape before the app runs.
+``uvicorn_options`` gives the ``uvicorn.run`` arguments that install it (the pure-Python h11 parser: the hooks exist
+only there).
 """
 
 from __future__ import annotations
@@ -33,6 +20,8 @@ import h11
 from unroll.serving.gateway.http_settings import HttpSettings
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from unroll.errors import UnrollError
+
 log = logging.getLogger("unroll.gateway")
 
 #: h11's default: ``RemoteProtocolError`` hints 400 unless it knows better (431, 501).
@@ -40,12 +29,13 @@ _CODES = {400: "bad_request", 408: "request_timeout", 414: "uri_too_long", 431: 
           501: "not_implemented"}
 
 
-class Refusal(Exception):
+class Refusal(UnrollError):
     """A request refused by the HTTP layer, before the app: status, stable code, message."""
 
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
+        self.http_status = status
 
 
 def error_bytes(status: int, code: str, message: str) -> bytes:

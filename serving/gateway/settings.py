@@ -16,13 +16,16 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from unroll import tasks
+from unroll.errors import UsageError
+
 #: Environment variable for each setting: ``UNROLL_`` + the upper-case field name.
 ENV_PREFIX = "UNROLL_"
 
 _Names = Annotated[tuple[str, ...], NoDecode]  # comma-separated in the environment, not JSON
 
 
-class SettingsError(ValueError):
+class SettingsError(UsageError, ValueError):
     """Invalid settings; the message names each offending ``UNROLL_*`` variable and the value it got."""
 
 
@@ -101,8 +104,10 @@ class Settings(BaseSettings):
         return self
 
     def configured(self, task: str) -> tuple[str, ...]:
-        """The models an operator restricted ``task`` to (empty: every model Triton serves for it)."""
-        return {"classification": self.classify_models, "denoising": self.denoise_models}.get(task, ())
+        """The models an operator restricted ``task`` to (empty: every model Triton serves for it); the setting that
+        narrows a task is named by its route (``Route.setting``)."""
+        route = tasks.get(task).route if task in tasks.names() else None
+        return getattr(self, route.setting) if route is not None and route.setting is not None else ()
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Settings:

@@ -1,28 +1,12 @@
 """Noise σ of an image for ``POST /v1/denoise`` without ``sigma``, and whether the image looks noise-like at all.
 
-The estimate is scikit-image's ``estimate_sigma`` (Donoho's wavelet MAD: the median absolute value of the non-zero
-finest diagonal ``db2`` coefficients ÷ 0.6745, averaged over the colour channels; "non-zero" here means above float
-rounding), computed here so that the cases where it means nothing are caught instead of turning into NaN or a huge
-σ. Each rule that fires marks the estimate unreliable and is reported by name (the ``X-Sigma-Rule`` header):
-
-* ``constant-channel``: a channel's diagonal band is all zero (below float rounding, :data:`ROUNDING`): a constant
-  channel (black, the green and blue of pure red, a transparent image's zeroed colour, 16-bit zeros) or one that varies
-  along one axis only. The median of nothing is NaN in scikit-image; here the channel counts as noise-free and is left
-  out of the average (σ = 0 when every channel is like that).
-* ``mostly-flat``: fewer than half of a channel's diagonal coefficients are non-zero: most of it is exactly flat
-  (line art, a bilevel scan, a silhouette), which noise never is, so the non-zero ones are edges, not noise, and
-  their median would read the edges' contrast as σ. The median is taken over all of them instead, zeros included
-  (Donoho's MAD as published: 0 when over half are zero). A noisy object on a flat or transparent background lands
-  here too and is then under-estimated: pass ``sigma`` for such images.
-* ``structured``: one spatial frequency (with its mirror) holds more than half of the diagonal band's energy. White
-  noise spreads its energy evenly: of the band's N bins the largest holds about 2·ln(N/2)/N (under 15 % even for the
-  denoiser's smallest image, 16×16, whose band interior is 7×7), so a half means a periodic pattern, e.g. a 1-pixel
-  checkerboard (the Nyquist frequency: all of the band's energy in one bin). Those frequencies are removed and σ is
-  measured on what is left (≈ 0 for a clean pattern, the noise for a noisy one). Only the band's interior is used
-  here: its border coefficients see the image's symmetric extension, which breaks any pattern.
-* ``above-range``: the estimate exceeds the largest σ the model serves (its card's ``sigma.max``): clipped to it.
-
-The value is always finite and within ``[0, limit]``.
+scikit-image's ``estimate_sigma`` (wavelet MAD of the finest diagonal ``db2`` band, averaged over the channels),
+computed here so that the images where it means nothing are caught instead of giving NaN or a huge σ. Each rule
+that fires marks the estimate unreliable and is reported by name (``X-Sigma-Rule``): ``constant-channel`` (no
+detail: counted as noise-free), ``mostly-flat`` (over half exactly flat, e.g. line art: the median over all
+coefficients, zeros included), ``structured`` (one frequency holds most of the band, e.g. a checkerboard: removed
+first) and ``above-range`` (clipped to the card's ``sigma.max``). The value is always finite and within
+``[0, limit]``.
 """
 
 from __future__ import annotations
@@ -37,9 +21,11 @@ MAD_OF_NORMAL = 0.6744897501960817
 #: Coefficients this small are float rounding, not detail (|coefficient| on the [0, 1] scale; one 16-bit step
 #: of one pixel gives coefficients of 2.5e-7 and more, an 8-bit step 257 times that).
 ROUNDING = 1e-7
-#: A single frequency holding more than this share of the diagonal band's energy makes the image ``structured``.
+#: A single frequency holding more than this share of the diagonal band's energy makes the image ``structured``:
+#: white noise's largest bin holds about 2·ln(N/2)/N of N bins, well under half even for a 16×16 image.
 PEAK_SHARE = 0.5
-#: A channel with fewer than this share of non-zero diagonal coefficients is ``mostly-flat``.
+#: A channel with fewer than this share of non-zero diagonal coefficients is ``mostly-flat`` (noise is never flat,
+#: so the non-zero ones are edges, whose median would read their contrast as σ).
 FLAT_SHARE = 0.5
 CONSTANT, MOSTLY_FLAT, STRUCTURED, ABOVE_RANGE = "constant-channel", "mostly-flat", "structured", "above-range"
 #: Every rule, in the order they are reported.

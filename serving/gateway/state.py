@@ -26,6 +26,8 @@ from unroll.serving.gateway.openapi import COMMON_ERRORS
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.gateway.triton_client import TritonBackend
 
+from unroll import tasks
+
 
 class Admission:
     """At most ``limit`` requests working and ``queue`` waiting; beyond that, 429 at once (bounded memory)."""
@@ -148,6 +150,16 @@ async def require_api_key(
         what = "missing" if given is None else "wrong"
         raise ApiError(401, "unauthorized", f"{what} API key: send X-API-Key: KEY or Authorization: Bearer KEY",
                        {"WWW-Authenticate": "Bearer"})
+
+
+def route_task(request: Request) -> str:
+    """The task whose ``/v1`` route the request matched: the inference routes are made from the task registry
+    (``Task.route``), one per task, so a route's path names its task."""
+    path = getattr(request.scope.get("route"), "path", None)
+    for task in tasks.routed():
+        if path == f"/v1{task.route.path}":
+            return task.name
+    raise ApiError(404, "not_found", f"no task serves {path or request.url.path}")
 
 
 def v1_router() -> APIRouter:

@@ -27,6 +27,8 @@ import numpy as np
 from tritonclient.utils import InferenceServerException
 from unroll.serving.profile import PROFILE_KEY, ProfileError, ServedProfile
 
+from unroll.errors import ServingError
+
 log = logging.getLogger("unroll.gateway")
 
 #: gRPC reconnect back-off cap: the default (120 s) would keep a restarted Triton unreachable for minutes.
@@ -39,16 +41,25 @@ TRITON_KEY_HEADER = "unroll-triton-key"
 TRITON_GRPC_KEY_HEADER = "triton-grpc-protocol-" + TRITON_KEY_HEADER
 
 
-class TritonError(Exception):
-    """Base of the errors the gateway maps to 5xx responses."""
+class TritonError(ServingError):
+    """Base of the errors the gateway maps to 5xx responses (by their ``http_status`` and ``code``)."""
+
+    http_status = 502
+    code = "triton_error"
 
 
 class TritonUnavailable(TritonError):
     """Triton cannot be reached, or the model is not loaded/ready (→ 503 with Retry-After)."""
 
+    http_status = 503
+    code = "triton_unavailable"
+
 
 class TritonTimeout(TritonError):
     """Triton did not answer within the deadline (→ 504)."""
+
+    http_status = 504
+    code = "triton_timeout"
 
 
 class TritonRejected(TritonError):

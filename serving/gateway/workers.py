@@ -1,19 +1,10 @@
 """Run the gateway as one process or as ``N`` worker processes behind one port (``--workers`` / ``UNROLL_WORKERS``).
 
-One gateway process is bound by the GIL: it tops out near one core, however many cores Triton leaves idle.
-With ``workers > 1`` the parent binds the port once and runs uvicorn's multi-process supervisor
-(:class:`uvicorn.supervisors.Multiprocess`): ``N`` spawned workers accept on the same listening socket, each
-with its own app (settings from the ``UNROLL_*`` variables the parent exported), Triton client, model catalog
-and admission limits (``max_concurrency`` / ``max_queue`` are *per worker*). A worker that dies (or stops
-answering the parent's health ping) is replaced; SIGINT/SIGTERM stop every worker (each drains its requests,
-``timeout_graceful_shutdown``), then the parent.
-
-Metrics add up across workers: the parent creates a fresh ``PROMETHEUS_MULTIPROC_DIR`` for this run (removed
-at exit; those of earlier runs killed before their clean-up are removed at start), every worker's counters,
-histograms and gauges are written there (prometheus_client's multiprocess mode; gauges are ``livesum``), and
-``/metrics`` — whichever worker answers — aggregates them. A dead worker's live gauges are dropped
-(``mark_process_dead``), its counters kept. ``unroll_gateway_worker_requests{pid}`` shows how requests spread
-over the live workers. The default worker count is half the cores (:func:`default_workers`).
+One gateway process is bound by the GIL to about one core, so ``workers > 1`` runs uvicorn's multi-process
+supervisor on one listening socket: each worker has its own app, Triton client, catalog and admission limits (per
+worker), a dead one is replaced, SIGINT/SIGTERM drain them all. Metrics add up across workers through
+prometheus_client's multiprocess mode in a per-run ``PROMETHEUS_MULTIPROC_DIR``. The default is half the cores
+(:func:`default_workers`).
 """
 
 from __future__ import annotations
@@ -31,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from unroll.serving.gateway.http_settings import HttpSettings
 from unroll.serving.gateway.settings import ENV_PREFIX
 
 log = logging.getLogger("unroll.gateway")
@@ -51,8 +43,8 @@ def default_workers() -> int:
     """``UNROLL_WORKERS`` when set, else half the cores (at least 1, at most :data:`MAX_DEFAULT_WORKERS`).
 
     Half, because the gateway shares the machine with Triton, whose model instances want the other cores: on the
-    measured 2-core machine a second worker lowered throughput at concurrency 32 (benchmarks/gateway_profile.py,
-    ``workers`` rows), so the default there is one; on 8 cores it is 4.
+    a 2-core machine a second worker can lower throughput (``unroll bench gateway-profile`` measures 1 vs N workers,
+    benchmarks/results/gateway_profile.md), so the default there is one; on 8 cores it is 4.
     """
     raw = os.environ.get(WORKERS_ENV, "").strip()
     if raw:
@@ -174,7 +166,6 @@ def run_workers(host: str, port: int, workers: int, log_level: str, on_ready: Ca
     SIGINT/SIGTERM or ``stopper.stop()``. ``on_ready`` runs (in a thread) once the port answers ``/healthz``.
     Returns whether a worker ever answered."""
     import uvicorn
-    from unroll.serving.gateway.http_settings import HttpSettings
 
     limits = HttpSettings()  # fail here, in the parent, on a bad UNROLL_* variable
     up = threading.Event()

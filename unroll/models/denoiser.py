@@ -1,29 +1,12 @@
 """``csc-denoiser``: a noise-level-aware convolutional sparse-coding denoiser (CDLNet/CSCNet style).
 
-The encoder unrolls ``n_steps`` LISTA iterations of convolutional sparse coding with a *stride-2*
-dictionary and untied analysis/synthesis filters per iteration:
-
-    z ← shrink(z − A_k(B_k z − y), τ_k(σ)),   τ_k(σ) = relu(a_k + b_k·σ/σ_ref)   (per atom)
-
-and the decoder is the synthesis ``x̂ = D z``. Thresholds scale with the given noise level σ, so one
-model serves σ ∈ [0, 50] (0–255 scale).
-
-A stride-2 convolution with ``2k×2k`` atoms is computed exactly as a stride-1 ``k×k`` convolution on
-the image's four polyphase components (``pixel_unshuffle``), and the stride-2 synthesis as a stride-1
-convolution followed by ``pixel_shuffle``. Same dictionary, far better kernels on CPUs and GPUs.
-
-The synthesis convolutions (``M`` codes → 4 polyphase channels) are written differently in PyTorch and
-in the exported graph. PyTorch runs them as ``conv2d`` (oneDNN is fast at it). In an ONNX export they
-are the same linear map written as a ``ConvTranspose`` with the adjoint weight (swap in/out, flip the
-kernel): ONNX Runtime's CPU convolution (NCHWc) pads a 4-channel output to its 16-channel block and
-runs 4× the arithmetic, while its ``ConvTranspose`` is one GEMM (``[4·k², M] × [M, pixels]``) and a
-col2im: the whole graph ran 1.37× faster on ONNX Runtime 1.32 at 256² and 512² (2 threads; the README's Speed
-section has the numbers). OpenVINO, the runtime this model's card picks, runs both forms at the same speed.
-Exact up to float summation order; the export's parity check covers it.
-
-The image mean is removed first (the dictionary codes the zero-mean part) and the input is
-reflect-padded so borders are coded like the interior. Grayscale by design: colour images are
-denoised per channel (the gateway sends the channels as one batch).
+The encoder unrolls ``n_steps`` LISTA iterations with a stride-2 dictionary and untied analysis/synthesis filters,
+``z ← shrink(z − A_k(B_k z − y), τ_k(σ))`` with ``τ_k(σ) = relu(a_k + b_k·σ/σ_ref)`` per atom, so one model serves
+every σ up to 50 (0–255 scale); the decoder is ``x̂ = D z``. Stride-2 convolutions run as stride-1 ones on the four
+polyphase components (same dictionary, better kernels). In ONNX the synthesis is a ``ConvTranspose`` with the
+adjoint weight, because ONNX Runtime's CPU convolution pads its 4-channel output to a 16-channel block while its
+``ConvTranspose`` is one GEMM (``unroll bench export`` compares them). Grayscale by design: the gateway sends colour
+channels as one batch.
 """
 
 from __future__ import annotations
@@ -32,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from unroll import tasks
 from unroll.card import InputCard, SigmaCard, TileCard
 from unroll.registry import register_model
 from unroll.solvers.csc import normalize_atoms
@@ -114,7 +98,7 @@ class CSCDenoiser(nn.Module):
 @register_model(
     "csc-denoiser", input_shape=(1, 64, 64), recipe="unroll.train.denoiser",
     card=dict(
-        task="denoising",
+        task=tasks.DENOISING,
         description="Noise-level-aware convolutional LISTA denoiser, stride-2 dictionary (trained demo, grayscale)",
         input=InputCard(name="noisy", shape=(1, -1, -1), min_size=16, colour="gray"),
         output="denoised", sigma=SigmaCard(),
@@ -122,12 +106,12 @@ class CSCDenoiser(nn.Module):
                   gate="validation"),
         gates={"fp16": {"psnr_loss_db_worst": 0.02}, "int8": {"psnr_loss_db_worst": 0.15}},
         trt_profile=dict(batch=(1, 4, 8), dims={"1": (16, 256, 1024), "2": (16, 256, 1024)}),
-        # OpenVINO runs this graph 1.15-1.26x faster than ONNX Runtime at 256-512 px on 2 threads
-        # (benchmarks/results/export_speed.md, `unroll bench export`: the "served" column)
+        # OpenVINO runs this graph faster than ONNX Runtime on CPUs: `unroll bench export` compares them
+        # (benchmarks/results/export_speed.md, the "served" column)
         cpu_runtime="openvino",
-        # Receptive radius 17 px (4 LISTA steps + decoder of 3×3 convs on the stride-2 phase grid; measured by
-        # tests/test_tiling.py), so 20 px of margin; the mean removal makes it mean-centred. 448-px windows: a
-        # batch of 4 stays near 0.4 GiB of runtime memory on the CPU target.
+        # Receptive radius 17 px (4 LISTA steps + decoder of 3×3 convs on the stride-2 phase grid; tests/test_tiling.py
+        # checks it), so 20 px of margin; the mean removal makes it mean-centred. 448-px windows bound a batch's
+        # runtime memory (`unroll bench memory` measures the whole service).
         tiling=TileCard(size=448, margin=20, align=STRIDE, mean_centred=True),
     ))
 def csc_denoiser(**kw) -> CSCDenoiser:

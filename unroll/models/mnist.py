@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from unroll import tasks
 from unroll.card import InputCard, LamCard
 from unroll.registry import register_model
 from unroll.solvers.csc import DictBlock, output_padding
@@ -59,8 +60,8 @@ class MNISTSDNet(nn.Module):
         """Median absolute residual ``|x − D c|`` of the front end at its training λ, per sample ``[B]``.
 
         The median (not the RMS) ignores the few stroke pixels the sparse code models imperfectly and
-        follows the noise on the background, so it separates noise levels cleanly (measured: clean
-        digits give ≈0.000 ± 0.001, σ = 0.1 gives 0.073 ± 0.006). Computed with ``topk`` so it exports.
+        follows the noise on the background, so it separates noise levels cleanly (the λ rule is fitted on it).
+        Computed with ``topk`` so it exports.
         """
         c = self.csc(x)
         blk = self.csc
@@ -79,7 +80,7 @@ class MNISTSDNet(nn.Module):
 @register_model(
     "sdnet-mnist", input_shape=(1, 28, 28), recipe="unroll.train.mnist",
     card=dict(
-        task="classification",
+        task=tasks.CLASSIFICATION,
         description="SDNet-style MNIST classifier: CSC front end (FISTA K=2, λ=0.1) + residual CNN (trained demo)",
         input=InputCard(name="image", shape=(1, 28, 28), colour="gray", resize="pad-square", polarity="light-on-dark"),
         output="logits", labels=tuple(str(i) for i in range(10)),

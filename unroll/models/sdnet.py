@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from unroll import tasks
 from unroll.card import InputCard, LamCard
 from unroll.registry import register_model
 from unroll.solvers.csc import DictBlock, normalize_atoms
@@ -277,7 +278,7 @@ _IMAGENET_INPUT = InputCard(name="image", shape=(3, 224, 224), colour="rgb", res
 
 
 def _sdnet_card(description: str, imagenet: bool) -> dict[str, Any]:
-    return dict(task="classification", description=description, output="logits",
+    return dict(task=tasks.CLASSIFICATION, description=description, output="logits",
                 input=_IMAGENET_INPUT if imagenet else _CIFAR_INPUT,
                 labels=None if imagenet else CIFAR10_LABELS,  # ImageNet synset names are not bundled
                 lam=LamCard(default=None, max=10.0), data=dict(test="photos"),

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from unroll import tasks
 from unroll.card import InputCard
 from unroll.registry import register_model
 from unroll.solvers.shrink import is_textbook, soft_threshold_nonneg
@@ -153,7 +154,7 @@ class DictBlock(nn.Module):
 
 @register_model(
     "csc-fista", input_shape=(3, 32, 32), defaults={"in_channels": 3, "num_atoms": 64},
-    card=dict(task="block", output="y", data=dict(test="photos"),
+    card=dict(task=tasks.BLOCK, output="y", data=dict(test="photos"),
               description="SDNet's CSC layer alone: non-negative conv sparse coding, FISTA (3→64 atoms, K=2)",
               input=InputCard(name="x", shape=(3, 32, 32), colour="rgb", resize="stretch")))
 def csc_fista(**kw) -> DictBlock:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from unroll import tasks
 from unroll.card import InputCard
 from unroll.registry import register_model
 from unroll.solvers.shrink import is_textbook, soft_threshold
@@ -114,7 +115,7 @@ __all__ = ["DicAttention", "elastic_net_codes", "normalize_columns"]
 
 @register_model(
     "dic-attn", input_shape=(64, 64), defaults={"dim": 64},
-    card=dict(task="block", output="y", input=InputCard(name="x", shape=(-1, 64)),
+    card=dict(task=tasks.BLOCK, output="y", input=InputCard(name="x", shape=(-1, 64)),
               trt_profile=dict(batch=(1, 8, 32), dims={"0": (1, 64, 1024)}),
               description="Dic-Attn: elastic-net (ISTA) sparse reconstruction over a learned unit-norm dictionary"))
 def dic_attn(**kw) -> DicAttention:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from unroll import tasks
 from unroll.card import InputCard
 from unroll.registry import register_model
 
@@ -99,7 +100,7 @@ __all__ = ["NMFHam", "nmf_bases_step", "nmf_coef_step", "nmf_updates"]
 
 @register_model(
     "nmf-ham", input_shape=(64, 16, 16), defaults={"dim": 64},
-    card=dict(task="block", output="y", input=InputCard(name="x", shape=(64, 16, 16)),
+    card=dict(task=tasks.BLOCK, output="y", input=InputCard(name="x", shape=(64, 16, 16)),
               description="Hamburger's NMF ham: multiplicative updates, rank 64, seeded constant bases"))
 def nmf_ham(**kw) -> NMFHam:
     return NMFHam(**kw)

@@ -1,21 +1,11 @@
 """VARS attention: self-attention as sparse reconstruction of the values over a query dictionary.
 
-VARS (Shi et al., "Visual Attention Emerges from Recurrent Sparse Reconstruction") replaces
-``softmax(QKᵀ)V`` by ``D·x`` where ``x`` is the sparse code of the values ``V`` over a dictionary
-``D`` built from the queries, found by a few ISTA steps. Keys are tied to queries, so only the q and
-v projections exist.
-
-Dictionary (per sample and head): the positive random-feature map of the queries (FAVOR+)
-``D = exp(q·Ω − ‖q‖²/2) / √m``, ``Ω ~ N(0, I)`` of shape ``[dh, m]`` drawn once from a seeded
-generator and stored as a buffer. ``q`` is first scaled by ``dh**-0.25`` so that
-``φ(q_i)·φ(q_j) ≈ exp(q_i·q_j / √dh)``: the same temperature as softmax attention. Each atom (a
-column of ``D``, a vector over the N tokens) is L2-normalised over the tokens, which makes any
-per-atom constant factor cancel exactly; we use that to subtract the per-atom max logit before
-``exp`` (overflow-free, bit-for-bit the same dictionary up to round-off) and to drop the ``1/√m``.
-
-The ISTA step is ``1/L`` with ``L`` = (largest row-L1 norm of ``DᵀD``) + 1, a Gershgorin upper bound
-of ``‖D‖₂²`` computed with plain reductions in ``forward`` (no SVD, no data-dependent control flow),
-so every iteration provably decreases the Lasso objective.
+VARS (Shi et al., "Visual Attention Emerges from Recurrent Sparse Reconstruction") replaces ``softmax(QKᵀ)V`` by
+``D·x``, with ``x`` the sparse code of ``V`` over a dictionary of the queries found by a few ISTA steps. ``D`` is
+the positive random-feature map (FAVOR+) of the queries scaled by ``dh**-0.25`` (softmax's temperature), with a
+seeded ``Ω`` stored as a buffer; its atoms are L2-normalised over the tokens, which lets the per-atom max logit be
+subtracted before ``exp`` (no overflow). The step is ``1/L`` with ``L`` a Gershgorin bound of ``‖D‖₂²`` from plain
+reductions (no SVD, no data-dependent control flow), so each iteration decreases the Lasso objective.
 """
 
 from __future__ import annotations
@@ -23,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from unroll import tasks
 from unroll.card import InputCard
 from unroll.registry import register_model
 from unroll.solvers.shrink import is_textbook, soft_threshold
@@ -147,7 +138,7 @@ _TOKEN_PROFILE = dict(batch=(1, 8, 32), dims={"0": (1, 64, 1024)})
 
 @register_model(
     "vars-d", input_shape=(64, 64), defaults={"dim": 64, "mode": "d"},
-    card=dict(task="block", output="y", input=_TOKENS, trt_profile=_TOKEN_PROFILE,
+    card=dict(task=tasks.BLOCK, output="y", input=_TOKENS, trt_profile=_TOKEN_PROFILE,
               description="VARS-D attention: ISTA sparse reconstruction over random-feature atoms of the queries"))
 def vars_d(**kw) -> VARSAttention:
     return VARSAttention(**kw)
@@ -155,7 +146,7 @@ def vars_d(**kw) -> VARSAttention:
 
 @register_model(
     "vars-sd", input_shape=(64, 64), defaults={"dim": 64, "mode": "sd"},
-    card=dict(task="block", output="y", input=_TOKENS, trt_profile=_TOKEN_PROFILE,
+    card=dict(task=tasks.BLOCK, output="y", input=_TOKENS, trt_profile=_TOKEN_PROFILE,
               description="VARS-SD attention: VARS-D plus learned static atoms"))
 def vars_sd(**kw) -> VARSAttention:
     return VARSAttention(**kw)

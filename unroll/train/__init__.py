@@ -1,18 +1,10 @@
 """Training and evaluation recipes, one module per recipe, behind one interface (``unroll train`` / ``unroll eval``).
 
-A model names its recipe where it is registered (``register_model(..., recipe="unroll.train.<module>")``);
-the CLI imports that module and calls it, so the command line knows no model. Each recipe module defines:
-
-- ``TRAIN_OPTIONS`` / ``EVAL_OPTIONS``: tuples of :class:`Option`, the recipe's own settings (the CLI
-  accepts them as ``--name VALUE`` after the model name and lists them on a bad one);
-- ``train(run: TrainRun, **options) -> (model, record)``: trains from scratch (seeded) and returns the
-  model and its training record (what goes into ``unroll/weights/NAME.json``: recipe, ``model`` builder
-  options, and ``metrics`` unless ``run.metrics`` is false);
-- ``evaluate(name, model, record, progress, **options) -> Evaluation``: recomputes the record's
-  metrics from the weights; ``Evaluation.metrics`` holds exactly the ``metrics`` fields it produced,
-  so ``unroll eval NAME --write`` can put them into the record and every number there comes from code.
-
-No stage after training (export, quantize, serving, benchmarks) imports this package.
+A model names its recipe where it is registered (``recipe="unroll.train.<module>"``), so the command line knows no
+model. A recipe module defines ``TRAIN_OPTIONS`` / ``EVAL_OPTIONS`` (:class:`Option` tuples), ``train(run, **options)
+-> (model, record)`` (seeded, from scratch) and ``evaluate(name, model, record, progress, **options) ->
+Evaluation``, which recomputes the record's metrics so that every number in ``unroll/weights/NAME.json`` comes from
+code. No stage after training imports this package.
 """
 
 from __future__ import annotations
@@ -23,6 +15,9 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
+
+from unroll.errors import TrainError
+from unroll.registry import REGISTRY, get_spec
 
 #: ``update(done, total, loss=nan)``: what a training loop reports to a progress bar.
 Update = Callable[..., None]
@@ -45,7 +40,7 @@ def counted(progress: ProgressFactory, description: str, total: int) -> Iterator
         yield tick
 
 
-class RecipeError(ValueError):
+class RecipeError(TrainError, ValueError):
     """A model has no recipe, or a recipe option is unknown or malformed (the message lists the valid ones)."""
 
 
@@ -112,8 +107,6 @@ class Evaluation:
 
 def recipe_module(name: str) -> ModuleType:
     """The recipe module a registered model names; a model without one is an error listing those that have one."""
-    from unroll.registry import REGISTRY, get_spec
-
     spec = get_spec(name)
     if spec.recipe is None:
         have = [n for n, s in REGISTRY.items() if s.recipe is not None]

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from unroll import data
+from unroll.baselines import bm3d_psnr
 from unroll.metrics import psnr
 from unroll.models.denoiser import CSCDenoiser
 from unroll.train import Evaluation, Option, ProgressFactory, Table, TrainRun, counted
@@ -210,8 +211,6 @@ def evaluate(name: str, model: torch.nn.Module, record: dict, progress: Progress
         metrics[role] = {"data": ds, "psnr": _means(t), "psnr_per_image": _per_image(t)}
     ref, source = record.get("metrics", {}).get("bm3d_psnr", {}), "from the committed record (--bm3d recomputes)"
     if bm3d:
-        from unroll.baselines import bm3d_psnr
-
         with progress("BM3D", n) as update:
             count = iter(range(1, n + 1))
             theirs = bm3d_psnr(EVAL_SIGMAS, images, progress=lambda: update(next(count), n))

@@ -79,9 +79,9 @@ def _noisy(x: np.ndarray, sigma: float, seed: int) -> torch.Tensor:
     return torch.from_numpy((x + sigma * rng.standard_normal(x.shape)).astype(np.float32))
 
 
-#: Digits per forward pass in evaluation. Larger batches are slower on a CPU, not faster: at 500 digits the CSC
-#: activations (≈50 MB a tensor) are allocated with mmap and page-faulted afresh by every op (measured ≈3× slower
-#: than 100, most of it kernel time). Every digit's logits are independent of the batch, so the metrics do not move.
+#: Digits per forward pass in evaluation. Larger batches are slower on a CPU, not faster: their CSC activations are
+#: large enough to be allocated with mmap and page-faulted afresh by every op. Every digit's logits are independent
+#: of the batch, so the metrics do not move.
 EVAL_BATCH = 100
 
 

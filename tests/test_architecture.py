@@ -1,0 +1,112 @@
+"""The layers point one way: every import in the package (module level, function-local and ``TYPE_CHECKING`` ones
+alike, read with ``ast``) goes from a layer to one below it, never up.
+
+    unroll.app                                       the CLI, ``unroll serve``, the doctor, container staging
+      └─ unroll.benchmarks                           measurements
+           └─ unroll.pipeline                        which artifacts are missing or stale, and making them
+                └─ unroll.export   unroll.serving    the stages (neither imports the other)
+                     └─ unroll (core)                models, solvers, card, registry, tasks, artifacts, errors
+
+The stage folders stay at the top of the repository (``export/``, ``serving/``, …) and install as subpackages of
+``unroll`` (``package-dir`` in pyproject.toml), so a reader cannot tell the layer from the path: each folder's
+``__init__`` docstring names the package it installs as, and this test holds the arrows.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: folder → the package it installs as (pyproject.toml ``[tool.setuptools.package-dir]``)
+FOLDERS = {"unroll": "unroll", "export": "unroll.export", "serving": "unroll.serving",
+           "benchmarks": "unroll.benchmarks", "pipeline": "unroll.pipeline", "app": "unroll.app"}
+STAGES = ("unroll.export", "unroll.serving", "unroll.pipeline", "unroll.benchmarks", "unroll.app")
+#: layer → the packages it must not import
+FORBIDDEN = {
+    "unroll": STAGES,
+    "unroll.export": ("unroll.serving", "unroll.pipeline", "unroll.benchmarks", "unroll.app"),
+    "unroll.serving": ("unroll.export", "unroll.pipeline", "unroll.benchmarks", "unroll.app"),
+    "unroll.pipeline": ("unroll.benchmarks", "unroll.app"),
+    "unroll.benchmarks": ("unroll.app",),
+    "unroll.app": (),
+}
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def layer_of(module: str) -> str:
+    """The layer a module belongs to: the stage package that holds it, else the core."""
+    return next((s for s in STAGES if _within(module, s)), "unroll")
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package, by its installed dotted name."""
+    found = {}
+    for folder, package in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join((package, *parts))] = path
+    return found
+
+
+def imported(module: str, path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every import in the file, wherever it is; ``from P import name`` counts as ``P.name``
+    (so ``from unroll import export`` is seen as ``unroll.export``) and relative imports are resolved."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            out += [(node.lineno, f"{base}.{a.name}") for a in node.names]
+    return out
+
+
+def upward_imports() -> list[str]:
+    """Each import that points up a layer, as ``file:line: importer → imported``."""
+    bad = []
+    for module, path in modules().items():
+        forbidden = FORBIDDEN[layer_of(module)]
+        for line, target in imported(module, path):
+            if any(_within(target, f) for f in forbidden):
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {module} ({layer_of(module)}) → {target}")
+    return bad
+
+
+def test_every_module_is_seen() -> None:
+    found = modules()
+    assert {"unroll.card", "unroll.export.onnx_export", "unroll.serving.gateway.app", "unroll.app.cli",
+            "unroll.benchmarks.common", "unroll.pipeline"} <= set(found)
+    assert layer_of("unroll.serving.gateway.app") == "unroll.serving" and layer_of("unroll.tasks") == "unroll"
+
+
+def test_no_import_points_up_a_layer() -> None:
+    bad = upward_imports()
+    assert not bad, "imports that point up a layer (see this test's docstring for the layers):\n" + "\n".join(bad)
+
+
+def test_the_walk_sees_function_local_and_relative_imports(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n    from unroll import export\n    from . import sibling\n    import unroll.app.cli\n")
+    assert [t for _, t in imported("unroll.serving.x.m", src)] == [
+        "unroll.export", "unroll.serving.x.sibling", "unroll.app.cli"]
+
+
+@pytest.mark.parametrize("folder", [f for f in FOLDERS if f != "unroll"])
+def test_each_stage_folder_says_what_it_installs_as(folder: str) -> None:
+    init = ROOT / folder / "__init__.py"
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+    assert f"``{FOLDERS[folder]}``" in doc, f"{init.relative_to(ROOT)}: its docstring should name {FOLDERS[folder]}"
