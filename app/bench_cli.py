@@ -168,7 +168,7 @@ def bench_models(
     the reason (no onnxruntime-gpu, a graph not quantized, --no-compile, out of memory). Writes
     models_cuda.json and models_cuda.md with the GPU, driver, CUDA, torch and ONNX Runtime versions.
     """
-    from unroll.benchmarks import models_bench
+    from unroll.benchmarks import models_bench, models_cuda
 
     registered = list_models()  # (imports the shipped models first: the registry is empty until then)
     unknown = [m for m in model or [] if m not in registered]
@@ -177,14 +177,14 @@ def bench_models(
     if device not in ("cpu", "cuda"):
         raise typer.BadParameter(f"--device must be cpu or cuda, not {device!r}")
     if device == "cuda":
-        env = models_bench.cuda_environment("cuda")
+        env = models_cuda.cuda_environment("cuda")
         if env.reason:
             raise fail(f"--device cuda: {env.reason}; nothing was measured and nothing was written")
         try:
-            payload = models_bench.run_cuda(model or None, budget_s=budget, with_compile=compile_ is not False,
-                                            quick=quick, threads=threads, onnx_dir=onnx_dir, out_dir=out,
+            payload = models_cuda.run_cuda(model or None, budget_s=budget, with_compile=compile_ is not False,
+                                           quick=quick, threads=threads, onnx_dir=onnx_dir, out_dir=out,
                                             progress=progress, env=env)
-        except models_bench.NothingMeasured as e:  # the device belongs on the line
+        except models_cuda.NothingMeasured as e:  # the device belongs on the line
             raise BenchError(f"--device cuda: {e}; nothing was written") from None
         by: dict[str, int] = {}
         for s in payload["skipped"]:
@@ -312,7 +312,7 @@ def bench_all(
     timing: dict[str, float] = {}
     t_all = time.perf_counter()
     if quantize and ({"models", "quality"} & set(stages)):
-        from unroll.benchmarks.models_bench import ensure_quantized
+        from unroll.benchmarks.models_inputs import ensure_quantized
 
         t0 = time.perf_counter()
         failed = ensure_quantized(Path(onnx_dir), log=lambda m: err.print(m))

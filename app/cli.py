@@ -407,8 +407,9 @@ def _per_image_lines(r: dict) -> list[str]:
         elif "top1_agreement" in m and what.startswith("test"):
             out.append(f"  {what}: {_gate_summary(m)}")
     if r.get("metrics", {}).get("per_image"):
-        out.append(f"  every image's loss per σ: {r['source'].removesuffix('.onnx')}.{r['precision']}.report.json "
-                   "(metrics.per_image, test.metrics.per_image)")
+        src = Path(r["source"])
+        report = artifacts.graph_report(src.name.removesuffix(".onnx"), r["precision"], src.parent)
+        out.append(f"  every image's loss per σ: {report} (metrics.per_image, test.metrics.per_image)")
     return out
 
 

@@ -18,7 +18,9 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from unroll.serving.cpu_runtime import ort_session  # noqa: F401  (the benchmarks' in-process baseline, re-exported)
 
 from unroll import artifacts
+from unroll.card import from_onnx
 from unroll.errors import BenchError
+from unroll.registry import REGISTRY, get_spec, list_models
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -138,8 +140,6 @@ class NoModel(BenchError, LookupError):
 
 def trained_models(task: str | None = None) -> list[str]:
     """Registered models with committed weights, in registry order (of one ``task`` when given)."""
-    from unroll.registry import REGISTRY, list_models
-
     list_models()
     return [n for n, s in REGISTRY.items() if s.has_weights and (task is None or s.task == task)]
 
@@ -155,16 +155,12 @@ def demo_model(task: str) -> str:
 
 def quantizable(name: str) -> bool:
     """Whether ``unroll quantize`` can gate ``name``: its card names training data (calibration) and gate data."""
-    from unroll.registry import get_spec
-
     d = get_spec(name).card.data
     return d.train is not None and getattr(d, d.gate) is not None
 
 
 def exported_card(name: str, onnx_dir: Path):
     """The card inside ``onnx_dir/NAME.onnx`` (as served: λ's default resolved to the trained value)."""
-    from unroll.card import from_onnx
-
     return from_onnx(artifacts.graph(name, onnx_dir=onnx_dir))
 
 

@@ -24,7 +24,7 @@ import onnx
 import onnxslim
 import torch
 from unroll.benchmarks.common import load_note, machine_info, time_call, trained_models, write_results
-from unroll.benchmarks.models_bench import case_inputs, cases_for, torch_call
+from unroll.benchmarks.models_inputs import case_inputs, cases_for, torch_call
 from unroll.export.onnx_export import _Classifier, _torch_export, io_names, resolve_card
 from unroll.serving.cpu_runtime import open_session, unavailable_reason
 

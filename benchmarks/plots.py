@@ -57,8 +57,12 @@ def serve_plots(payload: dict, out_dir: Path) -> list[Path]:
     runs = payload["runs"]
     workloads = [k for k in payload["config"]["workloads"] if any(r["workload"] == k for r in runs)]
     labels = {k: f"{v['model']}: {v['input']}" for k, v in payload["config"]["workloads"].items()}
-    out = []
+    return [_serve_latency(runs, workloads, labels, out_dir),
+            _serve_throughput(payload, runs, workloads, labels, out_dir),
+            _serve_split(runs, workloads, labels, out_dir)]
 
+
+def _serve_latency(runs: list[dict], workloads: list[str], labels: dict[str, str], out_dir: Path) -> Path:
     fig, axes = _grid(len(workloads))
     for ax, key in zip(axes, workloads, strict=True):
         for path, color in PATH_COLORS.items():
@@ -79,8 +83,11 @@ def serve_plots(payload: dict, out_dir: Path) -> list[Path]:
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle("Client latency vs concurrency (p50 solid, p99 dashed, p90–p95 shaded)", fontsize=10)
-    out.append(_save(fig, out_dir / "serve_latency.png"))
+    return _save(fig, out_dir / "serve_latency.png")
 
+
+def _serve_throughput(payload: dict, runs: list[dict], workloads: list[str], labels: dict[str, str],
+                      out_dir: Path) -> Path:
     b = payload.get("batching")
     fig, axes = _grid(len(workloads) + (1 if b else 0), width=4.6)
     for ax, key in zip(axes, workloads, strict=False):
@@ -109,8 +116,10 @@ def serve_plots(payload: dict, out_dir: Path) -> list[Path]:
         ax.set_title(f"{b.get('model', 'classifier')}, gRPC, {b['concurrency']} in flight: "
                      + (f"{sp:.2f}×" if sp else "-") + (f" (median of {n} rounds)" if n > 1 else ""), fontsize=9)
     fig.suptitle("Throughput vs concurrency", fontsize=10)
-    out.append(_save(fig, out_dir / "serve_throughput.png"))
+    return _save(fig, out_dir / "serve_throughput.png")
 
+
+def _serve_split(runs: list[dict], workloads: list[str], labels: dict[str, str], out_dir: Path) -> Path:
     key = workloads[0]  # the classifier's workload comes first (serve_bench); its server split is shown
     server_paths = [p for p in ("triton-http", "triton-grpc", "gateway")
                     if any(r["workload"] == key and r["path"] == p for r in runs)]
@@ -141,8 +150,7 @@ def serve_plots(payload: dict, out_dir: Path) -> list[Path]:
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle(f"Where the time goes ({labels[key]}): Triton statistics + the rest, mean per request",
                  fontsize=10)
-    out.append(_save(fig, out_dir / "serve_split.png"))
-    return out
+    return _save(fig, out_dir / "serve_split.png")
 
 
 # ----------------------------------------------------------------------------------------------- models

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from unroll.benchmarks import plots
 from unroll.benchmarks.common import (
     classify_noise_seed,
     demo_model,
@@ -30,9 +31,12 @@ from unroll.benchmarks.common import (
     progress_bars,
     write_results,
 )
+from unroll.benchmarks.models_inputs import ensure_export, lam_default, quantized_graphs
 
-from unroll import artifacts, pipeline, tasks
+from unroll import artifacts, data, pipeline, tasks
+from unroll.baselines import bm3d_denoise
 from unroll.metrics import psnr
+from unroll.registry import get_spec
 
 SIGMAS = (15.0, 25.0, 50.0)
 PRECISIONS = ("fp32", "fp16", "int8")
@@ -49,8 +53,6 @@ BATCH = 500
 
 def _classical() -> dict[str, Callable[[np.ndarray, float], np.ndarray]]:
     from skimage.restoration import denoise_nl_means, denoise_tv_chambolle, denoise_wavelet, estimate_sigma
-
-    from unroll.baselines import bm3d_denoise
 
     def nlm(noisy: np.ndarray, s255: float) -> np.ndarray:
         est = float(np.mean(estimate_sigma(noisy)))  # scikit-image's recipe: h from the estimated σ
@@ -79,8 +81,6 @@ def _onnx_denoiser(session, card) -> Callable[[np.ndarray, float], np.ndarray]:
 
 
 def _graphs(name: str, onnx_dir: Path) -> tuple[dict[str, Path], dict[str, str]]:
-    from unroll.benchmarks.models_bench import ensure_export, quantized_graphs
-
     graphs = {"fp32": ensure_export(name, onnx_dir)}
     q, why = quantized_graphs(name, onnx_dir)
     return {**graphs, **q}, why
@@ -88,8 +88,6 @@ def _graphs(name: str, onnx_dir: Path) -> tuple[dict[str, Path], dict[str, str]]
 
 def _images(card, quick: bool, images: tuple[str, ...] | None) -> dict[str, np.ndarray]:
     """The card's test images (``images``: only these; quick: the first two, centre-cropped)."""
-    from unroll import data
-
     test = data.dataset(card.data.test).load()
     unknown = set(images or ()) - set(test)
     if unknown:
@@ -110,9 +108,6 @@ def run_denoise(threads: int = 2, sigmas: tuple[float, ...] = SIGMAS, quick: boo
                 progress: bool = True, out_dir: Path | None = None) -> dict:
     """PSNR/SSIM and wall time per image for every method on the same noisy images."""
     from skimage.metrics import structural_similarity
-
-    from unroll import data
-    from unroll.registry import get_spec
 
     onnx_dir = Path(onnx_dir)
     model = demo_model(tasks.DENOISING)
@@ -174,8 +169,6 @@ def run_denoise(threads: int = 2, sigmas: tuple[float, ...] = SIGMAS, quick: boo
                "speed_512": {"csc_fp32_s": ours, "bm3d_s": bm, "bm3d_over_csc": bm / ours if ours and bm else None},
                "per_image": per_image}
     if out_dir is not None:
-        from unroll.benchmarks import plots
-
         write_results("quality_denoise", payload, markdown_denoise(payload), Path(out_dir))
         plots.quality_denoise_plot(payload, Path(out_dir))
     return payload
@@ -251,11 +244,6 @@ def _lam_rule(name: str, card, onnx_dir: Path, threads: int):
 def run_classify(threads: int = 2, quick: bool = False, noise: tuple[float, ...] = NOISE_SIGMAS,
                  onnx_dir: Path = artifacts.ONNX_DIR, progress: bool = True, out_dir: Path | None = None) -> dict:
     """The trained classifier's accuracy per precision, clean and noisy, λ fixed vs λ auto (where its card has one)."""
-    from unroll.benchmarks.models_bench import lam_default
-
-    from unroll import data
-    from unroll.registry import get_spec
-
     onnx_dir = Path(onnx_dir)
     name = demo_model(tasks.CLASSIFICATION)
     spec = get_spec(name)
@@ -302,8 +290,6 @@ def run_classify(threads: int = 2, quick: bool = False, noise: tuple[float, ...]
                           "missing_precisions": missing},
                "n_digits": len(x), "noise_sigmas": list(noise), "results": results}
     if out_dir is not None:
-        from unroll.benchmarks import plots
-
         write_results("quality_classify", payload, markdown_classify(payload), Path(out_dir))
         plots.quality_classify_plot(payload, Path(out_dir))
     return payload

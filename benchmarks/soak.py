@@ -30,7 +30,8 @@ from unroll.benchmarks import soak_stub
 from unroll.benchmarks.common import RESULTS, demo_model, machine_info, png_bytes
 from unroll.serving.triton import SHM_DIR, free_ports, group_members, processes_with, shm_regions
 
-from unroll import artifacts, tasks
+from unroll import artifacts, data, tasks
+from unroll.registry import get_spec
 
 READY_TIMEOUT_S = 300.0
 #: How long processes of the stopped server may take to disappear before they count as left behind.
@@ -139,9 +140,6 @@ def stop_serve(s: ServeProcess) -> None:
 
 def _payloads(classifier: str, denoiser: str, n: int) -> dict[str, list[tuple[str, bytes]]]:
     """Request bodies per kind: real digits of the classifier's test split, noisy 64×64 crops of bundled images."""
-    from unroll import data
-    from unroll.registry import get_spec
-
     x, _ = data.dataset(get_spec(classifier).card.data.test).load()
     digits = [png_bytes(x[i, 0]) for i in range(min(n, len(x)))]
     crops = []

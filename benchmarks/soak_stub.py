@@ -18,6 +18,10 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from unroll.benchmarks.common import png_bytes
+
+from unroll import data
+
 if TYPE_CHECKING:
     import httpx
     from unroll.benchmarks.soak import ServeProcess
@@ -35,10 +39,6 @@ REQUEST_TIMEOUT_S = 60.0
 
 def noisy_image(side: int = IMAGE_SIDE) -> bytes:
     """A bundled test image, ``side``² crop, with σ=25 noise, as PNG bytes."""
-    from unroll.benchmarks.common import png_bytes
-
-    from unroll import data
-
     name = next(n for n in data.DENOISE_TEST_IMAGES if min(data.bundled_image(n).shape[:2]) >= side)
     img = data.bundled_image(name)[:side, :side]
     return png_bytes(data.add_noise(img, 25.0, data.noise_seed(name, 25.0)))

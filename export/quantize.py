@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from unroll.export import gates as gate
+from unroll.export.card_attach import NO_CARD_HINT, attach_card
 from unroll.export.trt_lint import LintError, lint, lint_report
 
 from unroll import artifacts, tasks
@@ -256,14 +257,10 @@ def _source(name: str, onnx_dir: Path, card: str | Path | None = None) -> tuple[
     if not src.exists():
         raise FileNotFoundError(f"{src} not found: run `unroll export {name}` first")
     if card is not None:  # a third-party graph: its card comes from the command line (validated, name = NAME)
-        from unroll.export.card_attach import attach_card
-
         return src, attach_card(src, card, name)
     try:
         return src, from_onnx(src)
     except CardError as e:
-        from unroll.export.card_attach import NO_CARD_HINT
-
         raise CardError(f"{e}, {NO_CARD_HINT}") from None
 
 

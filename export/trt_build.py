@@ -25,7 +25,7 @@ from typing import Any
 
 import onnx
 from unroll.export import gates as gate
-from unroll.export import trt_memory
+from unroll.export import trt_lint, trt_memory
 from unroll.export.trt_engine import (
     ENGINE_DEVICE,
     EngineRunner,
@@ -176,8 +176,6 @@ LOWER_MEMORY = ("lower the profile's largest shapes (`unroll build --batch-max N
 def lint_graph(model: onnx.ModelProto) -> list[str]:
     """:func:`unroll.export.trt_lint.lint` on the graph TensorRT is about to parse, one 'node NAME (OP): why' per
     issue that would make the parse fail (issues a newer lint marks ``severity='warning'`` are not counted)."""
-    from unroll.export import trt_lint
-
     return [str(i) for i in trt_lint.lint(model) if getattr(i, "severity", "error") != "warning"]
 
 

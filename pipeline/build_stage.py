@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from unroll.export.trt_build import build_engine, tensorrt_available
 from unroll.pipeline.step import Step
 
 from unroll import artifacts
@@ -30,8 +31,6 @@ def stale_reason(graph: str, precision: str, onnx_dir: Path, plan_dir: Path) -> 
 def plan_graph(graph: str, precision: str, onnx_dir: Path, plan_dir: Path, upstream: str | None = None
                ) -> Step | None:
     """The build step for ``graph`` (``upstream``: why its graph is being rebuilt first), else ``None``."""
-    from unroll.export.trt_build import tensorrt_available  # imports nothing heavy until called
-
     why = upstream or stale_reason(graph, precision, onnx_dir, plan_dir)
     if why is None:
         return None
@@ -47,6 +46,4 @@ def plan_graph(graph: str, precision: str, onnx_dir: Path, plan_dir: Path, upstr
 
 def run(graph: str, precision: str, onnx_dir: Path, plan_dir: Path) -> dict:
     """``unroll build GRAPH --precision PRECISION`` with the card's profile; returns the plan's JSON."""
-    from unroll.export.trt_build import build_engine  # PyTorch and TensorRT: only when building
-
     return build_engine(graph, precision, onnx_dir, plan_dir)

@@ -20,7 +20,7 @@ _CHANGED = {"upstream": "older than the FP32 export (made from another one)",
 
 def stale_reason(graph: str, precision: str, onnx_dir: Path) -> str | None:
     """Why ``onnx_dir/<graph>.<precision>.onnx`` must be (re)made, or ``None`` when it is up to date."""
-    from unroll.export.quantize import quantize_inputs  # the exporter's stack: only for quantized precisions
+    from unroll.export.quantize import quantize_inputs  # local: keeps onnxruntime out of `unroll serve` startup
 
     out, fp32 = artifacts.graph(graph, precision, onnx_dir), artifacts.graph(graph, onnx_dir=onnx_dir)
     if not out.exists():
@@ -46,6 +46,6 @@ def plan_graph(graph: str, precision: str, onnx_dir: Path, upstream: str | None 
 
 def run(graph: str, precision: str, onnx_dir: Path) -> dict:
     """``unroll quantize GRAPH --precision PRECISION`` with the card's gates; returns its report."""
-    from unroll.export.quantize import quantize  # the exporter's stack: only when quantizing
+    from unroll.export.quantize import quantize  # local: keeps onnxruntime out of `unroll serve` startup
 
     return quantize(graph, precision, onnx_dir)

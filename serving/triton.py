@@ -505,7 +505,28 @@ def start(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port
     if log_keep > 0:
         rotate_log(log_file, log_keep)
     log_offset = log_file.stat().st_size if log_file.exists() else 0  # appended: earlier runs are not this one
-    cmd = [
+    cmd = _server_command(layout, server_id, repo, host, (http_port, grpc_port, metrics_port), model_control,
+                          log_verbose, [*(restricted_api_args(api_key) if api_key else []), *(extra_args or [])])
+    with open(log_file, "ab") as log:
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    env=server_env(layout), start_new_session=True,
+                                    preexec_fn=_die_with_parent(os.getpid()))
+        except OSError as e:
+            raise TritonStartError(f"could not run {layout.binary}: {e}") from e
+    handle = TritonHandle(proc, host, http_port, grpc_port, metrics_port, log_file, api_key, server_id)
+    try:
+        return _wait_ready(handle, proc, timeout_s, log_file, log_offset)
+    except BaseException:
+        handle.stop(grace_s=5)
+        raise
+
+
+def _server_command(layout: ServerLayout, server_id: str, repo: Path, host: str, ports: tuple[int, int, int],
+                    model_control: str, log_verbose: int, extra_args: list[str]) -> list[str]:
+    """tritonserver's command line: complete configs only, strict readiness, the three endpoints on ``host``."""
+    http_port, grpc_port, metrics_port = ports
+    return [
         str(layout.binary),
         f"--id={server_id}",
         f"--model-repository={repo}",
@@ -521,36 +542,28 @@ def start(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port
         f"--metrics-port={metrics_port}",
         "--pinned-memory-pool-byte-size=0",  # CPU-only here; avoids a CUDA host allocation attempt
         f"--log-verbose={log_verbose}",
-        *(restricted_api_args(api_key) if api_key else []),
-        *(extra_args or []),
+        *extra_args,
     ]
-    with open(log_file, "ab") as log:
-        try:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env=server_env(layout), start_new_session=True,
-                                    preexec_fn=_die_with_parent(os.getpid()))
-        except OSError as e:
-            raise TritonStartError(f"could not run {layout.binary}: {e}") from e
-    handle = TritonHandle(proc, host, http_port, grpc_port, metrics_port, log_file, api_key, server_id)
+
+
+def _wait_ready(handle: TritonHandle, proc: subprocess.Popen, timeout_s: float, log_file: Path,
+                log_offset: int) -> TritonHandle:
+    """Poll the server we launched until every model is ready; its exit or the deadline raises with the log's reason."""
     deadline = time.monotonic() + timeout_s
-    client_host = _client_host(host)
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise _start_failure(f"tritonserver exited with code {proc.returncode}", log_file, log_offset)
+    client_host = _client_host(handle.host)
+    while True:
+        if proc.poll() is not None:
+            raise _start_failure(f"tritonserver exited with code {proc.returncode}", log_file, log_offset)
+        handle.snapshot()
+        if handle.ready():
             handle.snapshot()
-            if handle.ready():
-                handle.snapshot()
-                return handle
-            if time.monotonic() > deadline:
-                states = _model_states(client_host, http_port, handle.headers)
-                raise _start_failure(f"tritonserver was not ready after {timeout_s:g} s ("
-                                     + (f"models: {states}" if states else "still loading or warming up models; "
-                                        "raise timeout_s if they are just slow") + ")", log_file, log_offset)
-            time.sleep(READY_POLL_S)
-    except BaseException:
-        handle.stop(grace_s=5)
-        raise
+            return handle
+        if time.monotonic() > deadline:
+            states = _model_states(client_host, handle.http_port, handle.headers)
+            raise _start_failure(f"tritonserver was not ready after {timeout_s:g} s ("
+                                 + (f"models: {states}" if states else "still loading or warming up models; "
+                                    "raise timeout_s if they are just slow") + ")", log_file, log_offset)
+        time.sleep(READY_POLL_S)
 
 
 def _die_with_parent(parent: int) -> Callable[[], None]:

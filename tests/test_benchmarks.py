@@ -109,7 +109,7 @@ def test_cli_help_and_bad_arguments() -> None:
 
 def test_models_to_benchmark_come_from_the_registry() -> None:
     from unroll.benchmarks.export_speed import default_rows
-    from unroll.benchmarks.models_bench import quantizable_models
+    from unroll.benchmarks.models_inputs import quantizable_models
 
     list_models()
     trained = [n for n, s in REGISTRY.items() if s.has_weights]
@@ -179,7 +179,7 @@ def _plan_keys(plan) -> set[tuple]:
 
 
 def _expected_keys(models: list[str], env, quick: bool = False) -> set[tuple]:
-    from unroll.benchmarks.models_bench import cuda_batches
+    from unroll.benchmarks.models_cuda import cuda_batches
 
     keys = {(m, rt, p, b) for m in models for b in cuda_batches(quick) for p in ("fp32", "fp16")
             for rt in ("pytorch eager", "torch.compile", env.ort_runtime)}
@@ -190,7 +190,7 @@ def test_cuda_plan_against_this_machine(tmp_path: Path) -> None:
     """The rows a CUDA run would measure and the skip reasons, from a real probe of this machine."""
     import onnxruntime as ort
     import torch
-    from unroll.benchmarks import models_bench as mb
+    from unroll.benchmarks import models_cuda as mb
 
     from unroll import machine
 
@@ -222,7 +222,7 @@ def test_cuda_plan_skip_reasons(tmp_path: Path) -> None:
     environment, and the same with this machine's real answer for ONNX Runtime's CUDA provider."""
     import dataclasses
 
-    from unroll.benchmarks import models_bench as mb
+    from unroll.benchmarks import models_cuda as mb
     from unroll.export.quantize import quantize_inputs
 
     from unroll import machine
@@ -292,7 +292,7 @@ def test_cuda_bench_without_cuda_writes_nothing(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_cuda_bench_code_dry_run_on_cpu(onnx_dir: Path, tmp_path: Path) -> None:
     """The CUDA benchmark's code path end to end (IOBinding, autocast, the device gate, the files), on the CPU."""
-    from unroll.benchmarks import models_bench as mb
+    from unroll.benchmarks import models_cuda as mb
 
     env = mb.cuda_environment("cpu")
     payload = mb.run_cuda([CLASSIFIER, DENOISER], budget_s=0.05, with_compile=False, quick=True, onnx_dir=onnx_dir,
@@ -329,7 +329,7 @@ def _no_cuda() -> str | None:
 def test_cuda_bench_on_the_gpu(onnx_dir: Path, tmp_path: Path) -> None:
     """Where CUDA exists: a tiny real run of `bench models --device cuda` through the command."""
     import torch
-    from unroll.benchmarks import models_bench as mb
+    from unroll.benchmarks import models_cuda as mb
 
     env = mb.cuda_environment()
     if env.reason:

@@ -122,7 +122,7 @@ def test_openvino_agrees_with_onnxruntime_on_a_real_image(denoiser_graph: Path) 
 
 @OPENVINO
 def test_openvino_agrees_on_a_real_digit(demo_onnx_dir: Path) -> None:
-    from unroll.benchmarks.models_bench import case_inputs, lam_default
+    from unroll.benchmarks.models_inputs import case_inputs, lam_default
 
     feeds = {k: v.numpy() for k, v in case_inputs(CLASSIFIER, 4, lam_default(CLASSIFIER, demo_onnx_dir)).items()}
     path = demo_onnx_dir / f"{CLASSIFIER}.onnx"
@@ -135,7 +135,7 @@ def test_openvino_agrees_on_a_real_digit(demo_onnx_dir: Path) -> None:
 
 def test_benchmark_tables_name_a_missing_openvino(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without OpenVINO the benchmark cells say so (and the fastest runtime is ONNX Runtime)."""
-    from unroll.benchmarks import export_speed, models_bench
+    from unroll.benchmarks import export_speed, models_markdown
 
     monkeypatch.setattr(cpu_runtime, "available", lambda runtime: runtime == "onnxruntime")
     why = cpu_runtime.unavailable_reason("openvino")
@@ -150,5 +150,5 @@ def test_benchmark_tables_name_a_missing_openvino(monkeypatch: pytest.MonkeyPatc
     assert export_speed.fastest(row) == "onnxruntime"
     md = export_speed.markdown({"machine": {"cpu": "x", "threads_used": 2, "versions": {}}, "rows": [row]})
     assert f"| 10.00 (2.00×) | skipped: {why} | onnxruntime | - | yes | - |" in md
-    assert models_bench._cell(None, None, f"skipped: {why}") == f"skipped: {why}"
-    assert models_bench._cell(None, None, "export failed: boom") == "-"
+    assert models_markdown._cell(None, None, f"skipped: {why}") == f"skipped: {why}"
+    assert models_markdown._cell(None, None, "export failed: boom") == "-"

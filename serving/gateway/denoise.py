@@ -1,4 +1,4 @@
-"""``POST /v1/denoise``: a PNG of the input's size and mode (per mode: the table in :mod:`.images`), with tensor names,
+"""``POST /v1/denoise``: a PNG of the input's size and mode (per mode: the README's table), with tensor names,
 σ scale and minimum size from the card; σ given, or estimated with a verdict on its reliability (:mod:`.sigma`).
 
 Request flow: API key (401) → model (404) → σ (422) → declared size (413) → concurrency slot (429) →

@@ -1,0 +1,233 @@
+"""The results of ``unroll bench serve`` as targets (ratios within one run) and as Markdown tables."""
+
+from __future__ import annotations
+
+from unroll.benchmarks.common import load_note
+from unroll.benchmarks.serve_load import PATH_LABELS, PERF_ANALYZER_CONCURRENCY
+from unroll.benchmarks.serve_triton import FLOOR_MODEL
+
+TARGET_OVERHEAD_MS = 2.0
+TARGET_BATCHING_SPEEDUP = 1.5
+#: Triton direct (perf_analyzer, one digit, concurrency 1) p50 ≤ in-process ONNX Runtime p50 + this.
+TARGET_DIRECT_OVERHEAD_MS = 0.5
+#: Triton direct at the batching concurrency ≥ this share of ONNX Runtime's in-process batched ceiling.
+TARGET_CEILING_SHARE = 0.7
+
+
+def targets(payload: dict) -> list[dict]:
+    """The issue's targets, measured vs target (``met`` is None when this run could not measure one)."""
+    runs = payload["runs"]
+    first = next(iter(payload["config"]["workloads"]))  # the classifier's single-sample requests
+    what = payload["config"]["workloads"][first]
+
+    def cell(path: str, c: int = 1) -> dict | None:
+        return next((r for r in runs if r["workload"] == first and r["path"] == path and r["concurrency"] == c),
+                    None)
+
+    out = []
+    gw, ort_ = cell("gateway"), cell("onnxruntime")
+    over = gw["latency_ms"]["p50"] - ort_["latency_ms"]["p50"] if gw and ort_ else None
+    out.append({"target": f"gateway + Triton adds ≤ {TARGET_OVERHEAD_MS:g} ms p50 over in-process ONNX Runtime "
+                          f"(one {what['input']} for {what['model']}, concurrency 1)",
+                "measured": None if over is None else f"{over:+.2f} ms (gateway p50 {gw['latency_ms']['p50']:.2f} ms, "
+                                                      f"ONNX Runtime p50 {ort_['latency_ms']['p50']:.2f} ms)",
+                "value": over, "met": None if over is None else over <= TARGET_OVERHEAD_MS})
+    b = payload.get("batching")
+    sp = b.get("speedup") if b else None
+    out.append({"target": f"dynamic batching ≥ {TARGET_BATCHING_SPEEDUP:g}× the throughput of no batching "
+                          f"(concurrency {b['concurrency'] if b else '-'})",
+                "measured": None if sp is None else f"{sp:.2f}× ({b['on']['throughput_rps']:.0f} vs "
+                                                    f"{b['off']['throughput_rps']:.0f} req/s)",
+                "value": sp, "met": None if sp is None else sp >= TARGET_BATCHING_SPEEDUP})
+    out += _direct_targets(payload)
+    all_runs = runs + _batching_runs(b)
+    n_err = sum(r["errors"] for r in all_runs)
+    bad = sorted({f"{r['workload']} {r['path']} c={r['concurrency']}" for r in all_runs if r["errors"]})
+    out.append({"target": "zero errors at every level", "value": n_err, "met": n_err == 0,
+                "measured": f"{n_err} errors" + (f" ({', '.join(bad[:6])})" if bad else "")})
+    return out
+
+
+def _floor_note(pa_: dict) -> str:
+    """"; floor …": the do-nothing Python-backend model's p50 at concurrency 1, when it was measured."""
+    f = pa_.get("floor")
+    if not f:
+        return ""
+    return (f"; a do-nothing Python-backend model on the same tritonserver build: p50 {f['latency_ms']['p50']:.2f} "
+            f"ms, so the floor for this target is ONNX Runtime + {f['latency_ms']['p50']:.2f} ms")
+
+
+def _direct_targets(payload: dict) -> list[dict]:
+    """Triton direct (perf_analyzer) vs in-process ONNX Runtime: latency at concurrency 1, and throughput at the
+    batching level (its own level, else the batching comparison's "on" side when perf_analyzer measured it) vs
+    the batched ceiling. Empty for results from before perf_analyzer was part of the benchmark."""
+    pa_ = payload.get("perf_analyzer")
+    if pa_ is None:  # results from before perf_analyzer was part of the benchmark
+        return []
+    first = next(iter(payload["config"]["workloads"]))
+    what = payload["config"]["workloads"][first]
+    ceiling = payload.get("ort_ceiling") or {}
+    best = ceiling.get("best")
+    ort1 = next((r for r in payload["runs"] if r["workload"] == first and r["path"] == "onnxruntime"
+                 and r["concurrency"] == 1), None)
+    ort_p50 = ort1["latency_ms"]["p50"] if ort1 else next(
+        (r["p50_ms"] for r in ceiling.get("rows", []) if r["batch"] == 1), None)
+    pa_runs = {r["concurrency"]: r for r in pa_["runs"] if r["workload"] == first}
+    why = pa_.get("missing") or "not measured"
+    out = []
+    d1 = pa_runs.get(1)
+    over = d1["latency_ms"]["p50"] - ort_p50 if d1 and ort_p50 is not None else None
+    out.append({"target": f"Triton direct (perf_analyzer) ≤ in-process ONNX Runtime + {TARGET_DIRECT_OVERHEAD_MS:g} ms "
+                          f"p50 (one {what['input']} for {what['model']}, concurrency 1)",
+                "measured": why if over is None else f"{over:+.2f} ms (Triton direct p50 {d1['latency_ms']['p50']:.2f} "
+                                                     f"ms, ONNX Runtime p50 {ort_p50:.2f} ms{_floor_note(pa_)})",
+                "value": over, "met": None if over is None else over <= TARGET_DIRECT_OVERHEAD_MS})
+    b = payload.get("batching") or {}
+    c = b.get("concurrency", max(PERF_ANALYZER_CONCURRENCY))
+    dc = pa_runs.get(c) or (b.get("on") if b.get("path") == "perf-analyzer" else None)
+    share = dc["throughput_rps"] / best["items_per_s"] if dc and best else None
+    out.append({"target": f"Triton direct at concurrency {c} ≥ {TARGET_CEILING_SHARE:.0%} of ONNX Runtime's in-process "
+                          f"batched ceiling ({ceiling.get('threads', '-')} threads, best batch size)",
+                "measured": (why if dc is None else "no ceiling measured") if share is None else
+                f"{share:.0%} ({dc['throughput_rps']:.0f} vs {best['items_per_s']:.0f}/s at batch {best['batch']})",
+                "value": share, "met": None if share is None else share >= TARGET_CEILING_SHARE})
+    return out
+
+
+def _batching_runs(b: dict | None) -> list[dict]:
+    """Every measured level of the batching comparison (each round's on and off)."""
+    return [r[tag] for r in b["rounds"] for tag in ("on", "off")] if b else []
+
+
+def _f(x: float | None, d: int = 2) -> str:
+    return "-" if x is None or x != x else f"{x:.{d}f}"
+
+
+def _batching(cfg: dict) -> str:
+    db = cfg.get("dynamic_batching")
+    if db is None:
+        return f"max_batch_size {cfg.get('max_batch_size', '-')}, no dynamic batching"
+    return (f"max_batch_size {cfg.get('max_batch_size', '-')}, dynamic batching (max queue delay "
+            f"{int(db.get('max_queue_delay_microseconds', 0))} µs)")
+
+
+def direct_path(gateway_protocol: str) -> str:
+    """The Triton-direct path the gateway's share is measured against: its own protocol to Triton."""
+    return "triton-http" if gateway_protocol == "http" else "triton-grpc"
+
+
+def _direct_markdown(payload: dict) -> list[str]:
+    """Triton direct from perf_analyzer (or why not), ONNX Runtime's batched ceiling, the queue-delay comparison."""
+    pa_ = payload.get("perf_analyzer")
+    if pa_ is None:
+        return []
+    lines = ["", "## Triton direct, measured by perf_analyzer (gRPC, real inputs)", ""]
+    if not pa_.get("available"):
+        lines.append(f"Not measured: {pa_.get('missing')}.")
+    else:
+        lines += ["Triton's own client (`perf_analyzer` from tritonclient 2.47.0, synchronous requests, "
+                  "`--input-data` from the same real samples). Latency in ms from the client; the server split "
+                  "is perf_analyzer's (Triton's statistics over its measurement windows); batch = average batch "
+                  "Triton formed over the run. † = no stable measurement (perf_analyzer's stability demand dropped). "
+                  f"`{FLOOR_MODEL}`: a do-nothing Python-backend model (output = input, zero-copy) with the "
+                  "classifier's input, on the no-batching server: Triton + gRPC + the Python backend's own cost.",
+                  "", "| model | input | conc. | req/s | p50 | p90 | p95 | p99 | queue | in | infer | out | batch |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in pa_["runs"] + ([pa_["floor"]] if pa_.get("floor") else []):
+            L, sv = r["latency_ms"], r["server"]
+            lines.append(f"| {r['model']} | {r['input']} | {r['concurrency']}{'' if r.get('stable', True) else '†'} "
+                         f"| {_f(r['throughput_rps'], 1)} | {_f(L['p50'])} | {_f(L['p90'])} | {_f(L['p95'])} | "
+                         f"{_f(L['p99'])} | {_f(sv.get('queue_ms'))} | {_f(sv.get('compute_input_ms'))} | "
+                         f"{_f(sv.get('compute_infer_ms'))} | {_f(sv.get('compute_output_ms'))} | "
+                         f"{_f(sv.get('avg_batch'))} |")
+    ceiling = payload.get("ort_ceiling")
+    if ceiling:
+        lines += ["", f"## ONNX Runtime's in-process batched ceiling ({ceiling['model']}, {ceiling['input']}, "
+                      f"{ceiling.get('threads', '-')} threads)", "",
+                  "| batch | items/s | p50 per run (ms) |", "|---|---|---|"]
+        for r in ceiling["rows"]:
+            mark = " (best)" if r["batch"] == ceiling["best"]["batch"] else ""
+            lines.append(f"| {r['batch']}{mark} | {_f(r['items_per_s'], 0)} | {_f(r['p50_ms'])} |")
+    qd = payload.get("queue_delay")
+    if qd:
+        lines += ["", f"## Dynamic batching queue delay ({qd['model']}, {qd['client']}; the default is "
+                      f"{qd['default_us']} µs, serving/repository.py)", "",
+                  "| max queue delay (µs) | conc. | req/s | p50 | p99 | queue | infer | batch |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in qd["rows"]:
+            L, sv = r["latency_ms"], r["server"] or {}
+            lines.append(f"| {r['delay_us']}{' (default)' if r['delay_us'] == qd['default_us'] else ''} | "
+                         f"{r['concurrency']} | {_f(r['throughput_rps'], 1)} | {_f(L['p50'])} | {_f(L['p99'])} | "
+                         f"{_f(sv.get('queue_ms'))} | {_f(sv.get('compute_infer_ms'))} | {_f(sv.get('avg_batch'))} |")
+    return lines
+
+
+def markdown(payload: dict) -> str:
+    m, cfg, srv = payload["machine"], payload["config"], payload.get("servers", {})
+    own = direct_path(srv.get("gateway_triton_protocol", "grpc"))
+    b = payload.get("batching")
+    classifier = (b or {}).get("model") or next(iter(cfg["workloads"].values()))["model"]
+    gw_cfg = srv.get("config", {}).get(classifier, {})
+    lines = [f"# Serving under load ({m['cpu']}, {m['logical_cores']} cores, onnxruntime "
+             f"{m['versions'].get('onnxruntime')}, tritonclient {m['versions'].get('tritonclient')})", "",
+             f"Closed loop: one client thread per in-flight request, {cfg['duration_s']:g} s per level after "
+             f"{cfg['warmup_s']:g} s warm-up, client, gateway and Triton on the same machine. Latency from the "
+             "client in ms. Triton split: mean ms per request from its statistics API over the level "
+             "(queue, compute input, infer, output); batch = average batch size Triton formed. Gateway share = "
+             f"gateway latency − {PATH_LABELS[own]} latency at the same concurrency (p50). "
+             f"Triton {classifier}: {_batching(gw_cfg)}; in-process ONNX Runtime uses the same session options "
+             f"as Triton's model ({cfg['threads']} threads, "
+             f"{'spinning' if cfg.get('spinning') else 'no spinning'}). {load_note(m)}", ""]
+    lines += ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
+    for t in payload["targets"]:
+        met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
+        lines.append(f"| {t['target']} | {t['measured'] or 'not measured'} | {met} |")
+    for key, w in cfg["workloads"].items():
+        rows = [r for r in payload["runs"] if r["workload"] == key]
+        if not rows:
+            continue
+        lines += ["", f"## {w['model']}: {w['input']}", "",
+                  "| path | conc. | req/s | p50 | p90 | p95 | p99 | max | errors | queue | in | infer | out | batch "
+                  "| gateway share |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            L, s = r["latency_ms"], r["server"] or {}
+            gs = r.get("gateway_share_ms", {})
+            share = _f(gs.get("p50")) + ("†" if gs.get("vs") not in (None, own) else "")
+            lines.append(f"| {PATH_LABELS[r['path']]} | {r['concurrency']} | {_f(r['throughput_rps'], 1)} | "
+                         f"{_f(L['p50'])} | {_f(L['p90'])} | {_f(L['p95'])} | {_f(L['p99'])} | {_f(L['max'])} | "
+                         f"{r['errors']} | {_f(s.get('queue_ms'))} | {_f(s.get('compute_input_ms'))} | "
+                         f"{_f(s.get('compute_infer_ms'))} | {_f(s.get('compute_output_ms'))} | "
+                         f"{_f(s.get('avg_batch'))} | {share} |")
+        other = {r["gateway_share_ms"]["vs"] for r in rows
+                 if r.get("gateway_share_ms", {}).get("vs") not in (None, own)}
+        for vs in sorted(other):
+            lines += ["", f"† vs {PATH_LABELS[vs]} ({PATH_LABELS[own]} not measured for this input)."]
+    lines += _direct_markdown(payload)
+    if b:
+        client = "perf_analyzer" if b.get("path") == "perf-analyzer" else "Triton gRPC, Python client"
+        lines += ["", f"## Dynamic batching on vs off ({classifier}, {client}, concurrency {b['concurrency']})", "",
+                  "| Triton config | req/s | p50 | p99 | avg batch | errors |", "|---|---|---|---|---|---|"]
+        for tag, r, c in (("on", b["on"], b["config_on"]), ("off", b["off"], b["config_off"])):
+            lines.append(f"| {tag}: {_batching(c)} | {_f(r['throughput_rps'], 1)} | {_f(r['latency_ms']['p50'])} | "
+                         f"{_f(r['latency_ms']['p99'])} | {_f((r['server'] or {}).get('avg_batch'))} | "
+                         f"{r['errors']} |")
+        rounds = b["rounds"]
+        best = (payload.get("ort_ceiling") or {}).get("best")
+        if best and b["off"]["throughput_rps"]:
+            ceil = best["items_per_s"]
+            lines += ["", f"Against ONNX Runtime's in-process batched ceiling ({_f(ceil, 0)}/s at batch "
+                          f"{best['batch']}, same threads): on {b['on']['throughput_rps'] / ceil:.0%}, off "
+                          f"{b['off']['throughput_rps'] / ceil:.0%}; the ceiling is "
+                          f"{ceil / b['off']['throughput_rps']:.2f}× no batching, the most batching could give."]
+        lines += ["", f"Speed-up: {_f(b['speedup'])}× (the median of {len(rounds)} interleaved round(s) of on, off; "
+                      "the rows above are that round; every round: "
+                      + ", ".join(f"{_f(r['on']['throughput_rps'], 0)} vs {_f(r['off']['throughput_rps'], 0)} req/s "
+                                  f"→ {_f(r['speedup'])}×" for r in rounds) + ")."]
+    errs = [(r, e) for r in payload["runs"] + _batching_runs(b) for e in r["error_samples"]]
+    if errs:
+        lines += ["", "## Error samples", ""]
+        lines += [f"- {r['workload']} {r['path']} c={r['concurrency']}: `{e}`" for r, e in errs[:20]]
+    lines += ["", "Plots: `serve_latency.png` (p50/p99 vs concurrency), `serve_throughput.png`, `serve_split.png` "
+              "(per-layer mean ms).", ""]
+    return "\n".join(lines)
