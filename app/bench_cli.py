@@ -14,9 +14,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
-from unroll.app.errors import fail, handles_errors
 
 from unroll import artifacts
+from unroll.app.errors import fail, handles_errors
 from unroll.errors import BenchError
 from unroll.registry import list_models
 

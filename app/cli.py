@@ -23,6 +23,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+
+import unroll
+from unroll import artifacts, tasks
 from unroll.app.bench_cli import (
     bench_all,
     bench_gateway_profile,
@@ -37,9 +40,6 @@ from unroll.app.errors import fail, handles_errors, report
 from unroll.app.serve import serve_command
 from unroll.app.triton_cli import repo, triton
 from unroll.app.trt_cli import build
-
-import unroll
-from unroll import artifacts, tasks
 from unroll.errors import ExportError, QuantizeError, UnrollError
 from unroll.registry import REGISTRY, get_spec, list_models
 from unroll.train import TrainRun, parse_options, recipe_module

@@ -16,9 +16,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from unroll.app.serve import resolve_models
-
 from unroll import artifacts, pipeline
+from unroll.app.serve import resolve_models
 
 #: Where :func:`stage` writes the build context's generated part (relative to the repository root).
 STAGE_DIR = artifacts.IMAGE_DIR

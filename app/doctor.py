@@ -18,9 +18,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
 from unroll.app.doctor_verdicts import COMMANDS, DEFAULT_TIMEOUT_S, diagnose, resolve_command
 from unroll.app.errors import fail, handles_errors
-
 from unroll.errors import UsageError
 
 MARKS = {"ok": "[green]✓[/]", "missing": "[dim]✗[/]", "unusable": "[yellow]✗[/]", "broken": "[bold red]✗[/]",

@@ -17,9 +17,8 @@ import threading
 from pathlib import Path
 
 from unroll.benchmarks import perf_analyzer as pa
-from unroll.serving import triton as tr
-
 from unroll.machine import BINARY_TIMEOUT_S, Component, error_line, failed_component, kill_group, run_binary
+from unroll.serving import triton as tr
 
 
 def _version(text: str) -> str | None:

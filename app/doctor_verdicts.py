@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 
 from unroll.app.doctor_probes import PACKAGE_GROUPS, run_children
 from unroll.app.doctor_tools import check_perf_analyzer, check_tool, check_triton
-
 from unroll.machine import Component, check_nvidia_smi, guarded
 
 #: Seconds every check together may take by default (binaries and child interpreters run in parallel).

@@ -20,24 +20,25 @@ from types import FrameType
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
+from unroll import artifacts, pipeline, tasks
 from unroll.app.errors import handles_errors
+from unroll.card import CardError, ModelCard, from_onnx
+from unroll.data import dataset
+from unroll.errors import ExportError, ServingError, UnrollError
 from unroll.pipeline import graphs_of
+from unroll.registry import get_spec, list_models
 from unroll.serving.gateway import Settings, create_app
 from unroll.serving.gateway.server import uvicorn_options
 from unroll.serving.gateway.triton_client import TRITON_API_KEY_ENV
 from unroll.serving.gateway.workers import Stopper, check_workers, default_workers, run_workers
 from unroll.serving.supervisor import TritonSupervisor
 from unroll.serving.triton import new_api_key, start
-
-from unroll import artifacts, pipeline, tasks
-from unroll.card import CardError, ModelCard, from_onnx
-from unroll.data import dataset
-from unroll.errors import ExportError, ServingError, UnrollError
-from unroll.registry import get_spec, list_models
 from unroll.tasks import denoising
 
 if TYPE_CHECKING:
     import numpy as np
+
     from unroll.serving.triton import TritonHandle
 
 #: Noise level (0–255 scale) of the denoising samples in the printed ``curl`` lines (the denoising task's).

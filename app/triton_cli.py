@@ -15,8 +15,12 @@ import typer
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from unroll import artifacts, pipeline
 from unroll.app.errors import fail, handles_errors
 from unroll.app.serve import default_models
+from unroll.card import CardError
+from unroll.errors import ExportError, ServingError
 from unroll.export.card_attach import NO_CARD_HINT, attach_card_where_present
 from unroll.serving.repository import (
     CPU_MAX_BATCH_SIZE,
@@ -28,10 +32,6 @@ from unroll.serving.repository import (
 )
 from unroll.serving.repository_check import validate_model, validate_repository
 from unroll.serving.triton import TritonStartError, start
-
-from unroll import artifacts, pipeline
-from unroll.card import CardError
-from unroll.errors import ExportError, ServingError
 
 console = Console()
 err = Console(stderr=True)

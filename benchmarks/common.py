@@ -15,12 +15,12 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
-from unroll.serving.cpu_runtime import ort_session  # noqa: F401  (the benchmarks' in-process baseline, re-exported)
 
 from unroll import artifacts
 from unroll.card import from_onnx
 from unroll.errors import BenchError
 from unroll.registry import REGISTRY, get_spec, list_models
+from unroll.serving.cpu_runtime import ort_session  # noqa: F401  (the benchmarks' in-process baseline, re-exported)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -23,14 +23,14 @@ import numpy as np
 import onnx
 import onnxslim
 import torch
-from unroll.benchmarks.common import load_note, machine_info, time_call, trained_models, write_results
-from unroll.benchmarks.models_inputs import case_inputs, cases_for, torch_call
-from unroll.export.onnx_export import _Classifier, _torch_export, io_names, resolve_card
-from unroll.serving.cpu_runtime import open_session, unavailable_reason
 
 import unroll
 from unroll import tasks
+from unroll.benchmarks.common import load_note, machine_info, time_call, trained_models, write_results
+from unroll.benchmarks.models_inputs import case_inputs, cases_for, torch_call
+from unroll.export.onnx_export import _Classifier, _torch_export, io_names, resolve_card
 from unroll.registry import REGISTRY, get_spec
+from unroll.serving.cpu_runtime import open_session, unavailable_reason
 from unroll.solvers.shrink import textbook_mode
 
 ENGINES = ("pytorch eager", "torch.compile", "onnxruntime naive", "onnxruntime fused", "openvino fused")

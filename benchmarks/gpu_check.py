@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from unroll.benchmarks.common import RESULTS
 
 import unroll
 from unroll import data, tasks
+from unroll.benchmarks.common import RESULTS
 from unroll.errors import BenchError
 from unroll.metrics import psnr
 from unroll.registry import get_spec, list_models

@@ -26,11 +26,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 from PIL import Image
+
+from unroll import tasks
 from unroll.benchmarks.common import demo_model, machine_info, write_results
 from unroll.benchmarks.soak import start_serve, stop_serve
 from unroll.serving.triton import proc_stats
-
-from unroll import tasks
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2

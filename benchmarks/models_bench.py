@@ -18,6 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+import unroll
+from unroll import artifacts, tasks
 from unroll.benchmarks import plots
 from unroll.benchmarks.common import (
     NoModel,
@@ -44,11 +47,8 @@ from unroll.benchmarks.models_inputs import (
     torch_call,
 )
 from unroll.benchmarks.models_markdown import markdown
-from unroll.serving.cpu_runtime import open_session, unavailable_reason
-
-import unroll
-from unroll import artifacts, tasks
 from unroll.registry import get_spec
+from unroll.serving.cpu_runtime import open_session, unavailable_reason
 
 SCALING_SIDES = (128, 256, 512, 768, 1024)
 THROUGHPUT_BATCHES = (1, 4, 16, 64, 256)

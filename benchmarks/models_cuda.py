@@ -14,6 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+import unroll
+from unroll import artifacts, tasks
+from unroll import machine as probes
 from unroll.benchmarks.common import machine_info, progress_bars, quantizable, time_call, write_results
 from unroll.benchmarks.models_inputs import (
     CUDA_PRECISIONS,
@@ -28,13 +32,9 @@ from unroll.benchmarks.models_inputs import (
     torch_call,
 )
 from unroll.benchmarks.models_markdown import markdown_cuda
-from unroll.export import gates as gate
-
-import unroll
-from unroll import artifacts, tasks
-from unroll import machine as probes
 from unroll.card import from_onnx
 from unroll.errors import BenchError
+from unroll.export import gates as gate
 from unroll.registry import get_spec
 
 CUDA_BATCHES = (1, 64)

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from unroll import artifacts, data, pipeline, tasks
 from unroll.benchmarks.common import exported_card, quantizable, trained_models
 from unroll.export import inputs as ex
 from unroll.export.quantize import GateFailed
 from unroll.pipeline import quantize_stage
-
-from unroll import artifacts, data, pipeline, tasks
 from unroll.registry import get_spec, list_models
 
 ENGINES = ("pytorch eager", "torch.compile", "onnxruntime fp32", "openvino fp32", "onnxruntime fp16",

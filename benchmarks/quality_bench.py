@@ -20,6 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from unroll import artifacts, data, pipeline, tasks
+from unroll.baselines import bm3d_denoise
 from unroll.benchmarks import plots
 from unroll.benchmarks.common import (
     classify_noise_seed,
@@ -32,9 +35,6 @@ from unroll.benchmarks.common import (
     write_results,
 )
 from unroll.benchmarks.models_inputs import ensure_export, lam_default, quantized_graphs
-
-from unroll import artifacts, data, pipeline, tasks
-from unroll.baselines import bm3d_denoise
 from unroll.metrics import psnr
 from unroll.registry import get_spec
 

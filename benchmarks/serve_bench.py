@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from unroll import artifacts
 from unroll.benchmarks import perf_analyzer as pa
 from unroll.benchmarks import plots
 from unroll.benchmarks.common import (
@@ -63,12 +65,10 @@ from unroll.benchmarks.serve_triton import (
     write_delay_repository,
     write_repositories,
 )
+from unroll.errors import BenchError  # a server could not be started or reached (re-exported for callers)
 from unroll.serving.gateway.process import GatewayStartError, gateway_process
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.repository import DEFAULT_QUEUE_DELAY_US, INTRA_OP_SPINNING
-
-from unroll import artifacts
-from unroll.errors import BenchError  # a server could not be started or reached (re-exported for callers)
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32)
 DEFAULT_DENOISE_CONCURRENCY = (1, 4)

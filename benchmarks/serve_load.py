@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-from unroll.benchmarks.common import NoModel, demo_model, png_bytes
 
 from unroll import tasks
+from unroll.benchmarks.common import NoModel, demo_model, png_bytes
 from unroll.data import add_noise, dataset, noise_seed
 from unroll.errors import BenchError
 from unroll.registry import get_spec

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from unroll.benchmarks import soak_stub
-from unroll.benchmarks.common import RESULTS, demo_model, machine_info, png_bytes
-from unroll.serving.triton import SHM_DIR, free_ports, group_members, processes_with, shm_regions
 
 from unroll import artifacts, data, tasks
+from unroll.benchmarks import soak_stub
+from unroll.benchmarks.common import RESULTS, demo_model, machine_info, png_bytes
 from unroll.registry import get_spec
+from unroll.serving.triton import SHM_DIR, free_ports, group_members, processes_with, shm_regions
 
 READY_TIMEOUT_S = 300.0
 #: How long processes of the stopped server may take to disappear before they count as left behind.

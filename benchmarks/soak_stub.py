@@ -18,12 +18,12 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from unroll.benchmarks.common import png_bytes
-
 from unroll import data
+from unroll.benchmarks.common import png_bytes
 
 if TYPE_CHECKING:
     import httpx
+
     from unroll.benchmarks.soak import ServeProcess
 
 #: Clients, image side, load before the kill, successes after the last failure that end the phase.

@@ -25,11 +25,11 @@ import onnxruntime as ort
 import onnxscript
 from onnx_ir.passes.common import LiftConstantsToInitializersPass, RemoveUnusedNodesPass
 from onnxscript.rewriter import pattern
-from unroll.export.card_attach import check_card_fits, load_card_file
 
 from unroll import artifacts
 from unroll.card import CARD_KEY, CardError, ModelCard, from_onnx, write_to_onnx
 from unroll.errors import ExportError
+from unroll.export.card_attach import check_card_fits, load_card_file
 
 #: Export's parity tolerance (unroll.export.onnx_export.MAX_ABS_ERR / MAX_REL_ERR).
 MAX_ABS_ERR = 1e-4

@@ -30,16 +30,16 @@ import onnxruntime as ort
 import onnxslim
 import torch
 from torch import nn
-from unroll.export import inputs as _inputs  # (``export`` has a parameter named example_inputs)
-from unroll.export import inputs as example_inputs
-from unroll.export.tiling_check import tiling_parity
-from unroll.export.trt_lint import format_issues, lint, lint_report
-from unroll.export.user_model import update_card
 
 import unroll
 from unroll import artifacts, tasks
 from unroll.card import CardError, ModelCard, write_to_onnx
 from unroll.errors import ExportError  # re-exported: the model cannot be exported as a valid, verified graph
+from unroll.export import inputs as _inputs  # (``export`` has a parameter named example_inputs)
+from unroll.export import inputs as example_inputs
+from unroll.export.tiling_check import tiling_parity
+from unroll.export.trt_lint import format_issues, lint, lint_report
+from unroll.export.user_model import update_card
 from unroll.models.denoiser import CSCDenoiser
 from unroll.registry import get_spec
 from unroll.solvers.csc import DictBlock, fista_momenta

@@ -21,13 +21,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
-from unroll.export import gates as gate
-from unroll.export.card_attach import NO_CARD_HINT, attach_card
-from unroll.export.trt_lint import LintError, lint, lint_report
 
 from unroll import artifacts, tasks
 from unroll.card import CardError, ModelCard, from_onnx, write_to_onnx
 from unroll.errors import QuantizeError
+from unroll.export import gates as gate
+from unroll.export.card_attach import NO_CARD_HINT, attach_card
+from unroll.export.trt_lint import LintError, lint, lint_report
 
 FP16_KEEP_FP32 = ["Div", "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "ReduceMean", "ReduceSum", "ReduceMax",
                   "ReduceL2", "Softmax", "TopK", "Min", "Max", "Range", "CumSum"]

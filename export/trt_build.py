@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import onnx
+
+from unroll import artifacts
+from unroll.card import ModelCard, from_onnx
 from unroll.export import gates as gate
 from unroll.export import trt_lint, trt_memory
 from unroll.export.trt_engine import (
@@ -45,9 +48,6 @@ from unroll.export.trt_errors import (
     TrtBuildError,
     TrtUnavailableError,
 )
-
-from unroll import artifacts
-from unroll.card import ModelCard, from_onnx
 from unroll.trt_profile import (
     ProfileShapes,
     Range,

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from unroll.export import gates as gate
-from unroll.export.trt_errors import TrtBuildError, TrtUnavailableError
 
 from unroll.card import ModelCard
+from unroll.export import gates as gate
+from unroll.export.trt_errors import TrtBuildError, TrtUnavailableError
 from unroll.trt_profile import ProfileShapes
 
 Progress = Callable[[str], None]

@@ -3,9 +3,8 @@ the engine runner and the shape helpers can all raise them without importing one
 
 from __future__ import annotations
 
-from unroll.export.trt_lint import LintError
-
 from unroll.errors import BuildError
+from unroll.export.trt_lint import LintError
 
 #: LintError is re-exported: one class for the lint's refusals, here and in quantize.
 __all__ = ["GateError", "LintError", "MissingOnnxError", "ProfileMemoryError", "TrtBuildError", "TrtUnavailableError"]

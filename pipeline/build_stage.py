@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from unroll import artifacts
 from unroll.export.trt_build import build_engine, tensorrt_available
 from unroll.pipeline.step import Step
-
-from unroll import artifacts
 
 
 def stale_reason(graph: str, precision: str, onnx_dir: Path, plan_dir: Path) -> str | None:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from unroll.pipeline.step import Step
-
 from unroll import artifacts
 from unroll.card import CardError, ModelCard, from_onnx
 from unroll.errors import PipelineError
+from unroll.pipeline.step import Step
 from unroll.registry import get_spec, list_models
 
 #: Why a recorded input hash differs, in words.

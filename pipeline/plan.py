@@ -11,12 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from unroll import artifacts
+from unroll.errors import PipelineError
 from unroll.pipeline import build_stage, export_stage, quantize_stage, repo_stage
 from unroll.pipeline.repo_stage import RepoOptions
 from unroll.pipeline.step import Step
-
-from unroll import artifacts
-from unroll.errors import PipelineError
 
 
 def plan(models: Iterable[str], *, onnx_dir: Path = artifacts.ONNX_DIR, repo: Path | None = None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from unroll import artifacts
 from unroll.pipeline.export_stage import changed_words
 from unroll.pipeline.step import Step
 from unroll.serving.repository import (
@@ -19,8 +20,6 @@ from unroll.serving.repository import (
     repository_inputs,
     write_repository,
 )
-
-from unroll import artifacts
 
 _CHANGED = {"upstream": "its graph changed", "fp32": "its FP32 graph changed", "export_report": "its export changed",
             "plan": "its plan changed", "backend": "the Python backend (model.py) changed",

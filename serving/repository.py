@@ -22,6 +22,10 @@ from typing import Literal
 import onnx
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
+
+from unroll import artifacts, tasks
+from unroll.card import CARD_KEY, CardError, ModelCard, from_onnx
+from unroll.errors import RepositoryError  # re-exported: callers import it from here
 from unroll.serving.profile import PROFILE_KEY, Range, ServedProfile
 from unroll.serving.repository_check import (
     PLAN_JSON,
@@ -34,10 +38,6 @@ from unroll.serving.repository_check import (
     split_batch,
     validate_model,
 )
-
-from unroll import artifacts, tasks
-from unroll.card import CARD_KEY, CardError, ModelCard, from_onnx
-from unroll.errors import RepositoryError  # re-exported: callers import it from here
 from unroll.trt_profile import profile_shapes
 
 Target = Literal["cpu", "gpu"]

@@ -38,10 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, TracebackType
 
+from unroll.errors import ServingError
 from unroll.serving import malloc
 from unroll.serving.process_watch import ProcStat, read_stat
-
-from unroll.errors import ServingError
 
 LOG_TAIL_LINES = 40
 #: The server inside the pinned nvidia-pytriton wheel (pyproject.toml); the tests check the running one says so.

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from unroll.serving.cpu_runtime import DEFAULT_RUNTIME, RuntimeUnavailable, open_session
 
 from unroll.card import CARD_KEY
 from unroll.errors import UsageError
+from unroll.serving.cpu_runtime import DEFAULT_RUNTIME, RuntimeUnavailable, open_session
 
 
 class TritonPythonModel:

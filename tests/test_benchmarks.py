@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import typer
 from typer.testing import CliRunner
+
 from unroll.app import bench_cli as cli
 from unroll.benchmarks.common import demo_model, latency_summary, quantizable, trained_models
 from unroll.benchmarks.serve_bench import closed_loop, stats_delta
-
 from unroll.registry import REGISTRY, list_models
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -190,9 +190,9 @@ def test_cuda_plan_against_this_machine(tmp_path: Path) -> None:
     """The rows a CUDA run would measure and the skip reasons, from a real probe of this machine."""
     import onnxruntime as ort
     import torch
-    from unroll.benchmarks import models_cuda as mb
 
     from unroll import machine
+    from unroll.benchmarks import models_cuda as mb
 
     models = [CLASSIFIER, DENOISER, next(n for n, s in REGISTRY.items() if s.task == "block")]
     env = mb.cuda_environment()
@@ -222,10 +222,9 @@ def test_cuda_plan_skip_reasons(tmp_path: Path) -> None:
     environment, and the same with this machine's real answer for ONNX Runtime's CUDA provider."""
     import dataclasses
 
+    from unroll import machine
     from unroll.benchmarks import models_cuda as mb
     from unroll.export.quantize import quantize_inputs
-
-    from unroll import machine
 
     env = mb.cuda_environment("cpu")
     assert env.reason is None and env.ort_reason is None  # the CPU provider always runs
@@ -329,6 +328,7 @@ def _no_cuda() -> str | None:
 def test_cuda_bench_on_the_gpu(onnx_dir: Path, tmp_path: Path) -> None:
     """Where CUDA exists: a tiny real run of `bench models --device cuda` through the command."""
     import torch
+
     from unroll.benchmarks import models_cuda as mb
 
     env = mb.cuda_environment()

@@ -17,10 +17,10 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image, ImageCms, ImageOps
-from unroll.serving.gateway import images, sigma
-from unroll.serving.gateway.settings import Settings
 
 from unroll.data import add_noise
+from unroll.serving.gateway import images, sigma
+from unroll.serving.gateway.settings import Settings
 
 LIMIT = 50.0  # csc-denoiser's card: sigma.max (0–255 scale)
 ORIENTATION, MAKE, EXIF_IFD, DATE_TAKEN = 0x0112, 0x010F, 0x8769, 0x9003

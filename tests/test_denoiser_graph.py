@@ -15,12 +15,12 @@ import onnx
 import pytest
 import torch
 from onnx import numpy_helper
-from unroll.serving import cpu_runtime
-from unroll.serving.cpu_runtime import RuntimeUnavailable, open_session
 
 import unroll
 from unroll import data
 from unroll.registry import get_spec
+from unroll.serving import cpu_runtime
+from unroll.serving.cpu_runtime import RuntimeUnavailable, open_session
 from unroll.solvers.shrink import textbook_mode
 
 DENOISER, CLASSIFIER = "csc-denoiser", "sdnet-mnist"

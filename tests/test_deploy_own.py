@@ -11,8 +11,8 @@ from pathlib import Path
 import onnx
 import pytest
 from served_digits import assert_served_like_onnx
-from unroll.benchmarks.soak import start_serve, stop_serve
 
+from unroll.benchmarks.soak import start_serve, stop_serve
 from unroll.card import from_onnx
 
 ROOT = Path(__file__).resolve().parents[1]

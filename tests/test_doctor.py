@@ -21,10 +21,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from unroll.app import doctor_probes, doctor_verdicts
-from unroll.export.trt_build import tensorrt_available
 
 from unroll import machine
+from unroll.app import doctor_probes, doctor_verdicts
+from unroll.export.trt_build import tensorrt_available
 
 TIMEOUT_S = "120"
 

@@ -15,12 +15,12 @@ import typer
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
+
 from unroll.app.errors import handles_errors
+from unroll.errors import CardError, RegistryError, UnrollError, UsageError
 from unroll.serving.gateway import errors as gateway_errors
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.triton_client import TritonRejected, TritonTimeout, TritonUnavailable
-
-from unroll.errors import CardError, RegistryError, UnrollError, UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"unroll": "unroll", "export": "unroll.export", "serving": "unroll.serving",
@@ -56,10 +56,9 @@ def test_every_exception_class_derives_from_unroll_error(monkeypatch) -> None:
 
 
 def test_builtin_bases_are_kept_where_callers_catch_them() -> None:
+    from unroll.card import CardError as CardModuleError
     from unroll.export.trt_build import LintError as BuildLintError
     from unroll.export.trt_lint import LintError
-
-    from unroll.card import CardError as CardModuleError
 
     assert CardModuleError is CardError and issubclass(CardError, ValueError)
     assert issubclass(RegistryError, KeyError) and str(RegistryError("unknown model 'x'")) == "unknown model 'x'"

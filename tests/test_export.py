@@ -9,11 +9,11 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper
+
+from unroll.card import CardError, from_onnx
 from unroll.export.inputs import Case
 from unroll.export.onnx_export import ExportError, export_model, export_module
 from unroll.export.trt_lint import lint
-
-from unroll.card import CardError, from_onnx
 from unroll.registry import get_spec
 
 LIGHT = ["sdnet-mnist", "csc-denoiser", "sdnet18-cifar", "csc-fista", "vars-d", "vars-sd", "nmf-ham", "dic-attn"]

@@ -18,11 +18,11 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from unroll.export.onnx_export import ExportError, export, export_model
-from unroll.export.user_model import build_module, card_from_options, card_updates
 
 import unroll
 from unroll.card import CardError, from_onnx
+from unroll.export.onnx_export import ExportError, export, export_model
+from unroll.export.user_model import build_module, card_from_options, card_updates
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = "examples/ista_digits.py:ista_digits"

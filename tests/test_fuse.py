@@ -234,13 +234,13 @@ def _train(model: ISTA, steps: int = 250) -> None:
 def test_fused_third_party_graph_with_card_is_served(tmp_path: Path) -> None:
     import httpx
     from PIL import Image
+
+    from unroll.data import mnist_split
     from unroll.export.quantize import quantize
     from unroll.serving.gateway.process import gateway_process
     from unroll.serving.gateway.settings import Settings
     from unroll.serving.repository import write_repository
     from unroll.serving.triton import free_ports, start
-
-    from unroll.data import mnist_split
 
     name = "ista-digits"
     model = ISTA(("sign_relu", "where", "relu_relu"), classes=10)

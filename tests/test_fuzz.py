@@ -19,6 +19,7 @@ from schemathesis.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+
 from unroll.serving.gateway.process import gateway_process
 from unroll.serving.gateway.settings import Settings
 

@@ -30,6 +30,7 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
+
 from unroll.serving.gateway.process import gateway_process, wait_ready
 from unroll.serving.gateway.settings import Settings, SettingsError
 from unroll.serving.triton import free_ports

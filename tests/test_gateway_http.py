@@ -23,6 +23,7 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
+
 from unroll.serving.gateway.http_settings import HttpSettings
 from unroll.serving.gateway.process import gateway_process, wait_ready
 from unroll.serving.gateway.settings import Settings

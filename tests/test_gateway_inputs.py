@@ -30,11 +30,11 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFont
+
+from unroll.card import InputCard
 from unroll.serving.gateway import images
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.settings import Settings
-
-from unroll.card import InputCard
 
 MNIST_LIKE = InputCard(name="image", shape=(1, 28, 28), colour="gray", resize="pad-square", polarity="light-on-dark")
 RGB224 = InputCard(name="image", shape=(3, 224, 224), colour="rgb", resize="pad-square")

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import httpx
+
 from unroll.serving.gateway.openapi import DOCS_STATIC
 from unroll.serving.gateway.process import gateway_process
 from unroll.serving.gateway.settings import Settings

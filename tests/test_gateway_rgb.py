@@ -30,12 +30,12 @@ import torch
 from PIL import Image
 from pydantic import ValidationError
 from torch import nn
-from unroll.serving.gateway import images
-from unroll.serving.gateway.errors import ApiError
 
 import unroll
 from unroll.card import InputCard, ModelCard, SigmaCard
 from unroll.registry import get_spec
+from unroll.serving.gateway import images
+from unroll.serving.gateway.errors import ApiError
 
 FILTERS = {"lanczos": Image.Resampling.LANCZOS, "bilinear": Image.Resampling.BILINEAR,
            "bicubic": Image.Resampling.BICUBIC}

@@ -22,6 +22,7 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
+
 from unroll.benchmarks.common import metric_sum as metric
 from unroll.serving.gateway.process import gateway_popen
 from unroll.serving.gateway.settings import Settings

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from unroll.benchmarks import gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]

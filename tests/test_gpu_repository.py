@@ -32,14 +32,14 @@ from google.protobuf import text_format
 from PIL import Image
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
+
+from unroll.card import from_onnx
 from unroll.serving.gateway import images
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.triton_client import model_info
 from unroll.serving.profile import PROFILE_KEY, ServedProfile
 from unroll.serving.repository import RepositoryError, write_repository
 from unroll.serving.repository_check import PLAN_JSON, validate_model, validate_repository
-
-from unroll.card import from_onnx
 
 CLASSIFIER, RULE, DENOISER = "sdnet-mnist", "sdnet-mnist-autolam", "csc-denoiser"
 DEMO = [CLASSIFIER, RULE, DENOISER]
@@ -260,11 +260,10 @@ def _png(a: np.ndarray) -> bytes:
 @pytest.mark.triton
 @pytest.mark.slow
 def test_gateway_serves_gpu_configs_through_a_cpu_stand_in(demo_onnx_dir: Path, tmp_path: Path) -> None:
+    from unroll.data import mnist_split
     from unroll.serving.gateway.process import gateway_process
     from unroll.serving.gateway.settings import Settings
     from unroll.serving.triton import free_ports, start
-
-    from unroll.data import mnist_split
 
     repo = tmp_path / "repo"
     # max_batch_size 2: an RGB image (3 channels = 3 items for the gray denoiser) and a burst of 6 classify requests

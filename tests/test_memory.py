@@ -5,6 +5,7 @@ the service returns to within 500 MiB of its idle footprint (``unroll bench memo
 from __future__ import annotations
 
 import pytest
+
 from unroll.benchmarks import memory
 
 

@@ -100,15 +100,14 @@ def arch(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.triton
 @pytest.mark.slow
 def test_new_architecture_goes_through_every_stage(arch, tmp_path: Path) -> None:
+    from unroll.card import CARD_KEY, from_onnx
+    from unroll.data import mnist_split
     from unroll.export.onnx_export import export_model
     from unroll.export.quantize import quantize
     from unroll.serving.gateway.process import gateway_process
     from unroll.serving.gateway.settings import Settings
     from unroll.serving.repository import write_repository
     from unroll.serving.triton import free_ports, start
-
-    from unroll.card import CARD_KEY, from_onnx
-    from unroll.data import mnist_split
 
     onnx_dir, repo = tmp_path / "onnx", tmp_path / "repo"
     res = export_model(NAME, onnx_dir, naive=False)

@@ -72,6 +72,7 @@ class _Gateway:
 
     def __init__(self, triton_grpc: int) -> None:
         import uvicorn
+
         from unroll.serving.gateway import Settings, create_app
         from unroll.serving.triton import free_ports
 
@@ -97,12 +98,11 @@ class _Gateway:
 @pytest.mark.triton
 @pytest.mark.slow
 def test_new_task_goes_through_every_stage(toy: None, tmp_path: Path) -> None:
+    from unroll.card import from_onnx
     from unroll.export.onnx_export import export_model
     from unroll.export.quantize import quantize
     from unroll.serving.repository import write_repository
     from unroll.serving.triton import free_ports, start
-
-    from unroll.card import from_onnx
 
     onnx_dir, repo = tmp_path / "onnx", tmp_path / "repo"
     res = export_model(NAME, onnx_dir, naive=False)

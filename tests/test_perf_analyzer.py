@@ -15,13 +15,13 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import tritonclient.grpc as grpcclient
+
 from unroll.benchmarks import perf_analyzer as pa
 from unroll.benchmarks.serve_bench import classify_workload, denoise_workload, triton_stats
+from unroll.card import from_onnx
 from unroll.serving import triton
 from unroll.serving.repository import write_repository
 from unroll.serving.triton import free_ports
-
-from unroll.card import from_onnx
 
 CLASSIFIER, DENOISER = "sdnet-mnist", "csc-denoiser"
 SETUP_TIMEOUT_S = 240

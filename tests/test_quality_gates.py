@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from unroll.export import gates
-from unroll.export.quantize import calibration_inputs, quantize, to_int8
 
 from unroll import data
 from unroll.card import from_onnx
+from unroll.export import gates
+from unroll.export.quantize import calibration_inputs, quantize, to_int8
 from unroll.registry import get_spec, list_models
 
 ROLES = ("train", "validation", "test", "stress")

@@ -11,13 +11,13 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+
+from unroll import data
+from unroll.card import DataCard, InputCard, ModelCard, from_onnx, write_to_onnx
 from unroll.export import gates
 from unroll.export import quantize as quantize_module
 from unroll.export.quantize import GateFailed, calibration_inputs, quantize
 from unroll.export.trt_lint import LintError, lint
-
-from unroll import data
-from unroll.card import DataCard, InputCard, ModelCard, from_onnx, write_to_onnx
 
 DEMOS = ("sdnet-mnist", "csc-denoiser")
 

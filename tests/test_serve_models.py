@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from unroll.benchmarks.soak import ServeProcess, start_serve, stop_serve
 from unroll.serving.triton import group_members
 

@@ -5,6 +5,7 @@ concurrency 32 and kills tritonserver halfway; nothing lost, traffic recovers, n
 from __future__ import annotations
 
 import pytest
+
 from unroll.benchmarks import soak, soak_stub
 
 #: Phase 1's 503s may last this much longer than the committed target here: this machine's cores are shared, and a

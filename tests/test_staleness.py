@@ -14,10 +14,10 @@ from pathlib import Path
 
 import onnx
 import pytest
-from unroll.app.serve import serve_plan
-from unroll.app.triton_cli import repo_plan
 
 from unroll import artifacts, pipeline
+from unroll.app.serve import serve_plan
+from unroll.app.triton_cli import repo_plan
 from unroll.registry import REGISTRY
 
 MODEL, RULE = "sdnet-mnist", "sdnet-mnist-autolam"

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
+
 from unroll.benchmarks.common import trained_models
 from unroll.benchmarks.soak import start_serve, stop_serve
 from unroll.serving import triton
@@ -368,6 +369,7 @@ def test_exit_watch_wakes_at_once_when_a_watched_process_dies(pidfd: bool, monke
 
 def test_stub_names_and_the_gateways_503_for_a_request_in_a_dead_backend_process() -> None:
     from tritonclient.utils import InferenceServerException
+
     from unroll.serving.gateway.triton_client import TritonUnavailable, _translate
     from unroll.serving.supervisor import stub_name
 
@@ -407,7 +409,6 @@ def test_restricted_api_flags_cover_everything_but_health() -> None:
 
 def test_banner_curls_work_when_pasted_into_a_shell_anywhere(tmp_path: Path, monkeypatch) -> None:
     from unroll.app.serve import banner, default_models
-
     from unroll.registry import get_spec
 
     cards = [get_spec(m).card for m in default_models()]

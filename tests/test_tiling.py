@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from unroll.export.onnx_export import MAX_ABS_ERR, MAX_REL_ERR, ExportError, _check_tiling
 
 from unroll.card import TileCard, from_onnx
+from unroll.export.onnx_export import MAX_ABS_ERR, MAX_REL_ERR, ExportError, _check_tiling
 from unroll.tiling import Tiler, run_tiled, spans
 
 

@@ -28,14 +28,14 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 from typer.testing import CliRunner
+
 from unroll.app.triton_cli import repo as repo_cmd
 from unroll.app.triton_cli import triton as triton_cmd
+from unroll.card import CARD_KEY, ModelCard, from_onnx
 from unroll.serving import triton
 from unroll.serving.repository import RepositoryError, write_repository
 from unroll.serving.repository_check import validate_model, validate_repository
 from unroll.serving.triton import free_ports
-
-from unroll.card import CARD_KEY, ModelCard, from_onnx
 
 DEMO = ["sdnet-mnist", "sdnet-mnist-autolam", "csc-denoiser"]
 TOL = 1e-5

@@ -15,13 +15,13 @@ import pytest
 import typer
 from onnx import TensorProto, helper, numpy_helper
 from typer.testing import CliRunner
+
 from unroll.app.trt_cli import build
+from unroll.card import InputCard, ModelCard, from_onnx, write_to_onnx
 from unroll.export import gates, trt_engine, trt_memory
 from unroll.export import trt_build as tb
 from unroll.export.onnx_export import export_model
 from unroll.export.quantize import to_fp16
-
-from unroll.card import InputCard, ModelCard, from_onnx, write_to_onnx
 from unroll.registry import list_models
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -6,6 +6,8 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+
+from unroll.card import from_onnx
 from unroll.export.quantize import calibration_inputs, to_int8
 from unroll.export.trt_lint import (
     OPS_FILE,
@@ -19,8 +21,6 @@ from unroll.export.trt_lint import (
     policy_issues,
     tensorrt_issues,
 )
-
-from unroll.card import from_onnx
 
 TRT = "TensorRT 10.15"
 
@@ -254,6 +254,7 @@ def test_onnxruntime_default_quantization_is_rejected_and_unrolls_int8_passes(de
     """ONNX Runtime's default static quantization (asymmetric UINT8 activations, int32 biases) is not a graph
     TensorRT builds; unroll's settings give one it does, with Q/DQ only on the inputs of its INT8 layers."""
     from onnxruntime.quantization import QuantType, quantize_static
+
     from unroll.export.quantize import _Reader
 
     src = demo_onnx_dir / "sdnet-mnist.onnx"

@@ -12,6 +12,7 @@ import logging
 import os
 
 import uvicorn
+
 from unroll.serving.gateway.app import create_app
 from unroll.serving.gateway.http_settings import HttpSettings
 from unroll.serving.gateway.server import uvicorn_options

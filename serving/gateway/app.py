@@ -16,14 +16,14 @@ from contextlib import asynccontextmanager
 import numpy as np
 from fastapi import APIRouter, FastAPI
 from starlette.concurrency import run_in_threadpool
+
+from unroll import tasks
 from unroll.serving import malloc
 from unroll.serving.gateway import classify, denoise, errors, images, info, ops
 from unroll.serving.gateway.metrics import Metrics, MetricsMiddleware
 from unroll.serving.gateway.openapi import API_VERSION, DESCRIPTION, TAGS, install_docs
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.gateway.state import Gateway
-
-from unroll import tasks
 from unroll.tasks import Task
 
 log = logging.getLogger("unroll.gateway")

@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator
 from fastapi import Request
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
+
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.images import CONTENT_TYPES
 

@@ -14,12 +14,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from unroll import tasks
+from unroll.card import CARD_KEY, CardError, ModelCard
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.settings import ENV_PREFIX, Settings
 from unroll.serving.gateway.triton_client import ModelInfo, TritonBackend, TritonError, model_info
-
-from unroll import tasks
-from unroll.card import CARD_KEY, CardError, ModelCard
 
 log = logging.getLogger("unroll.gateway")
 

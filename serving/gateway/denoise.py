@@ -24,6 +24,8 @@ import numpy as np
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
+
+from unroll.card import InputCard
 from unroll.serving.gateway import images
 from unroll.serving.gateway.body import check_declared_length
 from unroll.serving.gateway.catalog import Entry
@@ -34,8 +36,6 @@ from unroll.serving.gateway.sigma import QUERY_HELP, SigmaEstimate
 from unroll.serving.gateway.sigma import estimate as estimate_sigma
 from unroll.serving.gateway.state import Gateway, GatewayDep, route_task, v1_router
 from unroll.serving.gateway.triton_client import fit_shape
-
-from unroll.card import InputCard
 from unroll.tasks import Task
 
 

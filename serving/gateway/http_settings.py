@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
 from unroll.serving.gateway.settings import ENV_PREFIX, SettingsError
 
 

@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import numpy as np
 from starlette.concurrency import run_in_threadpool
+
 from unroll.serving.gateway.catalog import Entry
 from unroll.serving.gateway.triton_client import TritonRejected
-
 from unroll.tiling import Job, Tiler
 
 #: Triton calls one request keeps in flight: one computing, one queued behind it.

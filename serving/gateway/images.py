@@ -19,11 +19,11 @@ from typing import Literal
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
+
+from unroll.card import InputCard
 from unroll.serving.gateway import palette as palettes
 from unroll.serving.gateway import sigma as sigmas
 from unroll.serving.gateway.errors import ApiError
-
-from unroll.card import InputCard
 
 #: What ``POST /v1/denoise`` returns (its OpenAPI description; the README has it as a table).
 DENOISE_OUTPUT = (

@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from unroll import tasks
 from unroll.serving.gateway.catalog import Entry, routed_tasks
 from unroll.serving.gateway.openapi import API_VERSION, errors
 from unroll.serving.gateway.state import GatewayDep, v1_router
-
-from unroll import tasks
 
 router = v1_router()
 

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
+
 from unroll.serving.gateway.errors import ErrorBody
 
 API_VERSION = "1"

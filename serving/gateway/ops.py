@@ -8,6 +8,7 @@ import asyncio
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
 from unroll.serving.gateway.catalog import Snapshot, routed_tasks
 from unroll.serving.gateway.errors import error_response
 from unroll.serving.gateway.openapi import error_doc

@@ -15,11 +15,10 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from unroll.errors import ServingError
 from unroll.serving.gateway.http_settings import HttpSettings
 from unroll.serving.gateway.settings import ENV_PREFIX, Settings
 from unroll.serving.triton import free_ports
-
-from unroll.errors import ServingError
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,10 +17,10 @@ import logging
 from typing import Any, ClassVar
 
 import h11
-from unroll.serving.gateway.http_settings import HttpSettings
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from unroll.errors import UnrollError
+from unroll.serving.gateway.http_settings import HttpSettings
 
 log = logging.getLogger("unroll.gateway")
 

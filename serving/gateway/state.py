@@ -17,6 +17,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+
+from unroll import tasks
 from unroll.serving.gateway.body import check_declared_length, read_image_bytes
 from unroll.serving.gateway.catalog import Catalog
 from unroll.serving.gateway.errors import ApiError
@@ -25,8 +27,6 @@ from unroll.serving.gateway.metrics import Metrics
 from unroll.serving.gateway.openapi import COMMON_ERRORS
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.gateway.triton_client import TritonBackend
-
-from unroll import tasks
 
 
 class Admission:

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 from tritonclient.utils import InferenceServerException
-from unroll.serving.profile import PROFILE_KEY, ProfileError, ServedProfile
 
 from unroll.errors import ServingError
+from unroll.serving.profile import PROFILE_KEY, ProfileError, ServedProfile
 
 log = logging.getLogger("unroll.gateway")
 
