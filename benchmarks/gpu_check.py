@@ -516,12 +516,18 @@ def restore(out: Path, cases: list[Case]) -> None:
     if not path.exists():
         return
     done = {(c["model"], c["case"]): c["rows"] for c in json.loads(path.read_text())["cases"]}
+    crashed: dict[str, str] = {}
     for case in cases:
         for row in done.get((case.model, case.label), []):
             if row.get("status") == "unfinished":
                 row = {**row, "status": "error", "reason": "the process died while this candidate built or ran "
                        "(a crash in native code; the run's log has the trace)"}
+                crashed[row["candidate"]] = f"{case.model} {case.label}"
             case.rows[row["candidate"]] = row
+    for case in cases:  # a candidate that crashed the process once is not tried again on the other cases
+        for cand, where in crashed.items():
+            case.rows.setdefault(cand, {"candidate": cand, "status": "skipped",
+                                        "reason": f"it crashed the process on {where}"})
 
 
 def _run_all(order: list[str], cases: list[Case], dev_models: dict, device: str, out: Path, info: dict,
