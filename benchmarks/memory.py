@@ -29,8 +29,8 @@ from PIL import Image
 
 from unroll import tasks
 from unroll.benchmarks.common import demo_model, machine_info, write_results
+from unroll.benchmarks.processes import descendants, kind_of
 from unroll.benchmarks.soak import start_serve, stop_serve
-from unroll.serving.triton import proc_stats
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2
@@ -38,19 +38,6 @@ MIB = 1024 ** 2
 PEAK_LIMIT_BYTES = 4 * GIB
 RETURN_LIMIT_BYTES = 500 * MIB
 REQUEST_TIMEOUT_S = 900.0
-
-
-def descendants(root: int) -> list[int]:
-    """``root`` and every process below it (from ``/proc/*/stat``'s parent pids)."""
-    children: dict[int, list[int]] = {}
-    for ps in proc_stats():
-        children.setdefault(ps.ppid, []).append(ps.pid)
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
 
 
 def pss_bytes(pid: int) -> int:
@@ -68,13 +55,9 @@ def service_bytes(root: int) -> dict[str, int]:
     """PSS of the service below ``root`` by process kind (gateway, tritonserver, backend stubs) and in all."""
     parts = {"gateway": 0, "tritonserver": 0, "backends": 0}
     for pid in descendants(root):
-        try:
-            argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-        except OSError:
-            continue
-        kind = ("backends" if "python_backend_stub" in argv0 else "tritonserver" if argv0.endswith("tritonserver")
-                else "gateway")
-        parts[kind] += pss_bytes(pid)
+        kind = kind_of(pid)
+        if kind is not None:
+            parts["gateway" if kind == "client" else kind] += pss_bytes(pid)
     parts["total"] = sum(parts.values())
     return parts
 

@@ -34,6 +34,7 @@ from unroll.benchmarks.common import (
     progress_bars,
     write_results,
 )
+from unroll.benchmarks.processes import cpu_by_pid, cpu_ms_per_request
 from unroll.benchmarks.serve_load import (
     CLASSIFY_SAMPLES,
     DENOISE_PATHS,
@@ -149,18 +150,28 @@ def measure(path: str, w: Workload, concurrency: int, duration_s: float, warmup_
     stats_url = stats_url or (servers.triton_http if servers is not None and path != "onnxruntime" else None)
     snap: dict[str, dict | None] = {}
 
+    cpu: dict[str, dict] = {}
+
     def before() -> None:
         if stats_url:
             snap["before"] = triton_stats(stats_url, w.model)
+        cpu["before"] = cpu_by_pid()
 
     res = closed_loop(make, concurrency, duration_s, warmup_s, before, tick)
+    cpu_after = cpu_by_pid()
     server = stats_delta(snap.get("before"), triton_stats(stats_url, w.model)) if stats_url else None
     n = len(res.latencies_ms)
     return {"workload": w.key, "model": w.model, "input": w.label, "path": path, "concurrency": concurrency,
             "duration_s": res.elapsed_s, "requests": n, "errors": len(res.errors),
             "error_samples": list(dict.fromkeys(res.errors))[:MAX_ERROR_SAMPLES],
             "throughput_rps": n / res.elapsed_s if res.elapsed_s > 0 else 0.0,
-            "latency_ms": latency_summary(res.latencies_ms), "server": server}
+            "latency_ms": latency_summary(res.latencies_ms), "server": server,
+            "cpu_ms_per_request": cpu_ms_per_request(cpu["before"], cpu_after, n) if _own_servers(servers) else None}
+
+
+def _own_servers(servers: Servers | None) -> bool:
+    """CPU is only attributed to processes this run started (an attached server's tree is not ours to read)."""
+    return servers is None or (servers.started_triton and (servers.gateway is None or servers.started_gateway))
 
 
 def _add_gateway_share(runs: list[dict], gateway_protocol: str = "grpc") -> None:

@@ -111,6 +111,36 @@ def _batching(cfg: dict) -> str:
             f"{int(db.get('max_queue_delay_microseconds', 0))} µs)")
 
 
+def _cpu_markdown(payload: dict) -> list[str]:
+    """CPU milliseconds per request by process, at concurrency 1 and the highest level of each path."""
+    rows = [r for r in payload["runs"] if r.get("cpu_ms_per_request") and r["requests"]]
+    if not rows:
+        return []
+    lines = ["", "## CPU per request (ms of CPU time per answered request, by process)", "",
+             "Measured from `/proc` over each level (user + system time of every process this run started: the "
+             "gateway's workers summed, tritonserver, the Python-backend stubs; `client` is the load generator, "
+             "which for in-process ONNX Runtime includes the inference). The figure carries between machines; "
+             "latency on a small shared machine does not.", "",
+             "| workload | path | conc. | req/s | gateway | tritonserver | stubs | server side | client |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (_, path), group in _by_workload_path(rows).items():
+        levels = sorted({r["concurrency"] for r in group})
+        for r in (x for x in group if x["concurrency"] in {levels[0], levels[-1]}):
+            c = r["cpu_ms_per_request"]
+            server = c["gateway"] + c["tritonserver"] + c["backends"]
+            lines.append(f"| {r['model']}: {r['input']} | {PATH_LABELS[path]} | {r['concurrency']} | "
+                         f"{_f(r['throughput_rps'], 1)} | {_f(c['gateway'], 3)} | {_f(c['tritonserver'], 3)} | "
+                         f"{_f(c['backends'], 3)} | {_f(server, 3)} | {_f(c['client'], 3)} |")
+    return lines
+
+
+def _by_workload_path(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    out: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        out.setdefault((r["workload"], r["path"]), []).append(r)
+    return out
+
+
 def direct_path(gateway_protocol: str) -> str:
     """The Triton-direct path the gateway's share is measured against: its own protocol to Triton."""
     return "triton-http" if gateway_protocol == "http" else "triton-grpc"
@@ -203,6 +233,7 @@ def markdown(payload: dict) -> str:
                  if r.get("gateway_share_ms", {}).get("vs") not in (None, own)}
         for vs in sorted(other):
             lines += ["", f"† vs {PATH_LABELS[vs]} ({PATH_LABELS[own]} not measured for this input)."]
+    lines += _cpu_markdown(payload)
     lines += _direct_markdown(payload)
     if b:
         client = "perf_analyzer" if b.get("path") == "perf-analyzer" else "Triton gRPC, Python client"

@@ -394,6 +394,14 @@ def test_serve_bench_quick(onnx_dir: Path, tmp_path: Path) -> None:
             s = r["server"]
             assert s["requests"] > 0 and s["avg_batch"] >= 1 and s["compute_infer_ms"] > 0, s
     assert all("gateway_share_ms" in r for r in runs if r["path"] == "gateway")
+    for r in runs:  # CPU per request by process, read from /proc for the servers this run started
+        c = r["cpu_ms_per_request"]
+        assert set(c) == {"gateway", "tritonserver", "backends", "client"} and min(c.values()) >= 0, r
+        if r["path"] != "onnxruntime":  # Triton and its stub did the work; through the gateway, it did some too
+            assert c["tritonserver"] > 0 and c["backends"] > 0, c
+        if r["path"] == "gateway":
+            assert c["gateway"] > 0, c
+    assert "## CPU per request" in md
     b = payload["batching"]
     assert b["off"]["server"]["avg_batch"] == 1.0 and b["config_off"]["max_batch_size"] == 1
     assert b["config_off"].get("dynamic_batching") is None and b["speedup"] > 0
