@@ -79,14 +79,6 @@ def serve_plan(models: list[str], onnx_dir: Path, repo: Path, target: str = "cpu
                          force=rebuild)
 
 
-def ensure_repository(repo: Path, onnx_dir: Path, target: str, graphs: list[str], force: bool = False) -> list[str]:
-    """(Re)write the Triton repository for the graphs whose model directory is stale (:mod:`unroll.pipeline`)."""
-    options = pipeline.RepoOptions(target=target)
-    steps = [s for g in graphs for s in pipeline.plan_graph(g, onnx_dir=onnx_dir, repo=repo, options=options,
-                                                              force=force)]
-    return [s.name for s in pipeline.run(steps, _say)]
-
-
 def _first_sample(card: ModelCard) -> tuple[np.ndarray, int | None] | None:
     """The first sample of the card's test data (else validation, else training data) and its label, if any;
     ``None`` when the card names no data (the banner then shows the curl with a placeholder image)."""

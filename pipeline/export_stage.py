@@ -12,7 +12,7 @@ from pathlib import Path
 from unroll import artifacts
 from unroll.card import CardError, ModelCard, from_onnx
 from unroll.errors import PipelineError
-from unroll.pipeline.step import Step
+from unroll.pipeline.step import Step, changed_words
 from unroll.registry import get_spec, list_models
 
 #: Why a recorded input hash differs, in words.
@@ -39,12 +39,6 @@ def graphs_of(models: list[str], onnx_dir: Path | None = None, companions: bool 
         auto = card.lam.auto if card.lam is not None and companions else None
         out += [m] + ([auto] if auto is not None else [])
     return list(dict.fromkeys(out))
-
-
-def changed_words(changed: list[str], words: dict[str, str]) -> str:
-    """The changed inputs of :func:`unroll.artifacts.changed_inputs` as a phrase."""
-    return "; ".join(words.get(k, f"{k} changed") if not k.startswith("everything") else
-                     "built before its inputs were recorded" for k in changed)
 
 
 def stale_reason(graph: str, onnx_dir: Path) -> str | None:

@@ -10,8 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from unroll import artifacts
-from unroll.pipeline.export_stage import changed_words
-from unroll.pipeline.step import Step
+from unroll.pipeline.step import Step, changed_words
 
 _CHANGED = {"upstream": "older than the FP32 export (made from another one)",
             "options": "the quantize options changed"}

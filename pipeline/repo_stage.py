@@ -12,8 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from unroll import artifacts
-from unroll.pipeline.export_stage import changed_words
-from unroll.pipeline.step import Step
+from unroll.pipeline.step import Step, changed_words
 from unroll.serving.repository import (
     DEFAULT_QUEUE_DELAY_US,
     INTRA_OP_SPINNING,

@@ -36,3 +36,9 @@ class Step:
 
     def __str__(self) -> str:
         return self.message or f"{self.stage} {self.name} ({self.reason})"
+
+
+def changed_words(changed: list[str], words: dict[str, str]) -> str:
+    """The changed inputs of :func:`unroll.artifacts.changed_inputs` as a phrase."""
+    return "; ".join(words.get(k, f"{k} changed") if not k.startswith("everything") else
+                     "built before its inputs were recorded" for k in changed)

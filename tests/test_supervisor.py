@@ -432,10 +432,17 @@ def test_banner_curls_work_when_pasted_into_a_shell_anywhere(tmp_path: Path, mon
 
 
 def test_an_outdated_model_py_in_the_repository_is_rewritten(demo_onnx_dir: Path, tmp_path: Path) -> None:
-    from unroll.app.serve import ensure_repository
+    from unroll import pipeline
     from unroll.serving.repository import BACKEND_MODEL
 
     repo = tmp_path / "repo"
+
+    def ensure_repository(repo: Path, onnx_dir: Path, target: str, graphs: list[str]) -> list[str]:
+        """The model directories the pipeline rewrites for ``graphs`` (what ``unroll serve`` runs)."""
+        options = pipeline.RepoOptions(target=target)
+        steps = [s for g in graphs for s in pipeline.plan_graph(g, onnx_dir=onnx_dir, repo=repo, options=options)]
+        return [s.name for s in pipeline.run(steps, progress=None)]
+
     assert ensure_repository(repo, demo_onnx_dir, "cpu", ["sdnet-mnist-autolam"]) == ["sdnet-mnist-autolam"]
     assert ensure_repository(repo, demo_onnx_dir, "cpu", ["sdnet-mnist-autolam"]) == []
     model_py = repo / "sdnet-mnist-autolam" / "1" / "model.py"
