@@ -10,11 +10,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from unroll.serving.process_watch import read_stat
 from unroll.serving.triton import proc_stats
 
 KINDS = ("gateway", "tritonserver", "backends", "client")
-#: clock ticks per second of ``/proc/PID/stat``'s utime/stime
-_TICK = os.sysconf("SC_CLK_TCK")
 
 
 def descendants(root: int) -> list[int]:
@@ -46,24 +45,14 @@ def kind_of(pid: int, client: int | None = None) -> str | None:
     return "gateway"
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds ``pid`` has used so far (``None`` once it is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        fields = stat[stat.rindex(")") + 2:].split()  # from field 3 (state): utime and stime are fields 14, 15
-        return (int(fields[11]) + int(fields[12])) / _TICK
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def cpu_by_pid(root: int | None = None) -> dict[int, tuple[str, float]]:
     """Every process of the tree below ``root`` (default: this process): ``{pid: (kind, CPU seconds)}``."""
     me = os.getpid()
     out = {}
     for pid in descendants(root or me):
-        kind, cpu = kind_of(pid, client=me), cpu_seconds(pid)
-        if kind is not None and cpu is not None:
-            out[pid] = (kind, cpu)
+        kind, stat = kind_of(pid, client=me), read_stat(pid)
+        if kind is not None and stat is not None:
+            out[pid] = (kind, stat.cpu_s)
     return out
 
 

@@ -25,6 +25,9 @@ from pathlib import Path
 FALLBACK_TICK_S = 0.05
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
 @dataclass(frozen=True)
 class ProcStat:
     """The fields of ``/proc/PID/stat`` the process checks need."""
@@ -33,6 +36,8 @@ class ProcStat:
     state: str  # R, S, D, Z (zombie), X (dead), ...
     ppid: int
     pgrp: int
+    #: user + system CPU seconds used so far (fields 14 and 15, in clock ticks)
+    cpu_s: float
 
     @property
     def gone(self) -> bool:
@@ -43,8 +48,9 @@ def read_stat(pid: int) -> ProcStat | None:
     """``/proc/<pid>/stat`` parsed, or ``None`` once the process is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
-        return ProcStat(pid, fields[0], int(fields[1]), int(fields[2]))
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ... (field 3 on)
+        return ProcStat(pid, fields[0], int(fields[1]), int(fields[2]),
+                        (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS)
     except (OSError, ValueError, IndexError):
         return None
 
