@@ -41,8 +41,8 @@ from unroll.serving.triton import TritonStartError, free_ports, start
 #: (stage, patterns): a stack's stage is that of the innermost frame matching one of the patterns, tried in this
 #: order for each frame. Patterns match py-spy's ``function (file:line)`` frame text.
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("decode", (r"^decode \(serving/gateway/images\.py", r"\(PIL/")),
-    ("preprocess", (r"\(serving/gateway/images\.py",)),
+    ("decode", (r"^decode \(serving/imaging/images\.py", r"\(PIL/")),
+    ("preprocess", (r"\(serving/imaging/images\.py",)),
     ("postprocess", (r"^_classes \(serving/gateway/classify\.py", r"^_from_logits \(")),
     ("JSON response", (r"\(pydantic", r"JSONResponse", r"\(json/", r"orjson", r"^render \(")),
     ("Triton gRPC call", (r"\(serving/gateway/triton_client\.py", r"\(tritonclient/", r"\(grpc/")),

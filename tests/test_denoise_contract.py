@@ -1,7 +1,7 @@
 """What ``POST /v1/denoise`` promises (issue 22, items 6 and 7): an estimated σ that is never NaN or unbounded and
 says when it is unreliable, and per input mode what comes back (mode, size, orientation, EXIF, ICC).
 
-The first half checks the σ estimator in-process (:mod:`unroll.serving.gateway.sigma`) on the images that broke it
+The first half checks the σ estimator in-process (:mod:`unroll.serving.imaging.sigma`) on the images that broke it
 and on photos with seeded noise; the second half drives a real tritonserver serving ``csc-denoiser`` and a real
 gateway process, with images written by Pillow in every mode the gateway accepts.
 """
@@ -19,8 +19,8 @@ import pytest
 from PIL import Image, ImageCms, ImageOps
 
 from unroll.data import add_noise
-from unroll.serving.gateway import images, sigma
 from unroll.serving.gateway.settings import Settings
+from unroll.serving.imaging import images, sigma
 
 LIMIT = 50.0  # csc-denoiser's card: sigma.max (0–255 scale)
 ORIENTATION, MAKE, EXIF_IFD, DATE_TAKEN = 0x0112, 0x010F, 0x8769, 0x9003
@@ -214,7 +214,7 @@ def _srgb() -> bytes:
 
 def _rows() -> dict[str, tuple[Callable[[], bytes], str]]:
     """Input name → (its bytes, the PNG mode that must come back): the README's table, which
-    ``serving/gateway/images.py`` implements."""
+    ``serving/imaging/images.py`` implements."""
     rgb = Image.fromarray(photo())
     rgba = Image.fromarray(np.dstack([photo(), _alpha()]))
     gray16 = (photo()[..., 1].astype(np.uint16) * 257)

@@ -32,9 +32,9 @@ import pytest
 from PIL import Image, ImageDraw, ImageFont
 
 from unroll.card import InputCard
-from unroll.serving.gateway import images
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.settings import Settings
+from unroll.serving.imaging import images
 
 MNIST_LIKE = InputCard(name="image", shape=(1, 28, 28), colour="gray", resize="pad-square", polarity="light-on-dark")
 RGB224 = InputCard(name="image", shape=(3, 224, 224), colour="rgb", resize="pad-square")
@@ -128,7 +128,7 @@ _PEAK_SCRIPT = textwrap.dedent("""
     import numpy as np
     from PIL import Image
     from unroll.card import InputCard
-    from unroll.serving.gateway import images
+    from unroll.serving.imaging import images
 
     def status(key):
         for line in open("/proc/self/status"):

@@ -34,8 +34,8 @@ from torch import nn
 import unroll
 from unroll.card import InputCard, ModelCard, SigmaCard
 from unroll.registry import get_spec
-from unroll.serving.gateway import images
 from unroll.serving.gateway.errors import ApiError
+from unroll.serving.imaging import images
 
 FILTERS = {"lanczos": Image.Resampling.LANCZOS, "bilinear": Image.Resampling.BILINEAR,
            "bicubic": Image.Resampling.BICUBIC}

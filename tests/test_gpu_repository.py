@@ -34,9 +34,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
 from unroll.card import from_onnx
-from unroll.serving.gateway import images
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.triton_client import model_info
+from unroll.serving.imaging import images
 from unroll.serving.profile import PROFILE_KEY, ServedProfile
 from unroll.serving.repository import RepositoryError, write_repository
 from unroll.serving.repository_check import PLAN_JSON, validate_model, validate_repository

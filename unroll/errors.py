@@ -83,3 +83,17 @@ class ServingError(UnrollError):
 
 class BenchError(UnrollError):
     """A benchmark could not run or its results are not comparable."""
+
+
+class ApiError(UnrollError):
+    """A request a client must change, as it should see it: HTTP status, stable code, readable message, extra headers.
+
+    Raised wherever a request is checked (the gateway's routes, the image checks the Triton backend shares with
+    them), so the check and its answer are written once."""
+
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = self.http_status = status
+        self.code = code
+        self.message = message
+        self.headers = headers or {}

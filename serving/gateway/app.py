@@ -19,11 +19,12 @@ from starlette.concurrency import run_in_threadpool
 
 from unroll import tasks
 from unroll.serving import malloc
-from unroll.serving.gateway import classify, denoise, errors, images, info, ops
+from unroll.serving.gateway import classify, denoise, errors, info, ops
 from unroll.serving.gateway.metrics import Metrics, MetricsMiddleware
 from unroll.serving.gateway.openapi import API_VERSION, DESCRIPTION, TAGS, install_docs
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.gateway.state import Gateway
+from unroll.serving.imaging import images
 from unroll.tasks import Task
 
 log = logging.getLogger("unroll.gateway")

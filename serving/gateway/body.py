@@ -16,7 +16,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from unroll.serving.gateway.errors import ApiError
-from unroll.serving.gateway.images import CONTENT_TYPES
+from unroll.serving.imaging.images import CONTENT_TYPES
 
 IMAGE_FIELD = "image"
 _ACCEPTED = "multipart/form-data (field 'image') or a raw body with Content-Type " + ", ".join(

@@ -22,13 +22,13 @@ from starlette.concurrency import run_in_threadpool
 
 from unroll import tasks
 from unroll.card import InputCard, ModelCard
-from unroll.serving.gateway import images
 from unroll.serving.gateway.body import check_declared_length
 from unroll.serving.gateway.catalog import Entry
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.openapi import IMAGE_BODY, errors
 from unroll.serving.gateway.state import Gateway, GatewayDep, route_task, v1_router
 from unroll.serving.gateway.triton_client import TritonRejected, fit_shape
+from unroll.serving.imaging import images
 from unroll.tasks import Task
 
 

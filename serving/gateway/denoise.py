@@ -26,16 +26,16 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from unroll.card import InputCard
-from unroll.serving.gateway import images
 from unroll.serving.gateway.body import check_declared_length
 from unroll.serving.gateway.catalog import Entry
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.image_graph import run_image_graph
 from unroll.serving.gateway.openapi import IMAGE_BODY, errors
-from unroll.serving.gateway.sigma import QUERY_HELP, SigmaEstimate
-from unroll.serving.gateway.sigma import estimate as estimate_sigma
 from unroll.serving.gateway.state import Gateway, GatewayDep, route_task, v1_router
 from unroll.serving.gateway.triton_client import fit_shape
+from unroll.serving.imaging import images
+from unroll.serving.imaging.sigma import QUERY_HELP, SigmaEstimate
+from unroll.serving.imaging.sigma import estimate as estimate_sigma
 from unroll.tasks import Task
 
 
@@ -128,7 +128,7 @@ def _planes(data: bytes, max_pixels: int, sigma: float | None, min_side: int,
             ) -> tuple[images.Planes, SigmaEstimate | None]:
     """Decoded planes (upright) and σ on the [0, 1] scale: given (reliable), or estimated from the image and clipped
     to ``sigma_max`` (0–255 scale, the card's ``sigma.max``) with the rules that made it unreliable
-    (:mod:`~unroll.serving.gateway.sigma`); σ is ``None`` when ``sigma_max`` is (a graph without a σ input). An image
+    (:mod:`~unroll.serving.imaging.sigma`); σ is ``None`` when ``sigma_max`` is (a graph without a σ input). An image
     outside the TensorRT profile of a GPU model (``profile_hw``) is refused from its header, before any pixel is
     decoded."""
     def fits(w: int, h: int) -> None:

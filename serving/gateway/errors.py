@@ -17,7 +17,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from unroll.errors import ServingError, UnrollError
+from unroll.errors import ApiError, ServingError, UnrollError
+
+__all__ = ["ApiError", "error_response", "install"]
 
 log = logging.getLogger("unroll.gateway")
 
@@ -25,17 +27,6 @@ log = logging.getLogger("unroll.gateway")
 _DEFAULT_CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
                   413: "payload_too_large", 415: "unsupported_media_type", 422: "invalid_parameter",
                   429: "too_many_requests", 503: "unavailable", 504: "timeout"}
-
-
-class ApiError(UnrollError):
-    """An error the client should see as-is: HTTP status, stable code, readable message, extra headers."""
-
-    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = self.http_status = status
-        self.code = code
-        self.message = message
-        self.headers = headers or {}
 
 
 class ErrorDetail(BaseModel):

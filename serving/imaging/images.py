@@ -21,9 +21,9 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from unroll.card import InputCard
-from unroll.serving.gateway import palette as palettes
-from unroll.serving.gateway import sigma as sigmas
-from unroll.serving.gateway.errors import ApiError
+from unroll.errors import ApiError
+from unroll.serving.imaging import palette as palettes
+from unroll.serving.imaging import sigma as sigmas
 
 #: What ``POST /v1/denoise`` returns (its OpenAPI description; the README has it as a table).
 DENOISE_OUTPUT = (
@@ -575,5 +575,5 @@ def work_bytes_bound(max_pixels: int, model_hw: tuple[int, int]) -> int:
 
 def estimate_sigma(planes: Planes, limit: float = math.inf) -> float:
     """Noise σ on the [0, 1] scale (scikit-image's wavelet MAD, averaged over the colour channels), always finite and
-    at most ``limit``; :func:`unroll.serving.gateway.sigma.estimate` also says whether it is reliable."""
+    at most ``limit``; :func:`unroll.serving.imaging.sigma.estimate` also says whether it is reliable."""
     return sigmas.estimate(planes.data, limit).value
