@@ -94,6 +94,11 @@ class Catalog:
                 snap = self._snapshot = await self._discover()
             return snap
 
+    def batch_limit(self, name: str) -> int:
+        """The most items one call to ``name`` may carry, from the current snapshot (1 while it is unknown)."""
+        entry = self._snapshot.entries.get(name) if self._snapshot is not None else None
+        return entry.info.batch_limit if entry is not None and entry.info is not None else 1
+
     def _stale(self, snap: Snapshot) -> bool:
         return self.backend.unavailable_count != snap.generation or not snap.complete
 

@@ -36,6 +36,7 @@ CLIENT_CLOSED = 499
 #: prometheus_client's multiprocess directory: set when the gateway runs as several workers.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -80,9 +81,15 @@ class Metrics:
         self.triton = Histogram("unroll_gateway_triton_request_duration_seconds",
                                 "Round trip of one Triton inference call, by model and outcome",
                                 ["model", "outcome"], buckets=LATENCY_BUCKETS, registry=reg)
+        self.batch = Histogram("unroll_gateway_batch_items", "Items per Triton inference call the gateway made "
+                               "(requests coalesced by the HTTP-tier batcher), by model", ["model"],
+                               buckets=BATCH_BUCKETS, registry=reg)
 
     def observe_triton(self, model: str, outcome: str, seconds: float) -> None:
         self.triton.labels(model, outcome).observe(seconds)
+
+    def observe_batch(self, model: str, items: int) -> None:
+        self.batch.labels(model).observe(items)
 
 
 class MetricsMiddleware:

@@ -69,6 +69,15 @@ class Settings(BaseSettings):
     """``Retry-After`` seconds sent with 503 (Triton unavailable)."""
     busy_retry_after_s: int = Field(1, ge=1)
     """``Retry-After`` seconds sent with 429 (over the concurrency limit)."""
+    batching: bool = True
+    """Coalesce concurrent requests for the same model into one Triton call (:mod:`.batching`); ``false``: one call
+    per request."""
+    batch_max_in_flight: int = Field(2, ge=1)
+    """Batches of one model (and tensor layout) at Triton at once; requests beyond wait for one to return and go
+    together."""
+    batch_delay_ms: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    """Longest a request waits for others to join its batch while a batch slot is free (0: none, it goes at once;
+    at most 1 ms). Waiting for a busy slot is not bounded by this but by Triton's answer."""
 
     def __init__(self, **values: Any) -> None:
         """Keyword values win over ``UNROLL_*`` variables; a bad value raises :class:`SettingsError`."""

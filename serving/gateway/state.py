@@ -19,6 +19,7 @@ from fastapi import APIRouter, Depends, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from unroll import tasks
+from unroll.serving.gateway.batching import Batcher
 from unroll.serving.gateway.body import check_declared_length, read_image_bytes
 from unroll.serving.gateway.catalog import Catalog
 from unroll.serving.gateway.errors import ApiError
@@ -90,7 +91,8 @@ class Gateway:
     """Per-process state shared by the routes."""
 
     settings: Settings
-    backend: TritonBackend
+    #: Triton, through the HTTP-tier batcher unless ``settings.batching`` is off (same ``infer`` either way).
+    backend: TritonBackend | Batcher
     catalog: Catalog
     metrics: Metrics
     admission: Admission
@@ -101,9 +103,14 @@ class Gateway:
     def create(cls, settings: Settings, metrics: Metrics, http: HttpSettings | None = None) -> Gateway:
         """``http`` defaults to :class:`HttpSettings` from the ``UNROLL_*`` variables."""
         http = http or HttpSettings()
-        backend = TritonBackend(settings.triton_url, settings.triton_protocol, settings.request_timeout_s,
-                                observe=metrics.observe_triton)
-        return cls(settings, backend, Catalog(backend, settings), metrics,
+        triton = TritonBackend(settings.triton_url, settings.triton_protocol, settings.request_timeout_s,
+                               observe=metrics.observe_triton)
+        catalog = Catalog(triton, settings)
+        backend: TritonBackend | Batcher = triton
+        if settings.batching:
+            backend = Batcher(triton, catalog.batch_limit, settings.batch_max_in_flight,
+                              settings.batch_delay_ms / 1000.0, observe=metrics.observe_batch)
+        return cls(settings, backend, catalog, metrics,
                    Admission(settings.max_concurrency, settings.max_queue, settings.busy_retry_after_s, metrics),
                    http, Uploads(http.max_uploads, settings.busy_retry_after_s, metrics))
 

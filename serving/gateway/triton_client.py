@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from tritonclient.utils import InferenceServerException
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from unroll.errors import ServingError
 from unroll.serving.profile import PROFILE_KEY, ProfileError, ServedProfile
@@ -214,7 +214,7 @@ class TritonBackend:
         mod = self._mod
         reqs = []
         for name, arr in inputs.items():
-            i = mod.InferInput(name, list(arr.shape), "FP32")
+            i = mod.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
             if self.protocol == "http":
                 i.set_data_from_numpy(arr, binary_data=True)
             else:

@@ -1,0 +1,173 @@
+"""Batching at the HTTP tier: concurrent Triton calls for the same model and tensor layout go as one call.
+
+A gateway that makes one Triton call per HTTP request pays the client's per-call cost (protobuf, HTTP/2 frames, a
+future, a Python-backend request) once per request; under load it would rather pay it once per batch, as Ray Serve's
+``@serve.batch`` and BentoML's adaptive batching do. :class:`Batcher` wraps :class:`~.triton_client.TritonBackend`
+with the same ``infer`` signature, so the routes do not change:
+
+- calls are grouped by model, requested outputs, ``class_count`` and every input's per-item shape and dtype (so each
+  item's own λ/σ rides along as its own row of the batched tensor);
+- a group sends at once while it has fewer than ``max_in_flight`` calls at Triton (no wait at low load: concurrency 1
+  pays nothing); otherwise its calls wait until one returns, at most ``delay_s`` more when set, and go together, up
+  to the model's batch limit (``max_batch_size`` and its TensorRT profile's max batch);
+- every request keeps its own answer (its rows of each output) and its own errors: when Triton rejects a batch, each
+  of its requests is retried alone so that only the faulty one fails; a call whose client left is dropped from its
+  batch before it is sent.
+
+``UNROLL_BATCHING=false`` turns it off (one Triton call per request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from unroll.serving.gateway.triton_client import TritonBackend, TritonRejected
+
+log = logging.getLogger("unroll.gateway")
+
+Key = tuple[Any, ...]
+
+
+@dataclass
+class _Call:
+    inputs: dict[str, np.ndarray]
+    items: int
+    future: asyncio.Future
+
+
+@dataclass
+class _Group:
+    """The waiting calls of one key, and how many of its batches are at Triton."""
+
+    model: str
+    outputs: list[str]
+    class_count: int | None
+    limit: int
+    waiting: list[_Call] = field(default_factory=list)
+    in_flight: int = 0
+    timer: asyncio.Handle | None = None
+
+
+class Batcher:
+    """:class:`TritonBackend` whose ``infer`` coalesces concurrent calls (module docstring); every other attribute is
+    the backend's own."""
+
+    def __init__(self, backend: TritonBackend, limit_of: Callable[[str], int], max_in_flight: int = 2,
+                 delay_s: float = 0.0, observe: Callable[[str, int], None] | None = None) -> None:
+        self._backend, self._limit_of = backend, limit_of
+        self.max_in_flight, self.delay_s = max_in_flight, delay_s
+        self._observe = observe or (lambda model, items: None)
+        self._groups: dict[Key, _Group] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    async def infer(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str],
+                    class_count: int | None = None) -> dict[str, np.ndarray]:
+        """As :meth:`TritonBackend.infer`; the call may travel to Triton inside a larger batch."""
+        limit = self._limit_of(model)
+        items = len(next(iter(inputs.values())))
+        if limit <= 1 or items >= limit:
+            self._observe(model, items)
+            return await self._backend.infer(model, inputs, outputs, class_count)
+        key = (model, tuple(outputs), class_count,
+               tuple((name, a.shape[1:], a.dtype.str) for name, a in sorted(inputs.items())))
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Group(model, list(outputs), class_count, limit)
+        call = _Call(inputs, items, asyncio.get_running_loop().create_future())
+        group.waiting.append(call)
+        if sum(c.items for c in group.waiting) >= limit:
+            self._send(key, group)
+        elif group.in_flight < self.max_in_flight and group.timer is None:
+            loop = asyncio.get_running_loop()  # calls arriving in this loop iteration (or within delay_s) join it
+            group.timer = (loop.call_later(self.delay_s, self._due, key) if self.delay_s > 0
+                           else loop.call_soon(self._due, key))
+        return await call.future
+
+    def _due(self, key: Key) -> None:
+        group = self._groups.get(key)
+        if group is not None:
+            group.timer = None
+            if group.waiting and group.in_flight < self.max_in_flight:
+                self._send(key, group)
+
+    def _send(self, key: Key, group: _Group) -> None:
+        """Take waiting calls (up to the batch limit, skipping those whose client left) and send them as one."""
+        if group.timer is not None:
+            group.timer.cancel()
+            group.timer = None
+        batch: list[_Call] = []
+        size = 0
+        while group.waiting and size + group.waiting[0].items <= group.limit:
+            call = group.waiting.pop(0)
+            if not call.future.done():
+                batch.append(call)
+                size += call.items
+        if not batch:
+            if group.in_flight == 0:
+                self._groups.pop(key, None)
+            return
+        group.in_flight += 1
+        task = asyncio.ensure_future(self._run(key, group, batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, key: Key, group: _Group, batch: list[_Call]) -> None:
+        try:
+            await self._answer(group, batch)
+        finally:
+            group.in_flight -= 1
+            if group.waiting:
+                if sum(c.items for c in group.waiting) >= group.limit or self.delay_s <= 0:
+                    self._send(key, group)
+                elif group.timer is None:
+                    group.timer = asyncio.get_running_loop().call_later(self.delay_s, self._due, key)
+            elif group.in_flight == 0:
+                self._groups.pop(key, None)
+
+    async def _answer(self, group: _Group, batch: list[_Call]) -> None:
+        self._observe(group.model, sum(c.items for c in batch))
+        if len(batch) == 1:
+            await self._alone(group, batch[0])
+            return
+        names = list(batch[0].inputs)
+        joined = {n: np.concatenate([c.inputs[n] for c in batch]) for n in names}
+        try:
+            res = await self._backend.infer(group.model, joined, group.outputs, group.class_count)
+        except TritonRejected:  # some item is at fault: each request alone, so only the faulty one fails
+            await asyncio.gather(*(self._alone(group, c) for c in batch))
+            return
+        except Exception as e:  # Triton down or slow: the same answer for every request of the batch
+            for c in batch:
+                _settle(c.future, error=e)
+            return
+        cuts = np.cumsum([c.items for c in batch])[:-1]
+        parts = {n: np.split(a, cuts) for n, a in res.items()}
+        for i, c in enumerate(batch):
+            _settle(c.future, {n: p[i] for n, p in parts.items()})
+
+    async def _alone(self, group: _Group, call: _Call) -> None:
+        try:
+            res = await self._backend.infer(group.model, call.inputs, group.outputs, group.class_count)
+        except Exception as e:
+            _settle(call.future, error=e)
+        else:
+            _settle(call.future, res)
+
+
+def _settle(future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Answer a waiting call unless its client has gone (its future was cancelled)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
