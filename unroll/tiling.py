@@ -34,16 +34,28 @@ def spans(length: int, size: int, margin: int, align: int = 1) -> list[Span]:
     if length <= size:
         return [Span(0, length, 0, length)]
     window = size - (size - length) % align  # so that the last window, ending at `length`, starts on the grid
-    step = (window - 2 * margin) // align * align
-    if step < align:
-        raise ValueError(f"tile size {size} leaves no room inside two margins of {margin} (align {align})")
-    starts = [*range(0, length - window, step), length - window]
+    starts = _starts(length, window, margin, align)
+    # The fewest windows `size` allows, each as small as that count permits: a 512-pixel side cut for a 448 window
+    # becomes two windows of 280, not two of 448 (the graph would compute the overlap, 1.6× the pixels, twice over).
+    while window - align - 2 * margin >= align:
+        smaller = _starts(length, window - align, margin, align)
+        if len(smaller) > len(starts):
+            break
+        window, starts = window - align, smaller
     out, kept = [], 0
     for s in starts:
         hi = length if s + window >= length else s + window - margin
         out.append(Span(s, s + window, kept, hi))
         kept = hi
     return out
+
+
+def _starts(length: int, window: int, margin: int, align: int) -> list[int]:
+    """Start of each ``window``-long span covering ``[0, length)`` with kept parts ``margin`` in from inner sides."""
+    step = (window - 2 * margin) // align * align
+    if step < align:
+        raise ValueError(f"tile size {window} leaves no room inside two margins of {margin} (align {align})")
+    return [*range(0, length - window, step), length - window]
 
 
 @dataclass(frozen=True)
