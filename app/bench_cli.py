@@ -278,7 +278,23 @@ def bench_memory(
         raise typer.Exit(1)
 
 
-STAGES = ("export", "models", "quality", "serve", "gateway-profile", "soak", "memory")
+@handles_errors
+def bench_png_level(out: OutOpt = RESULTS) -> None:
+    """The zlib level of the denoisers' PNG answers: encode CPU time and size per level on real photos, and the level
+    whose encode + send time is nearest the best on both a 100 Mbit/s and a 1 Gbit/s client link.
+
+    Writes png_level.json and png_level.md; the gateway and the Triton backend encode at the chosen level
+    (serving/imaging/images.py:PNG_LEVEL, kept equal to the result by a test).
+    """
+    from unroll.benchmarks import png_level
+
+    with err.status("encoding photos at every PNG level"):
+        payload = png_level.run(out)
+    _wrote(out, ["png_level"])
+    err.print(png_level.markdown(payload))
+
+
+STAGES = ("export", "models", "quality", "serve", "gateway-profile", "soak", "memory", "png-level")
 
 
 @handles_errors
@@ -343,6 +359,8 @@ def bench_all(
             bench_soak(requests=1_000 if quick else 10_000, concurrency=32, out=out)
         elif stage == "memory":
             bench_memory(requests=4 if quick else 20, out=out)
+        elif stage == "png-level":
+            bench_png_level(out=out)
         else:
             bench_serve(duration=duration, warmup=0.5, concurrency="1,2,4,8,16,32", denoise_concurrency="1,4",
                         denoise_sizes="256,512", batching_concurrency=16, batching_rounds=3,

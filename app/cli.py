@@ -31,6 +31,7 @@ from unroll.app.bench_cli import (
     bench_gateway_profile,
     bench_memory,
     bench_models,
+    bench_png_level,
     bench_quality,
     bench_serve,
     bench_soak,
@@ -497,6 +498,7 @@ def _register_subsystem_commands() -> None:
     bench_app.command("quality")(bench_quality)
     bench_app.command("soak")(bench_soak)
     bench_app.command("memory")(bench_memory)
+    bench_app.command("png-level")(bench_png_level)
     bench_app.command("gateway-profile")(bench_gateway_profile)
     bench_app.command("all")(bench_all)
 
