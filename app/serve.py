@@ -29,6 +29,7 @@ from unroll.errors import ExportError, ServingError, UnrollError
 from unroll.pipeline import graphs_of
 from unroll.registry import get_spec, list_models
 from unroll.serving.gateway import Settings, create_app
+from unroll.serving.gateway.http_settings import ACCESS_LOG_ENV
 from unroll.serving.gateway.server import uvicorn_options
 from unroll.serving.gateway.triton_client import TRITON_API_KEY_ENV
 from unroll.serving.gateway.workers import Stopper, check_workers, default_workers, run_workers
@@ -223,7 +224,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
           triton_protocol: str = "grpc", api_key: str | None = None, repo: Path = artifacts.REPOSITORY_DIR,
           onnx_dir: Path = artifacts.ONNX_DIR, samples_dir: Path = artifacts.SAMPLES_DIR, rebuild: bool = False,
           log_level: str = "info", on_ready: Callable[[str], None] | None = None,
-          models: list[str] | None = None, workers: int | None = None) -> None:
+          models: list[str] | None = None, workers: int | None = None, access_log: bool = False) -> None:
     """Build what is missing, start Triton (unless ``triton_url``) and the gateway; block until Ctrl-C/SIGTERM.
 
     ``workers``: gateway processes behind ``port`` (default ``UNROLL_WORKERS``, else half the cores, 1 to 4;
@@ -233,6 +234,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
 
     Gateway limits (body size, pixels, concurrency, timeouts) come from ``UNROLL_*`` variables
     (see :class:`unroll.serving.gateway.settings.Settings`); ``api_key`` defaults to ``UNROLL_API_KEY``.
+    ``access_log``: one JSON line per request (else as ``UNROLL_ACCESS_LOG`` says, off by default).
     """
     if target not in ("cpu", "gpu"):
         raise ServeError(f"--target must be cpu or gpu, not {target!r}")
@@ -262,7 +264,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
             if on_ready is not None:
                 on_ready(base)
 
-        started = _run_gateway(run, settings, host, port, workers, log_level, announce)
+        started = _run_gateway(run, settings, host, port, workers, log_level, announce, access_log)
         if run.gave_up:
             raise ServeError(f"{run.gave_up[0]}; its log: {(onnx_dir.parent / 'triton.log').resolve()}")
         if not started:
@@ -324,11 +326,13 @@ def _start_triton(run: _Run, models: list[str], onnx_dir: Path, repo: Path, targ
 
 
 def _run_gateway(run: _Run, settings: Settings, host: str, port: int, workers: int, log_level: str,
-                 announce: Callable[[], None]) -> bool:
+                 announce: Callable[[], None], access_log: bool = False) -> bool:
     """Run the gateway (one uvicorn process, or ``workers`` processes on one port) until it stops; whether it
-    started. ``announce`` runs once it listens."""
+    started. ``announce`` runs once it listens; ``access_log`` turns on one JSON line per request."""
     import uvicorn
 
+    if access_log:
+        os.environ[ACCESS_LOG_ENV] = "1"  # the workers read it too
     if workers > 1:
         os.environ.update(settings.env())  # the workers build their app from the UNROLL_* variables
         stopper = Stopper()
@@ -382,13 +386,17 @@ def serve_command(
         envvar="UNROLL_WORKERS", show_envvar=True, min=1, metavar="N",
         help="Gateway worker processes behind the one port (metrics add up across them); default: half the "
              "cores, 1 to 4 (Triton's models take the rest)")] = None,
+    access_log: Annotated[bool, typer.Option(
+        "--access-log", envvar=ACCESS_LOG_ENV, show_envvar=True,
+        help="One JSON line per request on stdout (method, path, status, ms, client, bytes); default: off")] = False,
 ) -> None:
     """Build what is missing, start Triton and the REST gateway, print a curl per endpoint; Ctrl-C stops both."""
     try:
         serve(host=host, port=port, target=target, triton_http_port=triton_http_port,
               triton_grpc_port=triton_grpc_port, triton_metrics_port=triton_metrics_port, triton_url=triton_url,
               triton_protocol=triton_protocol, api_key=api_key, repo=repo, onnx_dir=onnx_dir, rebuild=rebuild,
-              log_level=log_level, models=models.split(",") if models is not None else None, workers=workers)
+              log_level=log_level, models=models.split(",") if models is not None else None, workers=workers,
+              access_log=access_log)
     except UnrollError:
         raise
     except ValueError as e:  # a set-up value the steps reject (ports, settings): still one line, exit 1

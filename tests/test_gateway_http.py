@@ -167,10 +167,60 @@ def test_big_headers_431_complete_or_not(bare: tuple[str, int, Path]) -> None:
     many = "".join(f"X-H{i}: {'v' * 90}\r\n" for i in range(200))  # ~20 KB in one read, complete
     assert_json_error(send_and_read(port, f"GET /healthz HTTP/1.1\r\nHost: x\r\n{many}\r\n".encode()),
                       431, "headers_too_large")
-    # an incomplete head over the limit (h11's incomplete-event bound) is refused the same way
+    # an incomplete head over the limit (counted as it arrives) is refused the same way
     assert_json_error(send_and_read(port, f"GET /healthz HTTP/1.1\r\nHost: x\r\n{many}".encode()),
                       431, "headers_too_large")
     still_serving(base)
+
+
+def trickle_and_read(port: int, pieces: list[bytes]) -> tuple[tuple[int, dict[str, str], bytes], int]:
+    """Send ``pieces`` 0.1 s apart (stopping where the server has answered); the response and the pieces sent."""
+    with connect(port) as s:
+        sent = 0
+        with contextlib.suppress(OSError):  # the server may close while we are still sending
+            for piece in pieces:
+                s.sendall(piece)
+                sent += 1
+                s.settimeout(0.1)
+                try:
+                    if s.recv(1, socket.MSG_PEEK):
+                        break  # it answered
+                except TimeoutError:
+                    continue
+        s.settimeout(30)
+        return read_response(s), sent
+
+
+def test_long_url_in_pieces_is_refused_before_it_ends(bare: tuple[str, int, Path]) -> None:
+    """The target is counted as its pieces arrive: 414 once over the limit, not when (if ever) the line ends."""
+    base, port, _ = bare
+    pieces = [b"GET /healthz?x="] + [b"a" * 1000] * 10
+    resp, sent = trickle_and_read(port, pieces)
+    err = assert_json_error(resp, 414, "uri_too_long")
+    assert "2048" in err["message"] and sent < len(pieces)
+    still_serving(base)
+
+
+def test_big_head_over_several_reads_is_refused_before_it_ends(bare: tuple[str, int, Path]) -> None:
+    """Header bytes are counted as they arrive: an unfinished head is refused once over the limit (431)."""
+    base, port, _ = bare
+    pieces = [b"GET /healthz HTTP/1.1\r\nHost: x\r\n"] + [f"X-H{i}: {'v' * 1000}\r\n".encode() for i in range(30)]
+    resp, sent = trickle_and_read(port, pieces)
+    err = assert_json_error(resp, 431, "headers_too_large")
+    assert "8192" in err["message"] and sent < len(pieces)
+    still_serving(base)
+
+
+def test_pipelined_requests_are_answered_in_order(bare: tuple[str, int, Path]) -> None:
+    _, port, _ = bare
+    raw = (b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /no-such-route HTTP/1.1\r\nHost: x\r\n\r\n"
+           b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    with connect(port) as s:
+        s.sendall(raw)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    assert re.findall(rb"HTTP/1.1 (\d+)", data) == [b"200", b"404", b"200"], data
 
 
 def test_content_length_with_chunked_is_refused(bare: tuple[str, int, Path]) -> None:
@@ -195,6 +245,12 @@ def test_malformed_http_is_a_json_400(bare: tuple[str, int, Path], raw: bytes) -
 def test_unsupported_transfer_encoding_501(bare: tuple[str, int, Path]) -> None:
     raw = b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n"
     assert_json_error(send_and_read(bare[1], raw), 501, "not_implemented")
+
+
+def test_transfer_codings_other_than_chunked_alone_are_501(bare: tuple[str, int, Path]) -> None:
+    raw = b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n"
+    assert_json_error(send_and_read(bare[1], raw), 501, "not_implemented")
+    still_serving(bare[0])
 
 
 def test_process_metrics(bare: tuple[str, int, Path]) -> None:

@@ -2,7 +2,7 @@
 
 For a Triton that is already running (``unroll serve --triton-url`` does the same with set-up), and
 for tests, which start gateways as real uvicorn processes with their own settings. The HTTP layer is
-uvicorn's h11 protocol with the gateway's header deadline and size limits (:mod:`.server`).
+uvicorn's httptools protocol on uvloop with the gateway's header deadline and size limits (:mod:`.server`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import uvicorn
 
 from unroll.serving.gateway.app import create_app
-from unroll.serving.gateway.http_settings import HttpSettings
+from unroll.serving.gateway.http_settings import ACCESS_LOG_ENV, HttpSettings
 from unroll.serving.gateway.server import uvicorn_options
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.gateway.workers import WORKERS_ENV, check_workers, run_workers
@@ -27,9 +27,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log-level", default="info")
     p.add_argument("--workers", default=None, help=f"gateway processes behind the port (default: ${WORKERS_ENV}, "
                                                     "else 1; see unroll.serving.gateway.workers)")
+    p.add_argument("--access-log", action="store_true", help="one JSON line per request on stdout (default: "
+                                                              f"${ACCESS_LOG_ENV}, else off)")
     args = p.parse_args(argv)
     try:
         settings = Settings.from_env()
+        if args.access_log:
+            os.environ[ACCESS_LOG_ENV] = "1"  # for the workers too
         limits = HttpSettings()
         workers = check_workers(args.workers if args.workers is not None else os.environ.get(WORKERS_ENV) or 1)
     except ValueError as e:

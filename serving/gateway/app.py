@@ -22,6 +22,7 @@ from unroll.serving import malloc
 from unroll.serving.gateway import classify, denoise, errors, info, ops
 from unroll.serving.gateway.metrics import Metrics, MetricsMiddleware
 from unroll.serving.gateway.openapi import API_VERSION, DESCRIPTION, TAGS, install_docs
+from unroll.serving.gateway.responses import JSONResponse
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.gateway.state import Gateway
 from unroll.serving.imaging import images
@@ -63,7 +64,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # redirect_slashes=False: `/v1/classify/` is a JSON 404 naming the route meant, not a 307 with an empty body
     # (a redirected POST re-sends the upload). docs_url/redoc_url=None: install_docs serves them without a CDN.
     app = FastAPI(title="unroll gateway", version=API_VERSION, description=DESCRIPTION, lifespan=lifespan,
-                  openapi_tags=TAGS, redirect_slashes=False, docs_url=None, redoc_url=None)
+                  openapi_tags=TAGS, redirect_slashes=False, docs_url=None, redoc_url=None,
+                  default_response_class=JSONResponse)
     errors.install(app, settings.retry_after_s)  # every UnrollError, Triton's failures included, in one handler
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     for task in tasks.routed():  # one /v1 route per task that has one, answered as the route says

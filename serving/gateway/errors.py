@@ -12,12 +12,12 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from unroll.errors import ApiError, ServingError, UnrollError
+from unroll.serving.gateway.responses import JSONResponse
 
 __all__ = ["ApiError", "error_response", "install"]
 

@@ -2,7 +2,7 @@
 
 Kept apart from :class:`~unroll.serving.gateway.settings.Settings` (the gateway's model and inference limits)
 because they are read by two layers: the uvicorn protocol (:mod:`.server`: header time, header and URL
-size) and the body reader (:mod:`.body`: idle gap, upload deadline, uploads at once). Same prefix, same
+size, access log) and the body reader (:mod:`.body`: idle gap, upload deadline, uploads at once). Same prefix, same
 rule: a bad value is an error naming the variable, never ignored.
 
 Memory bound of request bodies: at most ``max_uploads`` bodies are being read at once, each at most
@@ -21,6 +21,9 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from unroll.serving.gateway.settings import ENV_PREFIX, SettingsError
+
+#: The variable that turns the access log on (also ``--access-log``; :attr:`HttpSettings.access_log`).
+ACCESS_LOG_ENV = ENV_PREFIX + "ACCESS_LOG"
 
 
 class HttpSettings(BaseSettings):
@@ -45,7 +48,11 @@ class HttpSettings(BaseSettings):
     """Request bodies being read at once (memory: this × ``max_body_bytes``); beyond that: 429 at once. Above
     the 40 stalled connections that once locked every route, so such a wave no longer refuses anyone else."""
     keep_alive_s: float = Field(5.0, gt=0, allow_inf_nan=False)
-    """How long an idle kept-alive connection stays open between requests."""
+    """How long an idle kept-alive connection stays open between requests (and how long a body the app answered
+    without reading may still take to arrive)."""
+    access_log: bool = False
+    """One JSON line per request on stdout (``method``, ``path``, ``status``, ``ms``, ``client``, ``bytes``); off by
+    default, when it costs nothing (``UNROLL_ACCESS_LOG=1`` or ``--access-log`` turns it on)."""
 
     def __init__(self, **values: Any) -> None:
         """Keyword values win over ``UNROLL_*`` variables; a bad value raises :class:`SettingsError`."""

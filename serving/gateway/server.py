@@ -1,32 +1,48 @@
-"""The HTTP server layer: uvicorn's h11 protocol with a header deadline, size limits and JSON refusals.
+"""The HTTP server layer: uvicorn's httptools protocol with a header deadline, size limits and JSON refusals.
 
 A protocol subclass rather than middleware, because an ASGI app is called only once a request's head is complete:
 it can neither time a client that trickles its headers (slow-loris) nor refuse a head too large to parse, and
-uvicorn bounds neither. :class:`GatewayH11Protocol` answers those (408, 414, 431, and 400 for a request framed by
-both ``Content-Length`` and ``Transfer-Encoding``) with the gateway's JSON error shape before the app runs.
-``uvicorn_options`` gives the ``uvicorn.run`` arguments that install it (the pure-Python h11 parser: the hooks exist
-only there).
+uvicorn bounds neither. :class:`GatewayProtocol` answers those before the app runs, with the gateway's JSON error
+shape, then closes the connection:
+
+- **408** ``request_timeout``: the request line and headers are not complete ``header_timeout_s`` after the
+  connection opened or, on a kept-alive connection, after the next request's first byte (a connection that never
+  sent a byte is closed without a word);
+- **414** ``uri_too_long``: the request target over ``max_url_bytes``, counted as its pieces arrive (``on_url``);
+- **431** ``headers_too_large``: the request line and headers over ``max_header_bytes``, counted as the bytes arrive
+  (a head still incomplete is refused as soon as it is over, not when it ends) and exactly once it is complete;
+- **400** ``bad_request``: both ``Content-Length`` and ``Transfer-Encoding`` (request smuggling), or anything
+  llhttp (httptools' parser) cannot parse; **501** ``not_implemented``: a transfer coding other than ``chunked``.
+
+An HTTP/1.0 client that asks for keep-alive gets it (uvicorn would close), so HTTP/1.0 load generators such as
+``ab -k`` measure the server, not a TCP handshake per request.
+
+A request body the app answered without reading may then be sent for ``keep_alive_s`` at most (the drain timer),
+not forever. The body's own limits (idle gap, upload deadline, uploads at once) hold at the ASGI level
+(:mod:`.body`, :class:`~.state.Uploads`). With ``access_log`` on, one JSON line per request goes to stdout
+(:class:`AccessLog`, installed only then: nothing is spent on it when off). :func:`uvicorn_options` gives the
+``uvicorn.run`` / ``uvicorn.Config`` arguments: this protocol, the uvloop event loop, uvicorn's own access log off.
 """
 
 from __future__ import annotations
 
 import asyncio
 import http
-import json
 import logging
+import sys
+import time
 from typing import Any, ClassVar
 
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+import httptools
+import orjson
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from unroll.errors import UnrollError
 from unroll.serving.gateway.http_settings import HttpSettings
 
 log = logging.getLogger("unroll.gateway")
-
-#: h11's default: ``RemoteProtocolError`` hints 400 unless it knows better (431, 501).
-_CODES = {400: "bad_request", 408: "request_timeout", 414: "uri_too_long", 431: "headers_too_large",
-          501: "not_implemented"}
+#: Where the one-line-per-request JSON records go when ``access_log`` is on (stdout, the message alone).
+access_log = logging.getLogger("unroll.gateway.access")
 
 
 class Refusal(UnrollError):
@@ -40,62 +56,79 @@ class Refusal(UnrollError):
 
 def error_bytes(status: int, code: str, message: str) -> bytes:
     """A complete ``Connection: close`` HTTP/1.1 response with the gateway's JSON error body."""
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    body = error_body(code, message)
     head = (f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
     return head.encode("ascii") + body
 
 
-def check_head(event: h11.Request, limits: HttpSettings) -> None:
-    """Refuse a parsed request head that is too big or frames its body two ways (see the module docstring)."""
-    if len(event.target) > limits.max_url_bytes:
-        raise Refusal(414, "uri_too_long", f"request target is {len(event.target)} bytes; the limit is "
-                                           f"{limits.max_url_bytes}")
-    size = len(event.method) + len(event.target) + 12 + sum(len(k) + len(v) + 4 for k, v in event.headers)
+def error_body(code: str, message: str) -> bytes:
+    """The gateway's JSON error shape, ``{"error": {"code", "message"}}``."""
+    return orjson.dumps({"error": {"code": code, "message": message}})
+
+
+# --- The limits: one check each ---------------------------------------------------------------------------------
+
+def url_refusal(size: int, limits: HttpSettings) -> Refusal | None:
+    """414 when the request target (``size`` bytes received so far) is over ``max_url_bytes``."""
+    if size > limits.max_url_bytes:
+        return Refusal(414, "uri_too_long", f"request target is {size} bytes; the limit is {limits.max_url_bytes}")
+    return None
+
+
+def head_refusal(size: int, limits: HttpSettings, complete: bool = True) -> Refusal | None:
+    """431 when the request line and headers (``size`` bytes, or at least that many if not ``complete``) are over
+    ``max_header_bytes``."""
     if size > limits.max_header_bytes:
-        raise Refusal(431, "headers_too_large", f"request line and headers are {size} bytes; the limit is "
-                                                f"{limits.max_header_bytes}")
-    names = {k for k, _ in event.headers}  # h11 lower-cases names
-    if b"content-length" in names and b"transfer-encoding" in names:
-        raise Refusal(400, "bad_request", "both Content-Length and Transfer-Encoding are set; send one")
+        so_far = "" if complete else " so far (incomplete)"
+        return Refusal(431, "headers_too_large", f"request line and headers are {size} bytes{so_far}; the limit is "
+                                                 f"{limits.max_header_bytes}")
+    return None
 
 
-class _Connection(h11.Connection):
-    """h11's server connection, reporting each parsed head to the protocol (deadline, checks)."""
-
-    def __init__(self, protocol: GatewayH11Protocol, max_incomplete_event_size: int) -> None:
-        super().__init__(h11.SERVER, max_incomplete_event_size=max_incomplete_event_size)
-        self._protocol = protocol
-
-    def next_event(self) -> Any:
-        try:
-            event = super().next_event()
-        except h11.RemoteProtocolError as e:
-            status = e.error_status_hint if e.error_status_hint in _CODES else 400
-            self._protocol.refusal = Refusal(status, _CODES[status], f"malformed HTTP request: {e}")
-            raise
-        if isinstance(event, h11.Request):
-            self._protocol.head_complete()
-            try:
-                check_head(event, self._protocol.limits)
-            except Refusal as r:
-                self._protocol.refusal = r
-                raise h11.RemoteProtocolError(r.message, error_status_hint=r.status) from None
-        return event
+#: A body framed two ways: which one a proxy in front believes decides where the next request starts (smuggling).
+BOTH_FRAMINGS = "both Content-Length and Transfer-Encoding are set; send one"
 
 
-class GatewayH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a head deadline, head size checks and JSON refusals (module docstring)."""
+def transfer_coding_refusal(codings: list[bytes]) -> Refusal | None:
+    """501 for a ``Transfer-Encoding`` other than exactly ``chunked`` (``codings``: its header values)."""
+    if codings and [c.strip() for c in b",".join(codings).lower().split(b",")] != [b"chunked"]:
+        shown = b", ".join(codings).decode("latin-1")
+        return Refusal(501, "not_implemented", f"Transfer-Encoding {shown!r} is not supported; only chunked is")
+    return None
+
+
+def parse_refusal(error: Exception) -> Refusal:
+    """The refusal of a request llhttp could not parse: 400, the framing message where both framings are set."""
+    reason = str(error.__context__ or error) or type(error).__name__
+    if "Content-Length" in reason and "Transfer-Encoding" in reason:  # llhttp: "X can't be present with Y"
+        return Refusal(400, "bad_request", BOTH_FRAMINGS)
+    return Refusal(400, "bad_request", f"malformed HTTP request: {reason}")
+
+
+# --- The protocol -------------------------------------------------------------------------------------------------
+
+class GatewayProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a head deadline, head size checks, a drain timer and JSON refusals (module
+    docstring). ``limits`` is bound by :func:`protocol_class` (uvicorn instantiates the class it is given)."""
 
     limits: ClassVar[HttpSettings]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.conn = _Connection(self, self.limits.max_header_bytes)
+        if self.limits.access_log:
+            self.app = AccessLog(self.app)
         self.refusal: Refusal | None = None
         self._head_timer: asyncio.TimerHandle | None = None
         self._drain_timer: asyncio.TimerHandle | None = None
+        self._head_open = True  # waiting for, or reading, a request's line and headers
         self._head_bytes = False  # whether any byte of the pending head has arrived
+        self._head_seen = 0  # bytes of the pending head received so far (counted per read)
+        self._heads = 0  # heads completed on this connection
+        self._begun = False  # a request has begun and not yet ended
+        self._in_body = False  # between a head and the end of its body
+        self._url_size = self._header_size = 0
+        self._codings: list[bytes] = []
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -107,25 +140,108 @@ class GatewayH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self.conn.their_state is h11.IDLE:
+        self._unset_keepalive_if_required()
+        open_before, heads_before = self._head_open, self._heads
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        except httptools.HttpParserError as e:
+            self._refuse(self.refusal or parse_refusal(e))
+            return
+        if self._head_open:
+            if open_before and self._heads == heads_before:  # every byte of this read belongs to the pending head
+                self._head_seen += len(data)
+            elif not self._begun:  # the read ended with a request: nothing of the next one yet
+                return
+            # else a pipelined head began inside this read: its bytes there are not counted, the next reads are
             self._head_bytes = True
             if self._head_timer is None:
                 self._arm()  # the next request on a kept-alive connection: its head is timed from its first byte
-        super().data_received(data)
-        if self.conn.their_state is h11.SEND_BODY and self.conn.our_state in (h11.DONE, h11.MUST_CLOSE):
-            if self._drain_timer is None:  # answered; the rest of an unread body gets keep_alive_s, not forever
-                self._drain_timer = self.loop.call_later(self.limits.keep_alive_s, self.transport.close)
-        else:
-            self._stop_drain()
+            r = head_refusal(self._head_seen, self.limits, complete=False)
+            if r is not None:
+                self._refuse(r)
+        elif self._in_body and self.cycle.response_complete and self._drain_timer is None:
+            # answered; the rest of an unread body gets keep_alive_s, not forever
+            self._drain_timer = self.loop.call_later(self.limits.keep_alive_s, self.transport.close)
+
+    # Parser callbacks: a Refusal raised here stops the parser; data_received answers it.
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._begun = True
+        self._url_size = self._header_size = 0
+        self._codings = []
+
+    def on_url(self, url: bytes) -> None:
+        self._url_size += len(url)
+        self._raise(url_refusal(self._url_size, self.limits))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        super().on_header(name, value)
+        self._header_size += len(name) + len(value) + 4
+        if self.headers[-1][0] == b"transfer-encoding":
+            self._codings.append(value)
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        self._head_open = self._head_bytes = False
+        self._heads += 1
+        method = self.parser.get_method()
+        self.scope["method"] = method.decode("ascii")
+        size = len(method) + self._url_size + 12 + self._header_size
+        self._raise(head_refusal(size, self.limits) or transfer_coding_refusal(self._codings))
+        self._in_body = True
+        super().on_headers_complete()
+        if self.parser.get_http_version() == "1.0" and self.parser.should_keep_alive():
+            self._keep_alive_1_0()
+
+    def _keep_alive_1_0(self) -> None:
+        """An HTTP/1.0 request that asks ``Connection: keep-alive`` (as ``ab -k`` does) keeps its connection, and
+        its answer says so (an HTTP/1.0 client closes otherwise); uvicorn alone closes every HTTP/1.0 connection."""
+        cycle = self.cycle
+        cycle.keep_alive = True
+        cycle.default_headers = [*cycle.default_headers, (b"connection", b"keep-alive")]
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._begun = self._in_body = False
+        self._head_open, self._head_seen = True, 0
+        self._stop_drain()
+
+    def _raise(self, refusal: Refusal | None) -> None:
+        if refusal is not None:
+            self.refusal = refusal
+            raise refusal
+
+    # Refusals and timers
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's refusal of what it cannot parse: the gateway's JSON instead of plain text."""
+        self._refuse(self.refusal or Refusal(400, "bad_request", f"malformed HTTP request: {msg}"))
+
+    def _refuse(self, r: Refusal) -> None:
+        """Answer a refusal before the app (JSON, ``Connection: close``) and close."""
+        self._disarm()
+        self.refusal = None
+        log.warning("refused a request from %s: %d %s", _peer(self.client), r.status, r.message)
+        if not self.transport.is_closing():
+            self.transport.write(error_bytes(r.status, r.code, r.message))
+            self.transport.close()
+            if self.limits.access_log:
+                method = (self.scope or {}).get("method")  # known once the head is complete
+                write_access(method, getattr(self, "url", b"")[:256].decode("latin-1") or None, r.status, None,
+                             self.client, len(error_body(r.code, r.message)))
 
     def _stop_drain(self) -> None:
         if self._drain_timer is not None:
             self._drain_timer.cancel()
             self._drain_timer = None
-
-    def head_complete(self) -> None:
-        self._disarm()
-        self._head_bytes = False
 
     def _arm(self) -> None:
         self._disarm()
@@ -138,32 +254,76 @@ class GatewayH11Protocol(H11Protocol):
 
     def _head_timeout(self) -> None:
         self._head_timer = None
-        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+        if self.transport.is_closing() or not self._head_open:
             return
         if self._head_bytes:  # a client that sent nothing (an idle pre-connection) is closed without a word
-            log.warning("closing %s: request headers not complete within %g s", _peer(self.client),
-                        self.limits.header_timeout_s)
-            self.transport.write(error_bytes(408, "request_timeout", "request headers not complete within "
-                                                                     f"{self.limits.header_timeout_s:g} s"))
+            self._refuse(Refusal(408, "request_timeout", "request headers not complete within "
+                                                         f"{self.limits.header_timeout_s:g} s"))
         self.transport.close()
-
-    def send_400_response(self, msg: str) -> None:
-        """Every request uvicorn refuses before the app (malformed, too big, conflicting framing): JSON, then close."""
-        self._disarm()
-        r = self.refusal or Refusal(400, "bad_request", f"malformed HTTP request: {msg}")
-        self.refusal = None
-        log.warning("refused a request from %s: %d %s", _peer(self.client), r.status, r.message)
-        if not self.transport.is_closing():
-            self.transport.write(error_bytes(r.status, r.code, r.message))
-            self.transport.close()
 
 
 def _peer(client: tuple[str, int] | None) -> str:
     return f"{client[0]}:{client[1]}" if client else "a client"
 
 
-class EnvGatewayH11Protocol(GatewayH11Protocol):
-    """:class:`GatewayH11Protocol` with its limits from the ``UNROLL_*`` variables, read once per process: importable
+# --- The access log (only when on) ----------------------------------------------------------------------------
+
+def write_access(method: str | None, path: str | None, status: int, ms: float | None,
+                 client: tuple[str, int] | None, size: int) -> None:
+    """One access record: a JSON object on one line (``method``, ``path``, ``status``, ``ms``, ``client``,
+    ``bytes``: the response body's; ``ms`` from the app's call to its last byte, ``null`` when refused before)."""
+    access_log.info(orjson.dumps({"method": method, "path": path, "status": status, "ms": ms,
+                                  "client": _peer(client) if client else None, "bytes": size}).decode())
+
+
+def _setup_access_log() -> None:
+    if not access_log.handlers:  # once per process (each --workers process sets up its own)
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        access_log.addHandler(handler)
+        access_log.setLevel(logging.INFO)
+        access_log.propagate = False
+
+
+class AccessLog:
+    """ASGI wrapper that writes one :func:`write_access` record per HTTP request once it is answered (status 499
+    when the client left before an answer, 500 when the app failed before one)."""
+
+    def __init__(self, app: Any) -> None:
+        _setup_access_log()
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status, size = 0, 0
+
+        async def counted(message: Any) -> None:
+            nonlocal status, size
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                size += len(message.get("body", b""))
+            await send(message)
+
+        failed = True
+        try:
+            await self.app(scope, receive, counted)
+            failed = False
+        finally:
+            ms = round((time.perf_counter() - t0) * 1000.0, 3)
+            path = scope.get("path", "")
+            if scope.get("query_string"):
+                path += "?" + scope["query_string"].decode("latin-1")
+            write_access(scope.get("method"), path, status or (500 if failed else 499), ms, scope.get("client"),
+                         size)
+
+
+# --- How uvicorn is told ------------------------------------------------------------------------------------------
+
+class EnvGatewayProtocol(GatewayProtocol):
+    """:class:`GatewayProtocol` with its limits from the ``UNROLL_*`` variables, read once per process: importable
     by name, which is how uvicorn's spawned workers get it (``--workers``, :mod:`.workers`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -173,13 +333,15 @@ class EnvGatewayH11Protocol(GatewayH11Protocol):
         super().__init__(*args, **kwargs)
 
 
-def protocol_class(limits: HttpSettings) -> type[GatewayH11Protocol]:
-    """:class:`GatewayH11Protocol` bound to ``limits`` (uvicorn instantiates the class it is given)."""
-    return type("GatewayH11Protocol", (GatewayH11Protocol,), {"limits": limits})
+def protocol_class(limits: HttpSettings) -> type[GatewayProtocol]:
+    """:class:`GatewayProtocol` bound to ``limits`` (uvicorn instantiates the class it is given)."""
+    return type("GatewayProtocol", (GatewayProtocol,), {"limits": limits})
 
 
-def uvicorn_options(limits: HttpSettings | None = None) -> dict[str, Any]:
-    """Keyword arguments for ``uvicorn.run`` / ``uvicorn.Config`` that bound what one client can hold."""
+def uvicorn_options(limits: HttpSettings | None = None, http: type | str | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``uvicorn.run`` / ``uvicorn.Config``: the gateway protocol bound to ``limits`` (or
+    ``http``, e.g. the import string of :class:`EnvGatewayProtocol` for worker processes), the uvloop event loop,
+    uvicorn's own access log off (``limits.access_log`` writes the gateway's, :class:`AccessLog`)."""
     limits = limits or HttpSettings()
-    return {"http": protocol_class(limits), "h11_max_incomplete_event_size": limits.max_header_bytes,
+    return {"http": http or protocol_class(limits), "loop": "uvloop", "access_log": False,
             "timeout_keep_alive": limits.keep_alive_s}

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from unroll.serving.gateway.http_settings import HttpSettings
+from unroll.serving.gateway.server import uvicorn_options
 from unroll.serving.gateway.settings import ENV_PREFIX
 
 log = logging.getLogger("unroll.gateway")
@@ -33,8 +34,8 @@ WORKERS_ENV = ENV_PREFIX + "WORKERS"
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 #: The app factory the workers import (``uvicorn`` needs an import string to spawn workers).
 APP_FACTORY = "unroll.serving.gateway.app:create_app"
-#: The HTTP protocol the workers import: the gateway's h11 protocol with its limits from ``UNROLL_*`` variables.
-HTTP_PROTOCOL = "unroll.serving.gateway.server:EnvGatewayH11Protocol"
+#: The HTTP protocol the workers import: the gateway's httptools protocol with its limits from ``UNROLL_*`` variables.
+HTTP_PROTOCOL = "unroll.serving.gateway.server:EnvGatewayProtocol"
 #: Most workers chosen by default (beyond the cores, or a few, more processes only add contention).
 MAX_DEFAULT_WORKERS = 4
 
@@ -178,8 +179,7 @@ def run_workers(host: str, port: int, workers: int, log_level: str, on_ready: Ca
 
     with metrics_dir():
         config = uvicorn.Config(APP_FACTORY, factory=True, host=host, port=port, workers=workers, log_level=log_level,
-                                http=HTTP_PROTOCOL, h11_max_incomplete_event_size=limits.max_header_bytes,
-                                timeout_keep_alive=limits.keep_alive_s, **uvicorn_kwargs)
+                                **uvicorn_options(limits, http=HTTP_PROTOCOL), **uvicorn_kwargs)
         sock = config.bind_socket()
         probe = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         watcher = threading.Thread(target=_announce_when_up, args=(f"http://{probe}:{port}/healthz", ready, done),
