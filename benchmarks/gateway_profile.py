@@ -52,7 +52,8 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
                                          r"\(serving/gateway/state\.py")),
     ("routing and dependencies (FastAPI)", (r"\(fastapi/", r"starlette/routing\.py")),
     ("threadpool hand-off", (r"\(anyio/", r"starlette/concurrency\.py", r"\(concurrent/futures", r"threading\.py")),
-    ("HTTP server (uvicorn, h11)", (r"\(uvicorn/", r"\(h11/", r"\(serving/gateway/server\.py", r"\(starlette/")),
+    ("HTTP server (uvicorn, httptools, uvloop)", (r"\(uvicorn/", r"\(httptools/", r"\(uvloop/",
+                                                  r"\(serving/gateway/server\.py", r"\(starlette/")),
     ("event loop", (r"\(asyncio/",)),
 )
 #: Frames of a thread with nothing to do (the loop in select/epoll; a worker thread waiting for work), should

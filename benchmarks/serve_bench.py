@@ -25,7 +25,7 @@ import numpy as np
 
 from unroll import artifacts
 from unroll.benchmarks import perf_analyzer as pa
-from unroll.benchmarks import plots
+from unroll.benchmarks import plots, serve_ab
 from unroll.benchmarks.common import (
     exported_card,
     latency_summary,
@@ -258,9 +258,11 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
         payload["servers"] = _servers_info(servers, served)
         cells = [(w, p, c) for w in workloads for p in w.paths for c in w.concurrency]
         with progress_bars(progress) as bars:
-            bar = _Bars(bars, bars.add_task("serve sweep", total=len(cells) + 4, info=""),
+            bar = _Bars(bars, bars.add_task("serve sweep", total=len(cells) + 5, info=""),
                         bars.add_task("level", total=duration_s, info=""), duration_s)
             runs = _sweep(bar, cells, duration_s, warmup_s, servers, sessions)
+            payload["ab"] = serve_ab.runs(workloads, servers.triton_http, servers.gateway, duration_s, show=bar.show)
+            bar.advance()
             classify = workloads[0]
             bar.show("ONNX Runtime batched ceiling")
             payload["ort_ceiling"] = ort_ceiling(sessions[served.classifier], classify, tuple(ceiling_batch_sizes))

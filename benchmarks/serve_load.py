@@ -105,7 +105,7 @@ def denoise_workload(name: str, size: int, n: int = DENOISE_IMAGES, sigma255: fl
 Client = tuple[Callable[[int], object], Callable[[], None]]
 
 
-def _as_batch(a: np.ndarray) -> np.ndarray:
+def as_batch(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1, 1) if a.ndim == 1 else a  # [B] (lam, sigma) travels as [B, 1] (config: dims [1] + reshape)
 
 
@@ -128,7 +128,7 @@ def triton_http_client(url: str, w: Workload) -> Callable[[], Client]:
         def call(i: int) -> object:
             ins = []
             for name, a in w.arrays[i % len(w.arrays)].items():
-                a = _as_batch(a)
+                a = as_batch(a)
                 t = httpclient.InferInput(name, list(a.shape), "FP32")
                 t.set_data_from_numpy(a, binary_data=True)
                 ins.append(t)
@@ -149,7 +149,7 @@ def triton_grpc_client(url: str, w: Workload) -> Callable[[], Client]:
         def call(i: int) -> object:
             ins = []
             for name, a in w.arrays[i % len(w.arrays)].items():
-                a = _as_batch(a)
+                a = as_batch(a)
                 t = grpcclient.InferInput(name, list(a.shape), "FP32")
                 t.set_data_from_numpy(a)
                 ins.append(t)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from unroll.benchmarks.common import load_note
+from unroll.benchmarks.serve_ab import AB_PATHS
 from unroll.benchmarks.serve_load import PATH_LABELS, PERF_ANALYZER_CONCURRENCY
 from unroll.benchmarks.serve_triton import FLOOR_MODEL
 
@@ -12,6 +13,11 @@ TARGET_BATCHING_SPEEDUP = 1.5
 TARGET_DIRECT_OVERHEAD_MS = 0.5
 #: Triton direct at the batching concurrency ≥ this share of ONNX Runtime's in-process batched ceiling.
 TARGET_CEILING_SHARE = 0.7
+#: Issue 24's request-path targets (all from ``ab`` runs, the same client for the gateway and Triton direct).
+TARGET_GATEWAY_CPU_MS = 0.8
+TARGET_GATEWAY_OVER_DIRECT_MS = 1.0
+TARGET_GATEWAY_THROUGHPUT_SHARE = 0.6
+TARGET_DENOISE_SHARE_MS = 5.0
 
 
 def targets(payload: dict) -> list[dict]:
@@ -40,7 +46,10 @@ def targets(payload: dict) -> list[dict]:
                                                     f"{b['off']['throughput_rps']:.0f} req/s)",
                 "value": sp, "met": None if sp is None else sp >= TARGET_BATCHING_SPEEDUP})
     out += _direct_targets(payload)
+    out += request_path_targets(payload)
     all_runs = runs + _batching_runs(b)
+    ab_runs = [{**r, "errors": r["failed"]} for r in (payload.get("ab") or {}).get("runs", [])]
+    all_runs += ab_runs
     n_err = sum(r["errors"] for r in all_runs)
     bad = sorted({f"{r['workload']} {r['path']} c={r['concurrency']}" for r in all_runs if r["errors"]})
     out.append({"target": "zero errors at every level", "value": n_err, "met": n_err == 0,
@@ -233,6 +242,7 @@ def markdown(payload: dict) -> str:
                  if r.get("gateway_share_ms", {}).get("vs") not in (None, own)}
         for vs in sorted(other):
             lines += ["", f"† vs {PATH_LABELS[vs]} ({PATH_LABELS[own]} not measured for this input)."]
+    lines += ab_markdown(payload)
     lines += _cpu_markdown(payload)
     lines += _direct_markdown(payload)
     if b:
@@ -262,3 +272,81 @@ def markdown(payload: dict) -> str:
     lines += ["", "Plots: `serve_latency.png` (p50/p99 vs concurrency), `serve_throughput.png`, `serve_split.png` "
               "(per-layer mean ms).", ""]
     return "\n".join(lines)
+
+
+def _ab_row(payload: dict, workload: str, path: str, c: int) -> dict | None:
+    rows = (payload.get("ab") or {}).get("runs", [])
+    return next((r for r in rows if r["workload"] == workload and r["path"] == path and r["concurrency"] == c
+                 and r["requests"]), None)
+
+
+def request_path_targets(payload: dict) -> list[dict]:
+    """Issue 24's targets: what the gateway costs over Triton direct, both driven by ``ab`` for the classifier (empty
+    for results from before ``ab`` was part of the benchmark), by the Python clients for the denoiser."""
+    ab = payload.get("ab")
+    if not ab:
+        return []
+    why = ab.get("missing") or "not measured"
+    first = next(iter(payload["config"]["workloads"]))
+    top = max((r["concurrency"] for r in ab["runs"] if r["workload"] == first), default=32)
+    gw_top, gw1 = _ab_row(payload, first, "gateway", top), _ab_row(payload, first, "gateway", 1)
+    out = []
+    cpu = gw_top["cpu_ms_per_request"]["gateway"] if gw_top and gw_top.get("cpu_ms_per_request") else None
+    out.append({"target": f"gateway CPU per classify request at concurrency {top} ≤ {TARGET_GATEWAY_CPU_MS:g} ms",
+                "measured": why if cpu is None else f"{cpu:.3f} ms ({gw_top['throughput_rps']:.0f} req/s)",
+                "value": cpu, "met": None if cpu is None else cpu <= TARGET_GATEWAY_CPU_MS})
+    d1 = _ab_row(payload, first, "triton-tensor", 1)
+    over = gw1["latency_ms"]["p50"] - d1["latency_ms"]["p50"] if gw1 and d1 else None
+    out.append({"target": f"gateway p50 at concurrency 1 ≤ Triton direct + {TARGET_GATEWAY_OVER_DIRECT_MS:g} ms (both "
+                          "driven by ab over HTTP)",
+                "measured": why if over is None else f"{over:+.2f} ms (gateway {gw1['latency_ms']['p50']:.2f} ms, "
+                                                     f"Triton direct {d1['latency_ms']['p50']:.2f} ms)",
+                "value": over, "met": None if over is None else over <= TARGET_GATEWAY_OVER_DIRECT_MS})
+    direct = [r for r in ab["runs"] if r["workload"] == first and r["path"].startswith("triton") and r["requests"]]
+    direct += [r for r in (payload.get("perf_analyzer") or {}).get("runs", []) if r["workload"] == first]
+    best = max(direct, key=lambda r: r["throughput_rps"], default=None)
+    share = gw_top["throughput_rps"] / best["throughput_rps"] if gw_top and best else None
+    label = None if best is None else ("perf_analyzer" if best["path"] == "perf-analyzer" else
+                                       f"ab, {best['path']}") + f", c={best['concurrency']}"
+    out.append({"target": f"gateway throughput at concurrency {top} ≥ {TARGET_GATEWAY_THROUGHPUT_SHARE:.0%} of "
+                          "Triton direct's best",
+                "measured": why if share is None else f"{share:.0%} ({gw_top['throughput_rps']:.0f} vs "
+                                                      f"{best['throughput_rps']:.0f} req/s, {label})",
+                "value": share, "met": None if share is None else share >= TARGET_GATEWAY_THROUGHPUT_SHARE})
+    # the denoiser's gateway share from the sweep: the gateway and Triton's gRPC endpoint, each by its Python client
+    sizes = [k for k in payload["config"]["workloads"] if k.startswith("denoise")]
+    big = max(sizes, default=None, key=lambda k: int(k.rsplit("-", 1)[-1]))
+    g = next((r for r in payload["runs"] if r["workload"] == big and r["path"] == "gateway" and r["concurrency"] == 1
+              and r.get("gateway_share_ms")), None)
+    share_ms = g["gateway_share_ms"]["p50"] if g else None
+    out.append({"target": f"{big or 'denoise'}: gateway share (gateway p50 − Triton direct p50, concurrency 1, Python "
+                          f"clients) ≤ {TARGET_DENOISE_SHARE_MS:g} ms",
+                "measured": "not measured" if share_ms is None else
+                f"{share_ms:.2f} ms (gateway {g['latency_ms']['p50']:.2f} ms, "
+                f"{PATH_LABELS[g['gateway_share_ms']['vs']]} {g['latency_ms']['p50'] - share_ms:.2f} ms)",
+                "value": share_ms, "met": None if share_ms is None else share_ms <= TARGET_DENOISE_SHARE_MS})
+    return out
+
+
+def ab_markdown(payload: dict) -> list[str]:
+    """The ``ab`` table: gateway and Triton direct driven by the same client, with CPU per request by process."""
+    ab = payload.get("ab")
+    if not ab:
+        return []
+    lines = ["", "## Gateway vs Triton direct, one client for both (ab, keep-alive, HTTP)", ""]
+    if not ab.get("available"):
+        return lines + [f"Not measured: {ab.get('missing')}."]
+    lines += ["ApacheBench (`ab -k`, C) sends the classifier's first sample over and over on kept-alive "
+              "connections: the PNG to the gateway, the same sample to Triton's v2 HTTP endpoint as tensors (binary "
+              "inputs, JSON outputs) and, where the model takes it, as the PNG bytes themselves (`image_bytes`). "
+              "CPU: ms per request by process from `/proc` (gateway workers summed; stubs = Python-backend "
+              "processes; client = ab).", "",
+              "| workload | path | conc. | req/s | p50 | p90 | p99 | failed | gateway CPU | tritonserver CPU | "
+              "stubs CPU | client CPU |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in ab["runs"]:
+        L, c = r["latency_ms"], r.get("cpu_ms_per_request") or {}
+        lines.append(f"| {r['model']}: {r['input']} | {AB_PATHS[r['path']]} | {r['concurrency']} | "
+                     f"{_f(r['throughput_rps'], 1)} | {_f(L['p50'])} | {_f(L['p90'])} | {_f(L['p99'])} | "
+                     f"{r['failed']} | {_f(c.get('gateway'), 3)} | {_f(c.get('tritonserver'), 3)} | "
+                     f"{_f(c.get('backends'), 3)} | {_f(c.get('client'), 3)} |")
+    return lines

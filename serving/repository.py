@@ -26,6 +26,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from unroll import artifacts, tasks
 from unroll.card import CARD_KEY, CardError, ModelCard, from_onnx
 from unroll.errors import RepositoryError  # re-exported: callers import it from here
+from unroll.serving.imaging import prepare, wire
 from unroll.serving.profile import PROFILE_KEY, Range, ServedProfile
 from unroll.serving.repository_check import (
     PLAN_JSON,
@@ -144,6 +145,8 @@ def _warmup(src: Source, cfg: mc.ModelConfig, batch_sizes: Iterable[int]) -> Non
     for b in batch_sizes:
         w = cfg.model_warmup.add(name=f"{src.name}-batch{b}", batch_size=b)
         for inp in cfg.input:
+            if inp.name in image_inputs(cfg):  # encoded images: warmed up through the float input they replace
+                continue
             dims = list(inp.dims)
             if any(d < 0 for d in dims):
                 shape = example.get(inp.name)
@@ -183,9 +186,14 @@ def default_max_batch_size(target: Target, card: ModelCard, profile: ServedProfi
 
 def build_config(src: Source, target: Target, precision: str = "fp32", threads: int = 2,
                  max_batch_size: int | None = None, queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
-                 instances: int = 1, cpu_stand_in: bool = False,
-                 spinning: bool = INTRA_OP_SPINNING) -> tuple[mc.ModelConfig, list[str] | None]:
-    """The ModelConfig for one model, and its labels (classifiers) or None (``cpu_stand_in``: see the module doc)."""
+                 instances: int = 1, cpu_stand_in: bool = False, spinning: bool = INTRA_OP_SPINNING,
+                 max_pixels: int = wire.DEFAULT_MAX_PIXELS, max_aspect_ratio: float = wire.DEFAULT_MAX_ASPECT_RATIO,
+                 ) -> tuple[mc.ModelConfig, list[str] | None]:
+    """The ModelConfig for one model, and its labels (classifiers) or None (``cpu_stand_in``: see the module doc).
+
+    A CPU config of a model whose card takes an image and whose task has a gateway route (classifiers, denoisers)
+    also takes encoded images (:func:`_image_protocol`), within ``max_pixels`` and ``max_aspect_ratio`` (defaults:
+    the gateway's)."""
     if max_batch_size is None:
         max_batch_size = default_max_batch_size(target, src.card, src.profile)
     inputs, outputs = onnx_io(src.onnx)
@@ -216,6 +224,11 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
         if tasks.get(src.card.task).logits and t.name == src.card.output:
             labels = class_labels(src.card, t.dims[-1])
             io.label_filename = LABELS_FILE
+    kind = prepare.protocol_kind(src.card) if target == "cpu" and not cpu_stand_in else None
+    if kind is not None and {t.name for t in inputs + outputs} & set(wire.NAMES):
+        kind = None  # a graph tensor takes one of the protocol's names: served as its graph only (see _header)
+    if kind is not None:
+        _image_protocol(src, cfg, kind)
     if batching:
         cfg.dynamic_batching.SetInParent()  # present even with delay 0 (the default): dynamic batching on
         cfg.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
@@ -227,6 +240,8 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
                       "intra_op_spinning": "1" if spinning else "0"}
     if target == "cpu":
         params |= python_backend | {"cpu_runtime": src.card.cpu_runtime, "input_defaults": json.dumps(defaults)}
+        if kind is not None:
+            params |= {wire.MAX_PIXELS_KEY: str(max_pixels), wire.MAX_ASPECT_RATIO_KEY: f"{max_aspect_ratio:g}"}
     else:
         profile = src.profile if src.profile is not None else card_profile(src, cfg)
         params[PROFILE_KEY] = profile.to_json()
@@ -259,6 +274,35 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
     return cfg, labels
 
 
+def image_inputs(cfg: mc.ModelConfig) -> set[str]:
+    """The encoded-image protocol's inputs in ``cfg`` (:mod:`unroll.serving.imaging.wire`; none in GPU configs)."""
+    names = {i.name for i in cfg.input}
+    return set(wire.INPUTS) & names if wire.IMAGE_BYTES in names else set()
+
+
+def _image_protocol(src: Source, cfg: mc.ModelConfig, kind: str) -> None:
+    """Add the encoded-image protocol to a CPU config (``serving/triton_backend_model.py``'s docstring):
+    ``image_bytes`` (+ ``invert`` for classifiers, ``format`` for image-to-image graphs) as optional inputs,
+    ``image_info`` (+ ``encoded``) as outputs (types: :data:`.wire.TYPES`); the card's float input (and σ, then
+    estimated) become optional, since a request carries either the float tensor or the encoded image. Not for a
+    graph with a tensor of one of the protocol's names (:data:`.wire.NAMES`)."""
+    card = src.card
+    alternatives = {card.input.name} | ({card.sigma.input} if kind == "image" and card.sigma is not None else set())
+    for io in cfg.input:
+        if io.name in alternatives:
+            io.optional = True
+    added = [wire.IMAGE_BYTES, wire.INVERT if kind == "predictions" else wire.FORMAT]
+    for name in added:
+        cfg.input.add(name=name, data_type=mc.DataType.Value(wire.TYPES[name]), dims=wire.DIMS[name], optional=True)
+    for name in ([wire.ENCODED] if kind == "image" else []) + [wire.IMAGE_INFO]:
+        cfg.output.add(name=name, data_type=mc.DataType.Value(wire.TYPES[name]), dims=wire.DIMS[name])
+
+
+def _graph_io(src: Source) -> list[Tensor]:
+    inputs, outputs = onnx_io(src.onnx)
+    return inputs + outputs
+
+
 def _header(src: Source, target: Target, precision: str, cfg: mc.ModelConfig, cpu_stand_in: bool = False) -> str:
     lines = [f"Generated by `unroll repo --target {target} --precision {precision}` from {src.onnx.name}"
              + (f" and {src.plan.name}" if src.plan else "") + "; regenerate instead of editing."]
@@ -271,6 +315,15 @@ def _header(src: Source, target: Target, precision: str, cfg: mc.ModelConfig, cp
               "max_queue_delay_microseconds and max_batch_size: defaults explained in serving/repository.py "
               "(re-measure with `unroll bench serve`).",
               "model_warmup runs before the model reports ready."]
+    clash = sorted({i.name for i in _graph_io(src)} & set(wire.NAMES))
+    if clash and target == "cpu" and prepare.protocol_kind(src.card) is not None:
+        lines.append(f"No encoded-image inputs: the graph's {', '.join(clash)} take the protocol's names "
+                     f"({', '.join(wire.NAMES)}).")
+    if image_inputs(cfg):
+        lines.append(f"{wire.IMAGE_BYTES}: encoded images (PNG/JPEG/WebP/TIFF/BMP, one per batch item) instead of "
+                     f"{src.card.input.name}, decoded and fitted to the card in the model; outputs "
+                     f"{', '.join(o.name for o in cfg.output if o.name in wire.OUTPUTS)} (protocol: "
+                     "serving/triton_backend_model.py docstring).")
     if src.card.lam is not None:
         lines.append("lam is optional (default = the trained λ) on the CPU target only: the GPU backends cannot "
                      "default a missing input, so the gateway always sends lam." if target == "cpu"

@@ -19,6 +19,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from unroll import artifacts
 from unroll.errors import RepositoryError
+from unroll.serving.imaging import wire
 from unroll.serving.profile import PROFILE_KEY, ProfileError, ServedProfile, from_plan_profile
 
 #: The plan's JSON (``unroll build``), copied beside config.pbtxt so validation can re-check the plan.
@@ -177,8 +178,11 @@ def validate_model(model_dir: Path, reference_onnx: Path | None = None, name: st
     graph_batching = all(t.dims and t.dims[0] == -1 for t in inputs + outputs)
     if batching and not graph_batching:
         errors.append(f"max_batch_size {cfg.max_batch_size} but the ONNX graph has no dynamic batch dimension")
-    errors += _check_tensors("input", list(cfg.input), inputs, batching, exact=True)
-    errors += _check_tensors("output", list(cfg.output), outputs, batching, exact=False)
+    protocol = _image_protocol_errors(cfg, inputs + outputs)
+    errors += protocol
+    extra = set(wire.NAMES) if not protocol and cfg.backend == "python" else set()
+    errors += _check_tensors("input", [i for i in cfg.input if i.name not in extra], inputs, batching, exact=True)
+    errors += _check_tensors("output", [o for o in cfg.output if o.name not in extra], outputs, batching, exact=False)
     for out in cfg.output:
         if out.label_filename:
             lf = model_dir / out.label_filename
@@ -203,6 +207,29 @@ def validate_model(model_dir: Path, reference_onnx: Path | None = None, name: st
     if errors:
         raise RepositoryError(f"{name} ({path}) does not match {Path(reference_onnx).name}:\n  " + "\n  ".join(errors))
     return cfg
+
+
+def _image_protocol_errors(cfg: mc.ModelConfig, graph: list[Tensor]) -> list[str]:
+    """The encoded-image protocol's tensors (:mod:`unroll.serving.imaging.wire`), where a config has them: Python
+    backend only, the types and dims of :data:`.wire.TYPES` / :data:`.wire.DIMS`, optional inputs, no graph tensor
+    of the same name."""
+    names = {t.name for t in graph}
+    extra = [io for io in [*cfg.input, *cfg.output] if io.name in wire.NAMES and io.name not in names]
+    if not extra:
+        return []
+    errors = []
+    if cfg.backend != "python":
+        errors.append(f"{', '.join(repr(io.name) for io in extra)}: encoded images are decoded by the Python "
+                      "backend's model only")
+    if wire.IMAGE_BYTES not in {i.name for i in cfg.input}:
+        errors.append(f"{', '.join(repr(io.name) for io in extra)} without the input {wire.IMAGE_BYTES!r}")
+    for io in extra:
+        if mc.DataType.Name(io.data_type) != wire.TYPES[io.name] or list(io.dims) != wire.DIMS[io.name]:
+            errors.append(f"{io.name!r}: the encoded-image protocol has it {wire.TYPES[io.name]} dims "
+                          f"{wire.DIMS[io.name]}")
+        if isinstance(io, mc.ModelInput) and not io.optional:
+            errors.append(f"input {io.name!r} must be optional (a request sends encoded images or float tensors)")
+    return errors
 
 
 def _is_gpu_config(cfg: mc.ModelConfig) -> bool:
@@ -242,7 +269,7 @@ def _gpu_errors(cfg: mc.ModelConfig, model_dir: Path, inputs: list[Tensor], outp
 
 def _profile_errors(cfg: mc.ModelConfig, inputs: list[Tensor], profile: ServedProfile) -> list[str]:
     errors = []
-    names = [i.name for i in cfg.input]
+    names = [i.name for i in cfg.input if i.name not in wire.INPUTS]
     if set(profile.inputs) != set(names):
         errors.append(f"{PROFILE_KEY} covers inputs {sorted(profile.inputs)}, the config has {sorted(names)}")
     graph = {t.name: t.dims for t in inputs}

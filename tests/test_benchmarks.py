@@ -411,5 +411,24 @@ def test_serve_bench_quick(onnx_dir: Path, tmp_path: Path) -> None:
         floor = payload["perf_analyzer"]["floor"]
         assert floor["model"] == "python-backend-floor" and floor["server"]["avg_batch"] == 1.0, floor
         assert 0 < floor["latency_ms"]["p50"] and "do-nothing Python-backend model" in payload["targets"][2]["measured"]
-    assert [t["met"] is not None for t in payload["targets"]] == [True, True, pa_ok, pa_ok, True]
+    ab = payload["ab"]  # the gateway and Triton direct driven by one client (ab), CPU per request by process
+    ab_ok = ab["available"]
+    if ab_ok:
+        paths = {(r["workload"], r["path"], r["concurrency"]) for r in ab["runs"]}
+        for c in (1, 32):
+            assert {("classify", "gateway", c), ("classify", "triton-tensor", c)} <= paths
+        assert ("classify", "triton-image", 1) in paths  # the PNG itself, straight to Triton
+        for r in ab["runs"]:
+            assert r["requests"] > 0 and r["keep_alive"] == r["requests"], r
+            assert r["failed"] == 0 or r["concurrency"] > 1, r
+            c = r["cpu_ms_per_request"]
+            assert c["tritonserver"] > 0 and c["client"] > 0, r
+            if r["path"] == "gateway":
+                assert c["gateway"] > 0, r
+            else:  # Triton direct: the idle gateway's background work only
+                assert c["gateway"] < 0.1 * c["tritonserver"], r
+        assert "one client for both (ab" in md
+    else:
+        assert "apache2-utils" in ab["missing"]
+    assert [t["met"] is not None for t in payload["targets"]] == [True, True, pa_ok, pa_ok] + [ab_ok] * 4 + [True]
     assert "## Targets" in md and "measured" in md and "Dynamic batching on vs off" in md

@@ -20,6 +20,7 @@ from unroll.benchmarks import perf_analyzer as pa
 from unroll.benchmarks.serve_bench import classify_workload, denoise_workload, triton_stats
 from unroll.card import from_onnx
 from unroll.serving import triton
+from unroll.serving.imaging.wire import IMAGE_INFO, info_json
 from unroll.serving.repository import write_repository
 from unroll.serving.triton import free_ports
 
@@ -117,7 +118,9 @@ def test_perf_analyzer_validates_outputs_against_onnx_runtime(perf_analyzer: Pat
     data = pa.input_data(feeds)
 
     def run(logits: list[np.ndarray]) -> subprocess.CompletedProcess:
-        doc = dict(data, validation_data=[{out: {"content": y.ravel().tolist(), "shape": list(y.shape[1:])}}
+        # every output needs expected data: image_info too (the encoded-image protocol's; {} for float tensors)
+        info = {IMAGE_INFO: {"content": list(info_json({})), "shape": [len(info_json({}))]}}
+        doc = dict(data, validation_data=[{out: {"content": y.ravel().tolist(), "shape": list(y.shape[1:])}, **info}
                                           for y in logits])
         path = tmp_path / "in.json"
         path.write_text(json.dumps(doc))

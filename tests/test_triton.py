@@ -110,7 +110,9 @@ def test_models_load_and_server_metadata(server, http, grpc) -> None:
     index = {m["name"]: m["state"] for m in http.get_model_repository_index()}
     assert index == {m: "READY" for m in DEMO}
     meta = grpc.get_model_metadata("sdnet-mnist")
-    assert [i.name for i in meta.inputs] == ["image", "lam"] and [o.name for o in meta.outputs] == ["logits"]
+    # the float input and λ, and the encoded-image protocol's (tests/test_triton_images.py)
+    assert [i.name for i in meta.inputs] == ["image", "lam", "image_bytes", "invert"]
+    assert [o.name for o in meta.outputs] == ["logits", "image_info"]
     cfg = grpc.get_model_config("csc-denoiser").config
     assert cfg.backend == "python" and cfg.dynamic_batching.max_queue_delay_microseconds >= 0
     with urllib.request.urlopen(server.metrics_url, timeout=5) as r:
@@ -304,7 +306,7 @@ def _edit(path: Path, old: str, new: str) -> None:
 
 def test_a_config_that_disagrees_with_the_onnx_fails_naming_the_tensor(onnx_dir: Path, tmp_path: Path) -> None:
     cases = {
-        "dims": ("sdnet-mnist", "dims: 28\n}", "dims: 27\n}", "'image'"),
+        "dims": ("sdnet-mnist", "dims: 28\n  optional: true\n}", "dims: 27\n  optional: true\n}", "'image'"),
         "dtype": ("csc-denoiser", "data_type: TYPE_FP32", "data_type: TYPE_FP16", "'noisy'"),
         "name": ("csc-denoiser", 'name: "denoised"', 'name: "clean"', "'clean'"),
         "reshape": ("sdnet-mnist-autolam", 'name: "lam"\n  data_type: TYPE_FP32\n  dims: 1\n  reshape {\n  }',

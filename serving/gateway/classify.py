@@ -1,10 +1,15 @@
 """``POST /v1/classify``: top-k labels for an image, with everything model-specific read from the model's card.
 
 Request flow: API key (401) → model (404) → parameters, checked against the card (422) → declared size
-(413) → concurrency slot (429) → streamed body (413/415/400) → decode and fit to the card's input
-(400/413/422; the aspect ratio is checked from the header, a dynamic-size input on a GPU model against its TensorRT
-profile's H×W range, and ``invert`` is resolved from the image's border for ``invert=auto``) → [λ rule for
-``lam=auto``] → Triton (503/504/502). Cheap refusals come first.
+(413) → concurrency slot (429) → streamed body (413/415/400) → the header's checks (not an image, pixel count and
+aspect ratio: 400/413/415/422, no pixel decoded) → Triton (503/504/502). Cheap refusals come first.
+
+Where the model takes encoded images (its CPU config has ``image_bytes``: :mod:`unroll.serving.imaging.wire`) the
+upload's bytes go to Triton as they came, with λ and ``invert``; the model decodes and fits them exactly as the
+gateway would and answers the same 4xx for what only the pixels show (``image_graph.forward_errors``). Elsewhere (GPU
+configs, and ``lam=auto``, whose λ rule needs the decoded image here) the gateway decodes and fits the image to the
+card's input itself (400/413/422; a dynamic-size input on a GPU model against its TensorRT profile's H×W range,
+``invert`` resolved from the image's border for ``invert=auto``) → [λ rule for ``lam=auto``] → float tensors.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ from unroll.card import InputCard, ModelCard
 from unroll.serving.gateway.body import check_declared_length
 from unroll.serving.gateway.catalog import Entry
 from unroll.serving.gateway.errors import ApiError
+from unroll.serving.gateway.image_graph import forward_errors, image_row, per_item
 from unroll.serving.gateway.openapi import IMAGE_BODY, errors
 from unroll.serving.gateway.state import Gateway, GatewayDep, route_task, v1_router
 from unroll.serving.gateway.triton_client import TritonRejected, fit_shape
-from unroll.serving.imaging import images
+from unroll.serving.imaging import images, prepare, wire
+from unroll.serving.imaging.prepare import check_invert
 from unroll.tasks import Task
 
 
@@ -76,17 +83,6 @@ def parse_lam(raw: str | None) -> float | str | None:
     if not math.isfinite(v):
         raise ApiError(422, "invalid_parameter", f"lam: must be a finite number or 'auto' (got {raw!r})")
     return v
-
-
-def check_invert(card: InputCard, invert: images.Invert | None) -> images.Invert:
-    """``invert`` for this model: the default is ``auto`` where the card declares a polarity, else ``false``;
-    ``auto`` for a card without one is a client error (there is nothing to decide from)."""
-    if invert is None:
-        return "auto" if card.polarity is not None else "false"
-    if invert == "auto" and card.polarity is None:
-        raise ApiError(422, "invalid_parameter", "invert=auto: the model's card declares no polarity "
-                                                 "(input.polarity); pass invert=true or invert=false")
-    return invert
 
 
 def check_lam(card: ModelCard, lam: float | str | None) -> float | str | None:
@@ -150,24 +146,19 @@ async def classify(
     check_declared_length(request, settings.max_body_bytes)
     data = await gw.read_image(request)  # before the slot: a slow upload never holds an inference slot
     hw = info.profile.hw(card.input.name) if info.profile is not None else None
-
-    def prepare() -> tuple[Image.Image, images.Fitted]:
-        img = images.decode(data, settings.max_pixels, settings.max_aspect_ratio)
-        return img, images.classifier_input(img, card.input, inv, hw, entry.name)
-
-    async with gw.admission.slot():
-        # A small image (a digit, a thumbnail) is decoded and fitted on the event loop: cheaper than the hop to a
-        # worker thread and back (measured, benchmarks/gateway_profile.py); anything larger goes to the threadpool.
-        if images.is_small(data, card.input):
-            img, fitted = prepare()
-        else:
-            img, fitted = await run_in_threadpool(prepare)
-        inputs = {card.input.name: fitted.x}
-        if rule is not None:
-            lam_v = await _auto_lam(gw, rule, img, fitted, card.input)
-        if card.lam is not None:
-            inputs[card.lam.input] = fit_shape(np.array([lam_v], np.float32), info.inputs[card.lam.input])
-        res = await gw.backend.infer(entry.name, inputs, [card.output], class_count=n_classes)
+    if rule is None and wire.IMAGE_BYTES in info.inputs:  # the model decodes: the upload's bytes go as they are
+        async with gw.admission.slot():
+            prepare.check_header(data, settings.max_pixels, settings.max_aspect_ratio, hw, entry.name)
+            inputs = {wire.IMAGE_BYTES: image_row(data, info),
+                      wire.INVERT: per_item(wire.code_of(wire.INVERT_CODES, inv), np.int32, info)}
+            if card.lam is not None:
+                inputs[card.lam.input] = per_item(lam_v, np.float32, info)
+            async with forward_errors():
+                res = await gw.backend.infer(entry.name, inputs, [card.output, wire.IMAGE_INFO],
+                                             class_count=n_classes)
+        inverted = bool(wire.read_info(res[wire.IMAGE_INFO][0])["inverted"])
+    else:
+        res, inverted, lam_v = await _decoded(gw, entry, data, inv, lam_v, hw, rule, n_classes)
     if n_classes is None:  # a class axis only known once the model answers: logits, bounded now
         preds = _from_logits(np.asarray(res[card.output], np.float32)[0], top_k, card, entry.name)
     else:
@@ -177,8 +168,36 @@ async def classify(
     body: dict = {"model": entry.name, "predictions": preds, "latency_ms": latency}
     if card.lam is not None:
         body["lam"] = round(float(lam_v), 6)
-    body["inverted"] = fitted.inverted
+    body["inverted"] = inverted
     return JSONResponse(body, headers={"X-Latency-Ms": str(latency)})
+
+
+async def _decoded(gw: Gateway, entry: Entry, data: bytes, inv: images.Invert, lam_v: float | str | None,
+                   hw: images.HWRange | None, rule: Entry | None, n_classes: int | None
+                   ) -> tuple[dict[str, np.ndarray], bool, float | str | None]:
+    """The image decoded and fitted here and sent as float tensors (a GPU config; ``lam=auto``'s λ rule):
+    Triton's result, whether it was inverted and the λ used."""
+    card, info, settings = entry.card, entry.info, gw.settings
+    assert card is not None and info is not None
+
+    def fit() -> tuple[Image.Image, images.Fitted]:
+        img = images.decode(data, settings.max_pixels, settings.max_aspect_ratio)
+        return img, images.classifier_input(img, card.input, inv, hw, entry.name)
+
+    async with gw.admission.slot():
+        # A small image (a digit, a thumbnail) is decoded and fitted on the event loop: cheaper than the hop to a
+        # worker thread and back (measured, benchmarks/gateway_profile.py); anything larger goes to the threadpool.
+        if images.is_small(data, card.input):
+            img, fitted = fit()
+        else:
+            img, fitted = await run_in_threadpool(fit)
+        inputs = {card.input.name: fitted.x}
+        if rule is not None:
+            lam_v = await _auto_lam(gw, rule, img, fitted, card.input)
+        if card.lam is not None:
+            inputs[card.lam.input] = fit_shape(np.array([lam_v], np.float32), info.inputs[card.lam.input])
+        res = await gw.backend.infer(entry.name, inputs, [card.output], class_count=n_classes)
+    return res, fitted.inverted, lam_v
 
 
 def class_count(card: ModelCard, info) -> int | None:

@@ -1,10 +1,15 @@
-"""``POST /v1/denoise``: a PNG of the input's size and mode (per mode: the README's table), with tensor names,
-σ scale and minimum size from the card; σ given, or estimated with a verdict on its reliability (:mod:`.sigma`).
+"""``POST /v1/denoise``: a PNG of the input's size and mode (per mode: the README's table; TIFF or a NumPy array
+when ``Accept`` asks), with tensor names, σ scale and minimum size from the card; σ given, or estimated with a
+verdict on its reliability (:mod:`.sigma`).
 
-Request flow: API key (401) → model (404) → σ (422) → declared size (413) → concurrency slot (429) →
-streamed body (413/415/400) → decode (pixel limit, aspect ratio and, for a GPU model, its TensorRT profile's H×W range
-from the header: 413/422), size check against ``card.input.min_size`` (400/413/422) → Triton (503/504/502), one call
-per ``max_batch_size`` items (and never more than the TensorRT profile's max batch).
+Request flow: API key (401) → model (404) → σ (422) → ``Accept`` (406) → declared size (413) → concurrency slot
+(429) → streamed body (413/415/400) → header checks, no pixel decoded (pixel limit, aspect ratio, ``min_size`` and,
+for a GPU model, its TensorRT profile's H×W range: 400/413/415/422) → Triton (503/504/502). A model that takes encoded
+images (``image_bytes``, :mod:`unroll.serving.imaging.wire`: the CPU configs) gets the upload's bytes and answers the
+encoded result and the σ it used (its 4xx mapped back to the gateway's), unless the image is larger than one window
+of the card's ``tiling``; for those and for the other models (GPU configs) the gateway decodes, sends float tensors
+(windows as separate requests), one call per ``max_batch_size`` items (and never more than the TensorRT profile's max
+batch), and encodes the result itself.
 
 Colour follows the card's ``input.shape[0]``: a single-channel denoiser gets each colour channel of an RGB(A)
 image as one batch item ``[C, 1, H, W]``; a 3-channel denoiser gets an RGB(A) image natively as ``[1, 3, H, W]``
@@ -25,17 +30,15 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from unroll.card import InputCard
 from unroll.serving.gateway.body import check_declared_length
 from unroll.serving.gateway.catalog import Entry
 from unroll.serving.gateway.errors import ApiError
-from unroll.serving.gateway.image_graph import run_image_graph
+from unroll.serving.gateway.image_graph import forward_errors, image_row, per_item, run_image_graph, tiler_for
 from unroll.serving.gateway.openapi import IMAGE_BODY, errors
 from unroll.serving.gateway.state import Gateway, GatewayDep, route_task, v1_router
 from unroll.serving.gateway.triton_client import fit_shape
-from unroll.serving.imaging import images
+from unroll.serving.imaging import images, prepare, wire
 from unroll.serving.imaging.sigma import QUERY_HELP, SigmaEstimate
-from unroll.serving.imaging.sigma import estimate as estimate_sigma
 from unroll.tasks import Task
 
 
@@ -47,6 +50,9 @@ async def denoiser(request: Request, gw: GatewayDep, model: Annotated[str | None
 
 
 DenoiserDep = Annotated[Entry, Depends(denoiser)]
+_ACCEPT_HELP = (" `Accept: image/tiff` answers the same image as TIFF, `Accept: application/x-npy` as its NumPy array "
+                "(.npy: [H, W] or [H, W, C], uint8, uint16 for 16-bit gray, palette indices for P); PNG by default "
+                "and for `*/*`, `image/*`, `image/png`; anything else: 406.")
 
 
 def routes(task: Task) -> APIRouter:
@@ -56,7 +62,9 @@ def routes(task: Task) -> APIRouter:
     router = v1_router()
     router.post(task.route.path, tags=["inference"], summary=task.route.summary, openapi_extra=IMAGE_BODY,
                 response_class=Response,
-                responses={200: {"content": {"image/png": {}}, "description": images.DENOISE_OUTPUT},
+                responses={200: {"content": {media: {} for media in wire.OUTPUT_FORMATS.values()},
+                                 "description": images.DENOISE_OUTPUT + _ACCEPT_HELP},
+                           406: {**errors(415)[415], "description": "`Accept` names no format this route answers"},
                            **errors(400, 404, 408, 413, 415, 422, 429, 502, 503, 504)})(
         denoise if task.route.sigma else image_to_image)
     return router
@@ -78,99 +86,81 @@ async def image_to_image(request: Request, gw: GatewayDep, entry: DenoiserDep) -
 
 
 async def _answer(request: Request, gw: Gateway, entry: Entry, sigma: float | None) -> Response:
-    """The image through ``entry``'s graph, as a PNG of its size and mode; σ (given or estimated) where the card
-    has a noise-level input."""
+    """The image through ``entry``'s graph, in the input's size and mode, encoded as ``Accept`` asks (PNG unless
+    told); σ (given or estimated) where the card has a noise-level input."""
     t0 = time.perf_counter()
     card, info = entry.card, entry.info
     assert card is not None and info is not None  # served entries have both (catalog)
+    fmt = wire.media_format(request.headers.get("accept"))
+    if fmt is None:
+        raise ApiError(406, "not_acceptable", f"Accept {request.headers.get('accept')!r}: this route answers "
+                                              f"{', '.join(wire.OUTPUT_FORMATS.values())}")
     settings = gw.settings
     check_declared_length(request, settings.max_body_bytes)
     data = await gw.read_image(request)  # before the slot: a slow upload never holds an inference slot
+    given = SigmaEstimate(float(sigma) / 255.0) if sigma is not None and card.sigma is not None else None
     async with gw.admission.slot():
         hw = info.profile.hw(card.input.name) if info.profile is not None else None
         if hw is not None and card.tiling is not None:  # larger images are cut to the profile: only its minimum
             hw = (hw[0], (2 ** 31, 2 ** 31))
-        planes, used = await run_in_threadpool(_planes, data, settings.max_pixels, sigma, card.input.min_size,
-                                               settings.max_aspect_ratio, hw, entry.name,
-                                               card.sigma.max if card.sigma is not None else None)
-        batch = images.to_graph(_batch(planes.data, card.input), card.input)
-        if card.sigma is not None:
-            sigma255 = used.value * 255.0
-            sig = fit_shape(np.full(len(batch), sigma255 / card.sigma.scale, np.float32),
-                            info.inputs[card.sigma.input])
-
-            async def infer(x: np.ndarray, level: np.ndarray) -> np.ndarray:
-                res = await gw.backend.infer(entry.name, {card.input.name: x, card.sigma.input: level}, [card.output])
-                return res[card.output]
-        else:  # the image is the graph's only input
-            sig = np.zeros(len(batch), np.float32)
-
-            async def infer(x: np.ndarray, _: np.ndarray) -> np.ndarray:
-                return (await gw.backend.infer(entry.name, {card.input.name: x}, [card.output]))[card.output]
-
-        out = await run_image_graph(entry, batch, sig, infer)  # whole, or in windows (card.tiling)
-        del batch
-        png = await run_in_threadpool(_png, out, planes, card.input)
+        w, h = prepare.check_header(data, settings.max_pixels, settings.max_aspect_ratio, hw, entry.name,
+                                    card.input.min_size)
+        # An image in one window goes to a model that decodes as its bytes. A larger one is cut into windows here,
+        # each its own Triton request, so that it shares the model instance with other requests window by window
+        # instead of holding it for the whole image (image_graph).
+        if wire.IMAGE_BYTES in info.inputs and tiler_for(entry, h, w) is None:
+            inputs = {wire.IMAGE_BYTES: image_row(data, info),
+                      wire.FORMAT: per_item(wire.code_of(wire.FORMAT_CODES, fmt), np.int32, info)}
+            if given is not None:
+                inputs[card.sigma.input] = per_item(given.value * 255.0 / card.sigma.scale, np.float32, info)
+            async with forward_errors():
+                res = await gw.backend.infer(entry.name, inputs, [wire.ENCODED, wire.IMAGE_INFO])
+            meta = wire.read_info(res[wire.IMAGE_INFO][0])
+            body = wire.encoded_file(res[wire.ENCODED][0], meta)
+            used = given
+            if card.sigma is not None and given is None:  # estimated by the model, with the rules that fired
+                rules = tuple(r for r in (meta.get("sigma_rule") or "").split(",") if r)
+                used = SigmaEstimate(float(meta["sigma_used"]) / 255.0, rules)
+        else:
+            body, used = await _decoded(gw, entry, data, given, hw, fmt)
     latency = round((time.perf_counter() - t0) * 1000.0, 2)
     headers = {}
     if card.sigma is not None:
-        headers = {"X-Sigma-Used": f"{sigma255:.3f}", "X-Sigma-Estimated": "false" if sigma is not None else "true",
+        assert used is not None
+        headers = {"X-Sigma-Used": f"{used.value * 255.0:.3f}",
+                   "X-Sigma-Estimated": "false" if sigma is not None else "true",
                    "X-Sigma-Reliable": "true" if used.reliable else "false"}
         if used.rule is not None:
             headers["X-Sigma-Rule"] = used.rule
-    return Response(png, media_type="image/png", headers={**headers, "X-Latency-Ms": str(latency),
-                                                          "X-Model": entry.name})
+    return Response(body, media_type=wire.OUTPUT_FORMATS[fmt], headers={**headers, "X-Latency-Ms": str(latency),
+                                                                         "X-Model": entry.name})
 
 
-def _planes(data: bytes, max_pixels: int, sigma: float | None, min_side: int,
-            max_aspect_ratio: float = float("inf"), profile_hw: images.HWRange | None = None,
-            model: str = "the denoiser", sigma_max: float | None = 50.0
-            ) -> tuple[images.Planes, SigmaEstimate | None]:
-    """Decoded planes (upright) and σ on the [0, 1] scale: given (reliable), or estimated from the image and clipped
-    to ``sigma_max`` (0–255 scale, the card's ``sigma.max``) with the rules that made it unreliable
-    (:mod:`~unroll.serving.imaging.sigma`); σ is ``None`` when ``sigma_max`` is (a graph without a σ input). An image
-    outside the TensorRT profile of a GPU model (``profile_hw``) is refused from its header, before any pixel is
-    decoded."""
-    def fits(w: int, h: int) -> None:
-        images.check_profile_size(w, h, profile_hw, model)
+async def _decoded(gw: Gateway, entry: Entry, data: bytes, given: SigmaEstimate | None,
+                   hw: images.HWRange | None, fmt: str) -> tuple[bytes, SigmaEstimate | None]:
+    """The image decoded here and sent as float tensors (a model without ``image_bytes``, e.g. a GPU config): the
+    encoded result and the σ used."""
+    card, info, settings = entry.card, entry.info, gw.settings
+    assert card is not None and info is not None
+    planes, used = await run_in_threadpool(
+        prepare.denoiser_planes, data, settings.max_pixels, None if given is None else given.value * 255.0,
+        card.input.min_size, settings.max_aspect_ratio, hw, entry.name,
+        card.sigma.max if card.sigma is not None else None)
+    batch = images.to_graph(prepare.to_batch(planes.data, card.input), card.input)
+    if card.sigma is not None:
+        assert used is not None
+        sig = fit_shape(np.full(len(batch), used.value * 255.0 / card.sigma.scale, np.float32),
+                        info.inputs[card.sigma.input])
 
-    planes = images.to_planes(images.decode(data, max_pixels, max_aspect_ratio, fits))
-    h, w = planes.data.shape[1:]
-    if min(h, w) < min_side:
-        raise ApiError(422, "image_too_small", f"image is {w}×{h}; the denoiser needs both sides ≥ {min_side} pixels")
-    if sigma_max is None:  # a graph without a noise-level input
-        return planes, None
-    if sigma is not None:
-        return planes, SigmaEstimate(float(sigma) / 255.0)
-    return planes, estimate_sigma(planes.data, sigma_max / 255.0)
+        async def infer(x: np.ndarray, level: np.ndarray) -> np.ndarray:
+            res = await gw.backend.infer(entry.name, {card.input.name: x, card.sigma.input: level}, [card.output])
+            return res[card.output]
+    else:  # the image is the graph's only input
+        sig = np.zeros(len(batch), np.float32)
 
+        async def infer(x: np.ndarray, _: np.ndarray) -> np.ndarray:
+            return (await gw.backend.infer(entry.name, {card.input.name: x}, [card.output]))[card.output]
 
-def _png(out: np.ndarray, planes: images.Planes, card: InputCard) -> bytes:
-    """The graph's output back to a PNG in the input's mode (off the event loop: full-size array work)."""
-    den = _unbatch(images.from_graph(out, card), planes.data.shape[0], card)
-    del out
-    return images.encode_png(images.from_planes(den, planes))
-
-
-def _batch(planes: np.ndarray, card: InputCard) -> np.ndarray:
-    """``[C, H, W]`` image planes (RGB order) → the graph's ``[N, C', H, W]``: a single-channel denoiser takes
-    the colour channels as a batch; a colour one takes the image natively as one item ``[1, 3, H, W]`` in its
-    ``channel_order`` (a gray image repeated to the three planes)."""
-    c, want = planes.shape[0], card.shape[0]
-    if want == 1:
-        return planes[:, None]
-    if c == 1:
-        return np.repeat(planes, want, axis=0)[None]
-    if c == want:
-        return (planes[::-1] if card.channel_order == "bgr" else planes)[None]
-    raise ApiError(422, "unsupported_image_mode", f"a {c}-channel image cannot be fed to a {want}-channel denoiser")
-
-
-def _unbatch(out: np.ndarray, channels: int, card: InputCard) -> np.ndarray:
-    """The inverse of :func:`_batch`: back to ``[C, H, W]`` in RGB order (a repeated gray image's outputs averaged
-    back to one plane, so a gray image comes back gray)."""
-    if out.shape[1] == 1:
-        return out[:, 0]
-    if channels == 1:
-        return out[0].mean(axis=0, keepdims=True)
-    return out[0, ::-1] if card.channel_order == "bgr" else out[0]
+    out = await run_image_graph(entry, batch, sig, infer)  # whole, or in windows (card.tiling)
+    del batch
+    return await run_in_threadpool(prepare.encode_result, out, planes, card.input, fmt), used

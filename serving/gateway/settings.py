@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from unroll import tasks
 from unroll.errors import UsageError
+from unroll.serving.imaging import wire
 
 #: Environment variable for each setting: ``UNROLL_`` + the upper-case field name.
 ENV_PREFIX = "UNROLL_"
@@ -54,10 +55,10 @@ class Settings(BaseSettings):
     """Readiness probes are short so ``/readyz`` answers quickly when Triton hangs."""
     max_body_bytes: int = Field(20 * 1024 * 1024, ge=1)
     """Request body limit (raw or multipart), enforced while streaming."""
-    max_pixels: int = Field(2048 * 2048, ge=1)
+    max_pixels: int = Field(wire.DEFAULT_MAX_PIXELS, ge=1)
     """Decoded image limit (width × height), checked from the header before any pixel is decoded. The default
     (2048², 4.2 Mpx) keeps a colour float32 batch (≈50 MB) under Triton's default 64 MB HTTP input limit."""
-    max_aspect_ratio: float = Field(32.0, ge=1.0)
+    max_aspect_ratio: float = Field(wire.DEFAULT_MAX_ASPECT_RATIO, ge=1.0)
     """Longest side ÷ shortest side an image may have (checked from the header; beyond it: 422). 32 admits
     stitched panoramas and long receipts and refuses 1-pixel lines, which no classifier or denoiser can use;
     ``inf`` disables the check (memory stays bounded by ``max_pixels`` either way)."""

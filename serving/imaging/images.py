@@ -37,6 +37,9 @@ DENOISE_OUTPUT = (
     "X-Sigma-Used (0–255 scale), X-Sigma-Estimated, X-Sigma-Reliable, X-Sigma-Rule (only when not reliable; see "
     "the `sigma` parameter), X-Latency-Ms, X-Model."
 )
+#: zlib level of the PNGs written (denoised answers): measured by ``unroll bench png-level`` (encode CPU time against
+#: size on real photos, ``benchmarks/results/png_level.md``), whose choice ``tests/test_png_level.py`` holds this to.
+PNG_LEVEL = 1
 #: Content type → Pillow format; these and nothing else are decoded.
 CONTENT_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP",
                  "image/tiff": "TIFF", "image/bmp": "BMP", "image/x-ms-bmp": "BMP"}
@@ -87,6 +90,23 @@ def decode(data: bytes, max_pixels: int, max_aspect_ratio: float = math.inf,
     ``check(width, height)``, when given, runs on the header's size before any pixel is decoded (e.g.
     :func:`check_profile_size`) and refuses by raising :class:`ApiError`.
     """
+    img = open_header(data, max_pixels, max_aspect_ratio)
+    if check is not None:
+        check(*displayed_size(img))
+    try:
+        img.load()
+    except Image.DecompressionBombError as e:
+        raise _bomb(e, max_pixels) from None
+    except MemoryError:
+        raise ApiError(413, "image_too_large", "image too large to decode") from None
+    except Exception as e:
+        raise ApiError(400, "invalid_image", f"truncated or corrupt image: {type(e).__name__}: {e}") from None
+    return img
+
+
+def open_header(data: bytes, max_pixels: int, max_aspect_ratio: float = math.inf) -> Image.Image:
+    """The image with only its header read, refused (:class:`ApiError`) when it is not one of :data:`FORMATS`,
+    claims over ``max_pixels`` pixels (a decompression bomb) or an aspect ratio over ``max_aspect_ratio``."""
     if not data:
         raise ApiError(400, "invalid_image", "empty body: send an image (PNG, JPEG, WebP, TIFF or BMP)")
     try:
@@ -110,16 +130,6 @@ def decode(data: bytes, max_pixels: int, max_aspect_ratio: float = math.inf,
     if ratio > max_aspect_ratio:
         raise ApiError(422, "aspect_ratio_too_large", f"image is {w}×{h}, an aspect ratio of {_num(ratio)}:1; "
                                                       f"the limit is {_num(max_aspect_ratio)}:1")
-    if check is not None:
-        check(*displayed_size(img))
-    try:
-        img.load()
-    except Image.DecompressionBombError as e:
-        raise _bomb(e, max_pixels) from None
-    except MemoryError:
-        raise ApiError(413, "image_too_large", "image too large to decode") from None
-    except Exception as e:
-        raise ApiError(400, "invalid_image", f"truncated or corrupt image: {type(e).__name__}: {e}") from None
     return img
 
 
@@ -299,7 +309,7 @@ def encode_png(img: Image.Image) -> bytes:
     """PNG bytes with the image's ICC profile (iCCP), EXIF (eXIf) and palette transparency (tRNS), if it has them."""
     buf = io.BytesIO()
     extra = {k: img.info[k] for k in ("icc_profile", "exif") if img.info.get(k)}
-    img.save(buf, format="PNG", compress_level=3, **extra)  # level 3: faster than the default 6, files a little larger
+    img.save(buf, format="PNG", compress_level=PNG_LEVEL, **extra)
     return buf.getvalue()
 
 
