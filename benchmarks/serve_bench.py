@@ -69,7 +69,7 @@ from unroll.benchmarks.serve_triton import (
 from unroll.errors import BenchError  # a server could not be started or reached (re-exported for callers)
 from unroll.serving.gateway.process import GatewayStartError, gateway_process
 from unroll.serving.gateway.settings import Settings
-from unroll.serving.repository import DEFAULT_QUEUE_DELAY_US, INTRA_OP_SPINNING
+from unroll.serving.repository import DEFAULT_QUEUE_DELAY_US, INTRA_OP_SPINNING, write_repository
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32)
 DEFAULT_DENOISE_CONCURRENCY = (1, 4)
@@ -262,6 +262,8 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
                         bars.add_task("level", total=duration_s, info=""), duration_s)
             runs = _sweep(bar, cells, duration_s, warmup_s, servers, sessions)
             payload["ab"] = serve_ab.runs(workloads, servers.triton_http, servers.gateway, duration_s, show=bar.show)
+            if payload["ab"]["available"] and servers.started_gateway:
+                payload["ab"]["other_spinning"] = _other_spinning(bar, onnx_dir, tmp, served, workloads, duration_s)
             bar.advance()
             classify = workloads[0]
             bar.show("ONNX Runtime batched ceiling")
@@ -451,6 +453,21 @@ def _queue_delays(bar: _Bars, level: _Level, tmp: Path, repo_delays: dict[int, P
             "client": "perf_analyzer" if level.use_pa else "python gRPC", "concurrency": levels,
             "rows": [{"delay_us": d, "concurrency": c, **{k: r[k] for k in ("throughput_rps", "latency_ms", "server")}}
                      for d, by_c in qd.items() for c, r in by_c.items()]}
+
+
+def _other_spinning(bar: _Bars, onnx_dir: Path, tmp: Path, served: Served, workloads: list[Workload],
+                    duration_s: float) -> dict:
+    """The ``ab`` comparison again on a Triton whose ONNX Runtime threads spin the other way than the default
+    (``intra_op_spinning``), with a gateway of its own: what spinning costs or buys the whole service."""
+    spinning = not INTRA_OP_SPINNING
+    repo = tmp / "other-spinning"
+    write_repository("cpu", [m for m in (served.classifier, served.lam_rule) if m], repo, onnx_dir=onnx_dir,
+                     spinning=spinning)
+    bar.show(f"starting Triton with spinning {'on' if spinning else 'off'}")
+    with triton_server(repo, tmp / "triton-other-spinning.log") as (http_url, grpc_url), \
+            gateway_process(Settings(triton_url=grpc_url), tmp / "gw-other-spinning.log") as gateway:
+        rows = serve_ab.runs(workloads[:1], http_url, gateway, duration_s, show=bar.show)["runs"]
+    return {"spinning": spinning, "runs": rows}
 
 
 def _median_round(rounds: list[dict]) -> dict:

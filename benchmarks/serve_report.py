@@ -343,10 +343,22 @@ def ab_markdown(payload: dict) -> list[str]:
               "processes; client = ab).", "",
               "| workload | path | conc. | req/s | p50 | p90 | p99 | failed | gateway CPU | tritonserver CPU | "
               "stubs CPU | client CPU |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in ab["runs"]:
-        L, c = r["latency_ms"], r.get("cpu_ms_per_request") or {}
-        lines.append(f"| {r['model']}: {r['input']} | {AB_PATHS[r['path']]} | {r['concurrency']} | "
-                     f"{_f(r['throughput_rps'], 1)} | {_f(L['p50'])} | {_f(L['p90'])} | {_f(L['p99'])} | "
-                     f"{r['failed']} | {_f(c.get('gateway'), 3)} | {_f(c.get('tritonserver'), 3)} | "
-                     f"{_f(c.get('backends'), 3)} | {_f(c.get('client'), 3)} |")
+    spin = payload.get("config", {}).get("spinning")
+    other = ab.get("other_spinning")
+    tag = {True: "on", False: "off", None: "-"}
+    if other:
+        lines[-2] = lines[-2].replace("| workload |", "| spinning | workload |")
+        lines[-1] = "|---" + lines[-1]
+    for s_, rows in ((spin, ab["runs"]), *(((other["spinning"], other["runs"]),) if other else ())):
+        for r in rows:
+            L, c = r["latency_ms"], r.get("cpu_ms_per_request") or {}
+            lines.append(("" if not other else f"| {tag[s_]}{' (default)' if s_ == spin else ''} ")
+                         + f"| {r['model']}: {r['input']} | {AB_PATHS[r['path']]} | {r['concurrency']} | "
+                         f"{_f(r['throughput_rps'], 1)} | {_f(L['p50'])} | {_f(L['p90'])} | {_f(L['p99'])} | "
+                         f"{r['failed']} | {_f(c.get('gateway'), 3)} | {_f(c.get('tritonserver'), 3)} | "
+                         f"{_f(c.get('backends'), 3)} | {_f(c.get('client'), 3)} |")
+    if other:
+        lines += ["", "Spinning: ONNX Runtime's intra-op threads spin for the next piece of work before they sleep "
+                      "(`intra_op_spinning` in each model's config, `unroll repo --no-spinning`); the rows marked "
+                      "otherwise ran on a second Triton and gateway with the other setting."]
     return lines

@@ -428,6 +428,9 @@ def test_serve_bench_quick(onnx_dir: Path, tmp_path: Path) -> None:
             else:  # Triton direct: the idle gateway's background work only
                 assert c["gateway"] < 0.1 * c["tritonserver"], r
         assert "one client for both (ab" in md
+        other = ab["other_spinning"]  # the same comparison with ONNX Runtime's threads spinning the other way
+        assert other["spinning"] is not payload["config"]["spinning"]
+        assert {(r["path"], r["concurrency"]) for r in other["runs"]} >= {("gateway", 32), ("triton-tensor", 32)}
     else:
         assert "apache2-utils" in ab["missing"]
     assert [t["met"] is not None for t in payload["targets"]] == [True, True, pa_ok, pa_ok] + [ab_ok] * 4 + [True]
