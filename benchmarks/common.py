@@ -187,3 +187,16 @@ def png_bytes(a) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(np.rint(np.clip(a, 0, 1) * 255).astype(np.uint8)).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def write_readme_block(readme: Path, begin: str, end: str, text: str) -> bool:
+    """Replace what lies between the README's ``begin`` and ``end`` markers with ``text`` (a block generated from a
+    results file, so the README quotes no number by hand); ``False`` when the README or its markers are missing."""
+    if not readme.exists():
+        return False
+    current = readme.read_text()
+    start, stop = current.find(begin), current.find(end)
+    if start < 0 or stop < start:
+        return False
+    readme.write_text(current[:start + len(begin)] + "\n" + text + "\n" + current[stop:])
+    return True

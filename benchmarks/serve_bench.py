@@ -27,11 +27,13 @@ from unroll import artifacts
 from unroll.benchmarks import perf_analyzer as pa
 from unroll.benchmarks import plots, serve_ab
 from unroll.benchmarks.common import (
+    RESULTS,
     exported_card,
     latency_summary,
     machine_info,
     ort_session,
     progress_bars,
+    write_readme_block,
     write_results,
 )
 from unroll.benchmarks.processes import cpu_by_pid, cpu_ms_per_request
@@ -53,7 +55,7 @@ from unroll.benchmarks.serve_load import (
     triton_grpc_client,
     triton_http_client,
 )
-from unroll.benchmarks.serve_report import direct_path, markdown, targets
+from unroll.benchmarks.serve_report import README_BEGIN, README_END, direct_path, markdown, readme_block, targets
 from unroll.benchmarks.serve_triton import (
     FLOOR_MODEL,
     Servers,
@@ -478,9 +480,11 @@ def _median_round(rounds: list[dict]) -> dict:
 
 
 def write(payload: dict, out_dir: Path) -> list[Path]:
-    """``serve.json``, ``serve.md`` and the three PNG plots."""
+    """``serve.json``, ``serve.md`` and the three PNG plots; for the committed results also the README's block."""
     paths = list(write_results("serve", payload, markdown(payload), out_dir))
     paths += plots.serve_plots(payload, out_dir)
+    if out_dir.resolve() == RESULTS.resolve():
+        write_readme_block(RESULTS.parent.parent / "README.md", README_BEGIN, README_END, readme_block(payload))
     return paths
 
 

@@ -362,3 +362,20 @@ def ab_markdown(payload: dict) -> list[str]:
                       "(`intra_op_spinning` in each model's config, `unroll repo --no-spinning`); the rows marked "
                       "otherwise ran on a second Triton and gateway with the other setting."]
     return lines
+
+
+#: The README's serving-results block sits between these markers; :func:`readme_block` writes it from serve.json.
+README_BEGIN, README_END = "<!-- serve: generated from benchmarks/results/serve.json -->", "<!-- /serve -->"
+
+
+def readme_block(payload: dict) -> str:
+    """The README's table of the request-path targets (numbers from the results, never typed by hand)."""
+    m = payload["machine"]
+    lines = [f"Measured by `unroll bench serve` ([`serve.md`](benchmarks/results/serve.md): every level, CPU per "
+             f"request by process, Triton direct with PNG bytes) on {m['cpu']}, {m['logical_cores']} cores shared by "
+             f"client, gateway and Triton, {m.get('date_utc', '')} UTC:", "",
+             "| target | measured | met |", "|---|---|---|"]
+    for t in payload["targets"]:
+        met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
+        lines.append(f"| {t['target']} | {t['measured'] or 'not measured'} | {met} |")
+    return "\n".join(lines)

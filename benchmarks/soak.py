@@ -29,7 +29,7 @@ import numpy as np
 
 from unroll import artifacts, data, tasks
 from unroll.benchmarks import soak_stub
-from unroll.benchmarks.common import RESULTS, demo_model, machine_info, png_bytes
+from unroll.benchmarks.common import RESULTS, demo_model, machine_info, png_bytes, write_readme_block
 from unroll.registry import get_spec
 from unroll.serving.triton import SHM_DIR, free_ports, group_members, processes_with, shm_regions
 
@@ -326,11 +326,4 @@ def readme_paragraph(p: dict) -> str:
 
 def write_readme_paragraph(p: dict, readme: Path) -> bool:
     """Replace the text between the README's soak markers with :func:`readme_paragraph`; ``False`` if none."""
-    if not readme.exists():
-        return False
-    text = readme.read_text()
-    start, end = text.find(README_BEGIN), text.find(README_END)
-    if start < 0 or end < start:
-        return False
-    readme.write_text(text[:start + len(README_BEGIN)] + "\n" + readme_paragraph(p) + "\n" + text[end:])
-    return True
+    return write_readme_block(readme, README_BEGIN, README_END, readme_paragraph(p))

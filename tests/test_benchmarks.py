@@ -435,3 +435,17 @@ def test_serve_bench_quick(onnx_dir: Path, tmp_path: Path) -> None:
         assert "apache2-utils" in ab["missing"]
     assert [t["met"] is not None for t in payload["targets"]] == [True, True, pa_ok, pa_ok] + [ab_ok] * 4 + [True]
     assert "## Targets" in md and "measured" in md and "Dynamic batching on vs off" in md
+
+
+def test_readme_serve_block_is_the_one_generated_from_the_committed_results() -> None:
+    """The README quotes the serving targets through :func:`serve_report.readme_block` (`unroll bench serve` writes
+    it into the README with the committed results), not by hand."""
+    from unroll.benchmarks import serve_report
+    from unroll.benchmarks.common import RESULTS
+
+    readme = (RESULTS.parent.parent / "README.md").read_text()
+    start = readme.index(serve_report.README_BEGIN) + len(serve_report.README_BEGIN)
+    block = readme[start:readme.index(serve_report.README_END)].strip()
+    payload = json.loads((RESULTS / "serve.json").read_text())
+    assert block == serve_report.readme_block(payload)
+    assert "gateway CPU per classify request" in block and "Triton direct" in block

@@ -105,10 +105,12 @@ async def _answer(request: Request, gw: Gateway, entry: Entry, sigma: float | No
             hw = (hw[0], (2 ** 31, 2 ** 31))
         w, h = prepare.check_header(data, settings.max_pixels, settings.max_aspect_ratio, hw, entry.name,
                                     card.input.min_size)
-        # An image in one window goes to a model that decodes as its bytes. A larger one is cut into windows here,
-        # each its own Triton request, so that it shares the model instance with other requests window by window
-        # instead of holding it for the whole image (image_graph).
-        if wire.IMAGE_BYTES in info.inputs and tiler_for(entry, h, w) is None:
+        # An image whose windows (per channel) fit in one execution goes to a model that decodes as its bytes: the
+        # model tiles it as the gateway would. A larger one is cut into windows here, each call its own Triton
+        # request, so that it shares the model instance with other requests a batch of windows at a time instead of
+        # holding it for the whole image (image_graph).
+        tiler = tiler_for(entry, h, w)
+        if wire.IMAGE_BYTES in info.inputs and (tiler is None or len(tiler.windows()) <= info.batch_limit):
             inputs = {wire.IMAGE_BYTES: image_row(data, info),
                       wire.FORMAT: per_item(wire.code_of(wire.FORMAT_CODES, fmt), np.int32, info)}
             if given is not None:
