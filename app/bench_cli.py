@@ -64,8 +64,9 @@ def bench_serve(
     batching_concurrency: Annotated[int, typer.Option(help="Concurrency of the batching on/off comparison")] = 16,
     batching_rounds: Annotated[int | None, typer.Option(help="Interleaved on/off rounds of that comparison, median "
                                                              "ratio reported [default: 3; 1 with --quick]")] = None,
-    paths: Annotated[str, typer.Option(help="Paths to measure: onnxruntime, triton-http, triton-grpc, gateway")]
-    = "onnxruntime,triton-http,triton-grpc,gateway",
+    paths: Annotated[str, typer.Option(help="Paths to measure: onnxruntime, triton-http, triton-grpc, "
+                                            "triton-grpc-image (the PNG bytes), gateway")]
+    = "onnxruntime,triton-http,triton-grpc,triton-grpc-image,gateway",
     url: Annotated[str | None, typer.Option(help="Attach to a running gateway (base URL, e.g. "
                                                  "http://127.0.0.1:8080); needs --triton-url")] = None,
     triton_url: Annotated[str | None, typer.Option(help="Attach to a running Triton: its HTTP HOST:PORT")] = None,
@@ -364,8 +365,8 @@ def bench_all(
         else:
             bench_serve(duration=duration, warmup=0.5, concurrency="1,2,4,8,16,32", denoise_concurrency="1,4",
                         denoise_sizes="256,512", batching_concurrency=16, batching_rounds=3,
-                        paths="onnxruntime,triton-http,triton-grpc,gateway", url=None, triton_url=None,
-                        triton_grpc_url=None, quick=quick, threads=threads, onnx_dir=onnx_dir, out=out,
+                        paths="onnxruntime,triton-http,triton-grpc,triton-grpc-image,gateway", url=None,
+                        triton_url=None, triton_grpc_url=None, quick=quick, threads=threads, onnx_dir=onnx_dir, out=out,
                         progress=progress)
         timing[stage] = time.perf_counter() - t0
         err.print(f"bench {stage}: {timing[stage]:.0f} s")

@@ -15,9 +15,9 @@ from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
 DPI = 110
 PATH_COLORS = {"onnxruntime": "tab:green", "triton-http": "tab:blue", "triton-grpc": "tab:purple",
-               "gateway": "tab:red"}
+               "triton-grpc-image": "tab:brown", "gateway": "tab:red"}
 PATH_LABELS = {"onnxruntime": "in-process ONNX Runtime", "triton-http": "Triton HTTP", "triton-grpc": "Triton gRPC",
-               "gateway": "gateway"}
+               "triton-grpc-image": "Triton gRPC, PNG bytes", "gateway": "gateway"}
 LAYERS = (("queue_ms", "Triton queue", "tab:orange"), ("compute_input_ms", "compute input", "tab:olive"),
           ("compute_infer_ms", "infer", "tab:blue"), ("compute_output_ms", "compute output", "tab:cyan"),
           ("other_ms", "other (server)", "tab:gray"))

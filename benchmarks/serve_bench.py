@@ -14,6 +14,7 @@ Triton's statistics in :mod:`.serve_triton`, the targets and Markdown in :mod:`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import tempfile
 import time
 from collections.abc import Callable
@@ -50,6 +51,7 @@ from unroll.benchmarks.serve_load import (
     closed_loop,
     denoise_workload,
     gateway_client,
+    image_feeds,
     ort_client,
     served_models,
     triton_grpc_client,
@@ -138,8 +140,8 @@ def _client_for(path: str, w: Workload, servers: Servers, sessions: dict) -> Cal
         return ort_client(sessions[w.model], w)
     if path == "triton-http":
         return triton_http_client(servers.triton_http, w)
-    if path == "triton-grpc":
-        return triton_grpc_client(servers.triton_grpc, w)
+    if path in ("triton-grpc", "triton-grpc-image"):
+        return triton_grpc_client(servers.triton_grpc, w, image=path == "triton-grpc-image")
     if servers.gateway is None:
         raise BenchError("no gateway to measure")
     return gateway_client(servers.gateway, w)
@@ -186,11 +188,17 @@ def _add_gateway_share(runs: list[dict], gateway_protocol: str = "grpc") -> None
     direct: dict[tuple[str, int], dict] = {}
     for path in (other, own):  # its own protocol, updated last, wins where both were measured
         direct.update({(r["workload"], r["concurrency"]): r for r in runs if r["path"] == path and r["requests"]})
+    image = {(r["workload"], r["concurrency"]): r for r in runs if r["path"] == "triton-grpc-image" and r["requests"]}
     for r in runs:
+        if r["path"] != "gateway":
+            continue
         d = direct.get((r["workload"], r["concurrency"]))
-        if r["path"] == "gateway" and d is not None:
+        if d is not None:
             r["gateway_share_ms"] = {"vs": d["path"], "p50": r["latency_ms"]["p50"] - d["latency_ms"]["p50"],
                                      "mean": r["latency_ms"]["mean"] - d["latency_ms"]["mean"]}
+        d = image.get((r["workload"], r["concurrency"]))
+        if d is not None:  # the same work (decode, fit, tile, encode) in Triton: what the gateway alone adds
+            r["gateway_share_image_ms"] = {"vs": d["path"], "p50": r["latency_ms"]["p50"] - d["latency_ms"]["p50"]}
 
 
 def _workloads(onnx_dir: Path, served: Served, concurrency: tuple[int, ...], denoise_sizes: tuple[int, ...],
@@ -302,12 +310,16 @@ def _servers_info(servers: Servers, served: Served) -> dict:
 
 def _perf_analyzer_runs(bar: _Bars, workloads: list[Workload], classify_concurrency: tuple[int, ...],
                         servers: Servers) -> list[dict]:
-    """Triton direct through perf_analyzer: the classifier at ``classify_concurrency``, the denoisers at theirs."""
+    """Triton direct through perf_analyzer: the classifier at ``classify_concurrency``, the denoisers at theirs; each
+    with the float tensors and with the PNG files themselves (``request``: ``tensors`` or ``png``)."""
     runs = []
     for w in workloads:
+        png = dataclasses.replace(w, arrays=image_feeds(w))
         for c in (classify_concurrency if w is workloads[0] else w.concurrency):
-            bar.show(f"{w.key} perf_analyzer c={c}")
-            runs.append(perf_analyzer_level(w, c, servers, _pa_window_ms(bar.duration_s)))
+            for request, feeds in (("tensors", w), ("png", png)):
+                bar.show(f"{w.key} perf_analyzer c={c} ({request})")
+                row = perf_analyzer_level(feeds, c, servers, _pa_window_ms(bar.duration_s))
+                runs.append(row | {"request": request})
     return runs
 
 

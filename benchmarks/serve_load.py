@@ -17,11 +17,11 @@ from unroll.data import add_noise, dataset, noise_seed
 from unroll.errors import BenchError
 from unroll.registry import get_spec
 
-PATHS = ("onnxruntime", "triton-http", "triton-grpc", "gateway")
+PATHS = ("onnxruntime", "triton-http", "triton-grpc", "triton-grpc-image", "gateway")
 PATH_LABELS = {"onnxruntime": "in-process ONNX Runtime", "triton-http": "Triton HTTP", "triton-grpc": "Triton gRPC",
-               "gateway": "gateway (HTTP, PNG)"}
+               "triton-grpc-image": "Triton gRPC (PNG bytes)", "gateway": "gateway (HTTP, PNG)"}
 #: The denoiser sweeps skip Triton HTTP (gRPC stands for "Triton direct"): large-image requests are slow.
-DENOISE_PATHS = ("onnxruntime", "triton-grpc", "gateway")
+DENOISE_PATHS = ("onnxruntime", "triton-grpc", "triton-grpc-image", "gateway")
 #: Triton-direct levels measured with perf_analyzer (the classifier; the denoisers use their own concurrency).
 PERF_ANALYZER_CONCURRENCY = (1, 16)
 DENOISE_SIGMA = 25.0
@@ -139,21 +139,42 @@ def triton_http_client(url: str, w: Workload) -> Callable[[], Client]:
     return make
 
 
-def triton_grpc_client(url: str, w: Workload) -> Callable[[], Client]:
+def image_feeds(w: Workload) -> list[dict[str, np.ndarray]]:
+    """``w``'s samples as the encoded-image protocol sends them (:mod:`unroll.serving.imaging.wire`): the PNG the
+    gateway gets, as one ``image_bytes`` row, in place of the float input; λ or σ as they are."""
+    from unroll.serving.imaging.wire import IMAGE_BYTES, rows
+
+    image_name = next(iter(w.arrays[0]))  # the card's float input comes first
+    return [{IMAGE_BYTES: rows([png]), **{k: as_batch(v) for k, v in a.items() if k != image_name}}
+            for png, a in zip(w.images, w.arrays, strict=True)]
+
+
+def image_output(w: Workload) -> str:
+    """What a client of the encoded-image protocol asks for: the encoded result of a denoiser, a classifier's logits."""
+    from unroll.serving.imaging.wire import ENCODED
+
+    return ENCODED if w.key.startswith("denoise") else w.output
+
+
+def triton_grpc_client(url: str, w: Workload, image: bool = False) -> Callable[[], Client]:
+    """Triton's gRPC endpoint with ``w``'s tensors, or (``image``) with its PNG bytes."""
+    feeds = image_feeds(w) if image else [{k: as_batch(v) for k, v in a.items()} for a in w.arrays]
+    output = image_output(w) if image else w.output
+
     def make() -> Client:
         import tritonclient.grpc as grpcclient
+        from tritonclient.utils import np_to_triton_dtype
 
         client = grpcclient.InferenceServerClient(url)
-        outputs = [grpcclient.InferRequestedOutput(w.output)]
+        outputs = [grpcclient.InferRequestedOutput(output)]
 
         def call(i: int) -> object:
             ins = []
-            for name, a in w.arrays[i % len(w.arrays)].items():
-                a = as_batch(a)
-                t = grpcclient.InferInput(name, list(a.shape), "FP32")
+            for name, a in feeds[i % len(feeds)].items():
+                t = grpcclient.InferInput(name, list(a.shape), np_to_triton_dtype(a.dtype))
                 t.set_data_from_numpy(a)
                 ins.append(t)
-            return client.infer(w.model, ins, outputs=outputs, client_timeout=120).as_numpy(w.output)
+            return client.infer(w.model, ins, outputs=outputs, client_timeout=120).as_numpy(output)
 
         return call, client.close
 

@@ -381,7 +381,7 @@ def test_serve_bench_quick(onnx_dir: Path, tmp_path: Path) -> None:
     for name in ("serve_latency.png", "serve_throughput.png", "serve_split.png"):
         _png(tmp_path / name)
     runs = payload["runs"]
-    assert {r["path"] for r in runs} == {"onnxruntime", "triton-http", "triton-grpc", "gateway"}
+    assert {r["path"] for r in runs} == {"onnxruntime", "triton-http", "triton-grpc", "triton-grpc-image", "gateway"}
     assert {r["workload"] for r in runs} == {"classify", "denoise-128"}
     assert {r["model"] for r in runs} == {CLASSIFIER, DENOISER} and payload["batching"]["model"] == CLASSIFIER
     for r in runs:
@@ -393,7 +393,7 @@ def test_serve_bench_quick(onnx_dir: Path, tmp_path: Path) -> None:
         if r["path"] != "onnxruntime":  # Triton's own statistics for the level
             s = r["server"]
             assert s["requests"] > 0 and s["avg_batch"] >= 1 and s["compute_infer_ms"] > 0, s
-    assert all("gateway_share_ms" in r for r in runs if r["path"] == "gateway")
+    assert all("gateway_share_ms" in r and "gateway_share_image_ms" in r for r in runs if r["path"] == "gateway")
     for r in runs:  # CPU per request by process, read from /proc for the servers this run started
         c = r["cpu_ms_per_request"]
         assert set(c) == {"gateway", "tritonserver", "backends", "client"} and min(c.values()) >= 0, r
@@ -411,6 +411,9 @@ def test_serve_bench_quick(onnx_dir: Path, tmp_path: Path) -> None:
         floor = payload["perf_analyzer"]["floor"]
         assert floor["model"] == "python-backend-floor" and floor["server"]["avg_batch"] == 1.0, floor
         assert 0 < floor["latency_ms"]["p50"] and "do-nothing Python-backend model" in payload["targets"][2]["measured"]
+        requests = {(r["workload"], r["request"]) for r in payload["perf_analyzer"]["runs"]}
+        # the PNG files beside the tensors
+        assert requests == {(w, k) for w in ("classify", "denoise-128") for k in ("tensors", "png")}
     ab = payload["ab"]  # the gateway and Triton direct driven by one client (ab), CPU per request by process
     ab_ok = ab["available"]
     if ab_ok:
