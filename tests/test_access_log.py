@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -24,36 +21,19 @@ from uvicorn.importer import import_from_string
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from unroll.serving.gateway.http_settings import ACCESS_LOG_ENV, HttpSettings
-from unroll.serving.gateway.process import gateway_popen, wait_ready
+from unroll.serving.gateway.process import gateway_popen
 from unroll.serving.gateway.server import GatewayProtocol, uvicorn_options
-from unroll.serving.gateway.settings import ENV_PREFIX, Settings
+from unroll.serving.gateway.settings import Settings
 from unroll.serving.gateway.workers import HTTP_PROTOCOL
 from unroll.serving.triton import free_ports
 
-ROOT = Path(__file__).resolve().parents[1]
 KEYS = {"method", "path", "status", "ms", "client", "bytes"}
 
 
-@contextlib.contextmanager
-def gateway(log: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """``python -m unroll.serving.gateway`` with ``args`` (no Triton behind it); stdout and stderr to ``log``."""
-    port = free_ports(1)[0]
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
-    base_env.update(Settings(triton_url=f"127.0.0.1:{free_ports(1)[0]}").env())
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "unroll.serving.gateway", "--port", str(port), *args],
-                                env={**base_env, **(env or {})}, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base + "/healthz", 60, proc, log)
-        yield base, proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def gateway(log: Path, *args: str) -> contextlib.AbstractContextManager[tuple[str, subprocess.Popen]]:
+    """``python -m unroll.serving.gateway`` with ``args`` (no Triton behind it); its output in ``log``."""
+    return gateway_popen(Settings(triton_url=f"127.0.0.1:{free_ports(1)[0]}"), log, ready_path="/healthz",
+                         timeout_s=60, args=args)
 
 
 def requests(base: str) -> None:

@@ -39,8 +39,10 @@ def gateway_process(settings: Settings, log: Path, ready_path: str = "/readyz",
 
 @contextlib.contextmanager
 def gateway_popen(settings: Settings, log: Path, ready_path: str = "/readyz", timeout_s: float = 90.0,
-                  http: HttpSettings | None = None, workers: int = 1) -> Iterator[tuple[str, subprocess.Popen]]:
-    """:func:`gateway_process`, yielding the base URL and the process (the parent of the workers, if any)."""
+                  http: HttpSettings | None = None, workers: int = 1,
+                  args: tuple[str, ...] = ()) -> Iterator[tuple[str, subprocess.Popen]]:
+    """:func:`gateway_process`, yielding the base URL and the process (the parent of the workers, if any); ``args``
+    go after the defaults on ``python -m unroll.serving.gateway``'s command line (e.g. ``--log-level info``)."""
     port = free_ports(1)[0]
     env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
     env.update(settings.env())
@@ -48,8 +50,8 @@ def gateway_popen(settings: Settings, log: Path, ready_path: str = "/readyz", ti
         env.update(http.env())
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "unroll.serving.gateway", "--port", str(port), "--log-level",
-                                 "warning", "--workers", str(workers)], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                cwd=_REPO_ROOT)
+                                 "warning", "--workers", str(workers), *args], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, cwd=_REPO_ROOT)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base + ready_path, timeout_s, proc, log)
