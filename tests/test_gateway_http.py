@@ -280,18 +280,13 @@ def png(arr: np.ndarray) -> bytes:
 
 @pytest.fixture(scope="module")
 def triton_grpc(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from unroll.benchmarks.serve_triton import triton_server
     from unroll.serving.repository import write_repository
-    from unroll.serving.triton import start
 
     repo = tmp_path_factory.mktemp("repo")
     write_repository("cpu", ["sdnet-mnist", "sdnet-mnist-autolam", "csc-denoiser"], repo, onnx_dir=demo_onnx_dir)
-    ports = free_ports(3)
-    handle = start(repo, *ports, log_file=tmp_path_factory.mktemp("triton-log") / "triton.log", timeout_s=120,
-                   extra_args=["--exit-timeout-secs=2"])
-    try:
-        yield f"127.0.0.1:{ports[1]}"
-    finally:
-        handle.stop()
+    with triton_server(repo, tmp_path_factory.mktemp("triton-log") / "triton.log") as (_, grpc_url):
+        yield grpc_url
 
 
 @pytest.fixture(scope="module")
