@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from unroll.benchmarks.processes import cpu_by_pid, cpu_ms_per_request
-from unroll.benchmarks.serve_load import Workload, as_batch
+from unroll.benchmarks.serve_load import Workload, as_batch, image_feeds, image_output
+from unroll.benchmarks.serve_triton import get_json
 from unroll.errors import BenchError
 
 #: Where ``ab`` comes from (Debian's package).
@@ -109,14 +110,10 @@ AB_PATHS = {"gateway": "gateway (PNG)", "triton-tensor": "Triton HTTP (tensors)"
 
 def accepts_image_bytes(triton_http: str, model: str) -> bool:
     """Whether Triton's ``model`` takes an encoded image (:data:`unroll.serving.imaging.wire.IMAGE_BYTES`)."""
-    import json
-    import urllib.request
-
     from unroll.serving.imaging.wire import IMAGE_BYTES
 
     try:
-        with urllib.request.urlopen(f"http://{triton_http}/v2/models/{model}", timeout=10) as r:
-            meta = json.loads(r.read())
+        meta = get_json(f"http://{triton_http}/v2/models/{model}")
     except (OSError, ValueError):
         return False
     return any(i.get("name") == IMAGE_BYTES for i in meta.get("inputs", []))
@@ -124,8 +121,6 @@ def accepts_image_bytes(triton_http: str, model: str) -> bool:
 
 def _targets(w: Workload, triton_http: str, gateway: str | None) -> list[tuple[str, str, bytes, str, dict]]:
     """(path, url, body, content type, headers) for each way ``ab`` can send ``w``'s first sample."""
-    from unroll.serving.imaging.wire import IMAGE_BYTES, rows
-
     infer = f"http://{triton_http}/v2/models/{w.model}/infer"
     tensors = {k: as_batch(v) for k, v in w.arrays[0].items()}
     out = []
@@ -134,9 +129,7 @@ def _targets(w: Workload, triton_http: str, gateway: str | None) -> list[tuple[s
     body, headers = triton_body(tensors, [w.output])
     out.append(("triton-tensor", infer, body, "application/octet-stream", headers))
     if accepts_image_bytes(triton_http, w.model):
-        image_name = next(iter(w.arrays[0]))  # the card's float input comes first; the rest (λ, σ) ride along
-        extra = {k: v for k, v in tensors.items() if k != image_name}
-        body, headers = triton_body({IMAGE_BYTES: rows([w.images[0]]), **extra}, [w.output])
+        body, headers = triton_body(image_feeds(w)[0], [image_output(w)])
         out.append(("triton-image", infer, body, "application/octet-stream", headers))
     return out
 

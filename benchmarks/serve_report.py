@@ -104,6 +104,15 @@ def _direct_targets(payload: dict) -> list[dict]:
     return out
 
 
+def targets_table(rows: list[dict]) -> list[str]:
+    """The targets as a Markdown table: target, measured, met (serve.md and the README's block)."""
+    lines = ["| target | measured | met |", "|---|---|---|"]
+    for t in rows:
+        met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
+        lines.append(f"| {t['target']} | {t['measured'] or 'not measured'} | {met} |")
+    return lines
+
+
 def _batching_runs(b: dict | None) -> list[dict]:
     """Every measured level of the batching comparison (each round's on and off)."""
     return [r[tag] for r in b["rounds"] for tag in ("on", "off")] if b else []
@@ -221,10 +230,7 @@ def markdown(payload: dict) -> str:
              f"Triton {classifier}: {_batching(gw_cfg)}; in-process ONNX Runtime uses the same session options "
              f"as Triton's model ({cfg['threads']} threads, "
              f"{'spinning' if cfg.get('spinning') else 'no spinning'}). {load_note(m)}", ""]
-    lines += ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
-    for t in payload["targets"]:
-        met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
-        lines.append(f"| {t['target']} | {t['measured'] or 'not measured'} | {met} |")
+    lines += ["## Targets", "", *targets_table(payload["targets"])]
     for key, w in cfg["workloads"].items():
         rows = [r for r in payload["runs"] if r["workload"] == key]
         if not rows:
@@ -348,20 +354,18 @@ def ab_markdown(payload: dict) -> list[str]:
               "connections: the PNG to the gateway, the same sample to Triton's v2 HTTP endpoint as tensors (binary "
               "inputs, JSON outputs) and, where the model takes it, as the PNG bytes themselves (`image_bytes`). "
               "CPU: ms per request by process from `/proc` (gateway workers summed; stubs = Python-backend "
-              "processes; client = ab).", "",
-              "| workload | path | conc. | req/s | p50 | p90 | p99 | failed | gateway CPU | tritonserver CPU | "
-              "stubs CPU | client CPU |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "processes; client = ab).", ""]
     spin = payload.get("config", {}).get("spinning")
     other = ab.get("other_spinning")
-    tag = {True: "on", False: "off", None: "-"}
-    if other:
-        lines[-2] = lines[-2].replace("| workload |", "| spinning | workload |")
-        lines[-1] = "|---" + lines[-1]
-    for s_, rows in ((spin, ab["runs"]), *(((other["spinning"], other["runs"]),) if other else ())):
+    groups = [(spin, ab["runs"])] + ([(other["spinning"], other["runs"])] if other else [])
+    first = "| spinning " if other else ""  # a column only when both settings were measured
+    lines += [first + "| workload | path | conc. | req/s | p50 | p90 | p99 | failed | gateway CPU | tritonserver CPU | "
+              "stubs CPU | client CPU |", "|---" * (12 + bool(other)) + "|"]
+    for spinning, rows in groups:
+        label = f"| {'on' if spinning else 'off'}{' (default)' if spinning == spin else ''} " if other else ""
         for r in rows:
             L, c = r["latency_ms"], r.get("cpu_ms_per_request") or {}
-            lines.append(("" if not other else f"| {tag[s_]}{' (default)' if s_ == spin else ''} ")
-                         + f"| {r['model']}: {r['input']} | {AB_PATHS[r['path']]} | {r['concurrency']} | "
+            lines.append(label + f"| {r['model']}: {r['input']} | {AB_PATHS[r['path']]} | {r['concurrency']} | "
                          f"{_f(r['throughput_rps'], 1)} | {_f(L['p50'])} | {_f(L['p90'])} | {_f(L['p99'])} | "
                          f"{r['failed']} | {_f(c.get('gateway'), 3)} | {_f(c.get('tritonserver'), 3)} | "
                          f"{_f(c.get('backends'), 3)} | {_f(c.get('client'), 3)} |")
@@ -382,8 +386,5 @@ def readme_block(payload: dict) -> str:
     lines = [f"Measured by `unroll bench serve` ([`serve.md`](benchmarks/results/serve.md): every level, CPU per "
              f"request by process, Triton direct with PNG bytes) on {m['cpu']}, {m['logical_cores']} cores shared by "
              f"client, gateway and Triton, {m.get('date_utc', '')} UTC:", "",
-             "| target | measured | met |", "|---|---|---|"]
-    for t in payload["targets"]:
-        met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
-        lines.append(f"| {t['target']} | {t['measured'] or 'not measured'} | {met} |")
+             *targets_table(payload["targets"])]
     return "\n".join(lines)

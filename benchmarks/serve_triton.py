@@ -21,7 +21,7 @@ from unroll.serving.triton import TritonStartError, free_ports, start
 STAT_KEYS = ("queue", "compute_input", "compute_infer", "compute_output")
 
 
-def _get_json(url: str, timeout: float = 10.0) -> dict:
+def get_json(url: str, timeout: float = 10.0) -> dict:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())
 
@@ -29,7 +29,7 @@ def _get_json(url: str, timeout: float = 10.0) -> dict:
 def triton_stats(http_url: str, model: str) -> dict | None:
     """Triton's cumulative statistics for ``model`` (``None`` when they cannot be read)."""
     try:
-        return _get_json(f"http://{http_url}/v2/models/{model}/stats")["model_stats"][0]
+        return get_json(f"http://{http_url}/v2/models/{model}/stats")["model_stats"][0]
     except (OSError, ValueError, KeyError, IndexError):
         return None
 
@@ -37,7 +37,7 @@ def triton_stats(http_url: str, model: str) -> dict | None:
 def triton_config(http_url: str, model: str) -> dict:
     """The batching part of a served model's config (max_batch_size, dynamic_batching)."""
     try:
-        cfg = _get_json(f"http://{http_url}/v2/models/{model}/config")
+        cfg = get_json(f"http://{http_url}/v2/models/{model}/config")
     except (OSError, ValueError):
         return {}
     return {"max_batch_size": cfg.get("max_batch_size"), "dynamic_batching": cfg.get("dynamic_batching"),
