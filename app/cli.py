@@ -38,6 +38,7 @@ from unroll.app.bench_cli import (
 )
 from unroll.app.doctor import doctor_command
 from unroll.app.errors import fail, handles_errors, report
+from unroll.app.optimize_cli import optimize
 from unroll.app.serve import serve_command
 from unroll.app.triton_cli import repo, triton
 from unroll.app.trt_cli import build
@@ -490,6 +491,7 @@ def _register_subsystem_commands() -> None:
     """Commands whose code lives in modules of their own (serving, TensorRT, benchmarks, the machine check)."""
     app.command("build")(build)
     app.command("repo")(repo)
+    app.command("optimize")(optimize)
     app.command("triton")(triton)
     app.command("serve")(serve_command)
     app.command("doctor")(doctor_command)

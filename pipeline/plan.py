@@ -13,7 +13,7 @@ from pathlib import Path
 
 from unroll import artifacts
 from unroll.errors import PipelineError
-from unroll.pipeline import build_stage, export_stage, quantize_stage, repo_stage
+from unroll.pipeline import build_stage, choice, export_stage, quantize_stage, repo_stage
 from unroll.pipeline.repo_stage import RepoOptions
 from unroll.pipeline.step import Step
 
@@ -44,8 +44,12 @@ def plan(models: Iterable[str], *, onnx_dir: Path = artifacts.ONNX_DIR, repo: Pa
 def plan_graph(graph: str, *, onnx_dir: Path = artifacts.ONNX_DIR, repo: Path | None = None,
                options: RepoOptions | None = None, plan_dir: Path = artifacts.TRT_DIR, precision: str = "fp32",
                build: bool = False, force: bool = False, upstream: str | None = None) -> list[Step]:
-    """The steps after export for one exported graph (``upstream``: why its graph is about to change)."""
+    """The steps after export for one exported graph (``upstream``: why its graph is about to change); with
+    ``unroll optimize``'s choice for it applied (:func:`unroll.pipeline.choice.apply`)."""
     options = options or RepoOptions()
+    applied = choice.apply(graph, options, onnx_dir)
+    if applied.source is not None:
+        options, precision = applied.options, applied.options.precision
     upstream = upstream or ("--rebuild" if force else None)
     steps: list[Step] = []
     quantize = quantize_stage.plan_graph(graph, precision, onnx_dir, upstream)

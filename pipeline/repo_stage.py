@@ -22,7 +22,8 @@ from unroll.serving.repository import (
 
 _CHANGED = {"upstream": "its graph changed", "fp32": "its FP32 graph changed", "export_report": "its export changed",
             "plan": "its plan changed", "backend": "the Python backend (model.py) changed",
-            "options": "written with other options (target, precision, batching, threads)"}
+            "options": "written with other options (target, precision, batching, threads, runtime)",
+            "package": "its AOTInductor package changed"}
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,15 @@ class RepoOptions:
     instances: int = 1
     cpu_stand_in: bool = False
     spinning: bool = INTRA_OP_SPINNING
+    #: CPU runtime and shape mode for every model (``None``: each card's ``cpu_runtime`` / ``cpu_static_shapes``)
+    runtime: str | None = None
+    static_shapes: bool | None = None
+    #: take each model's configuration from ``unroll optimize``'s choice where there is one (:mod:`.choice`)
+    optimized: bool = True
 
     def writer_kwargs(self) -> dict:
         """Keyword arguments of ``write_repository`` besides the target."""
-        return {k: v for k, v in asdict(self).items() if k != "target"}
+        return {k: v for k, v in asdict(self).items() if k not in ("target", "optimized")}
 
 
 def stale_reason(graph: str, repo: Path, onnx_dir: Path, plan_dir: Path, options: RepoOptions) -> str | None:

@@ -13,6 +13,7 @@ import ctypes
 import importlib.util
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +21,9 @@ import numpy as np
 
 from unroll.errors import ServingError
 
-RUNTIMES = ("onnxruntime", "openvino")
+RUNTIMES = ("onnxruntime", "openvino", "aotinductor")
+#: Import name of each runtime (AOTInductor packages run on PyTorch).
+_MODULES = {"onnxruntime": "onnxruntime", "openvino": "openvino", "aotinductor": "torch"}
 DEFAULT_RUNTIME = "onnxruntime"
 
 Session = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
@@ -35,7 +38,7 @@ def available(runtime: str) -> bool:
     """Whether ``runtime`` (one of :data:`RUNTIMES`) can be imported here."""
     if runtime not in RUNTIMES:
         return False
-    return importlib.util.find_spec(runtime) is not None
+    return importlib.util.find_spec(_MODULES[runtime]) is not None
 
 
 def unavailable_reason(runtime: str) -> str | None:
@@ -43,13 +46,17 @@ def unavailable_reason(runtime: str) -> str | None:
     if runtime not in RUNTIMES:
         return f"unknown CPU runtime {runtime!r} (known: {', '.join(RUNTIMES)})"
     if not available(runtime):
-        return f"{runtime} not installed (pip install {runtime})"
+        return f"{runtime} not installed (pip install {_MODULES[runtime]})"
     return None
 
 
 def open_session(path: str | Path, runtime: str = DEFAULT_RUNTIME, threads: int = 2, spinning: bool = False,
-                 release_idle_s: float | None = None) -> Session:
+                 release_idle_s: float | None = None, static_shapes: bool = False) -> Session:
     """A callable running the graph at ``path`` on ``runtime`` with ``threads`` threads.
+
+    ``static_shapes`` (OpenVINO): compile one static-shape model per input shape met instead of running the
+    dynamic-shape graph (faster per call once compiled; :class:`_StaticShapes`). ``aotinductor``: ``path`` is an
+    AOTInductor package (``export/aoti.py``).
 
     OpenVINO gives its intermediate buffers back after ``release_idle_s`` seconds without an inference
     (:class:`IdleRelease`; default :data:`RELEASE_IDLE_S`); ONNX Runtime's are bounded by the largest input it
@@ -66,7 +73,12 @@ def open_session(path: str | Path, runtime: str = DEFAULT_RUNTIME, threads: int 
         raise ValueError(f"threads must be ≥ 1, got {threads}")
     if runtime == "onnxruntime":
         return _ort_session(str(path), threads, spinning)
-    return _openvino_session(str(path), threads, RELEASE_IDLE_S if release_idle_s is None else release_idle_s)
+    if runtime == "aotinductor":
+        from unroll.serving.aoti_runtime import aoti_session  # (PyTorch only when this runtime is asked for)
+
+        return aoti_session(path, threads)
+    idle_s = RELEASE_IDLE_S if release_idle_s is None else release_idle_s
+    return _openvino_session(str(path), threads, idle_s, static_shapes)
 
 
 def ort_session(path: str | Path, threads: int, spinning: bool = False):
@@ -151,24 +163,67 @@ def _malloc_trim() -> None:
         pass
 
 
-def _openvino_session(path: str, threads: int, release_idle_s: float) -> Session:
+#: How many static-shape OpenVINO models one session keeps compiled (the least recently used goes first).
+STATIC_SHAPES_KEPT = 8
+
+
+class _StaticShapes:
+    """OpenVINO models compiled for one input-shape signature each, on first use (about 0.1 s), the
+    :data:`STATIC_SHAPES_KEPT` most recently used kept. A static shape lets OpenVINO plan every buffer and pick its
+    kernels once; the dynamic-shape graph re-infers shapes on every call, which costs a quarter of a denoiser
+    window's time (``unroll optimize`` measures both)."""
+
+    def __init__(self, core, model, config: dict) -> None:
+        self._core, self._model, self._config = core, model, config
+        self._compiled: OrderedDict[tuple, tuple] = OrderedDict()
+
+    def request(self, feeds: dict[str, np.ndarray]):
+        key = tuple(sorted((k, v.shape) for k, v in feeds.items()))
+        if key in self._compiled:
+            self._compiled.move_to_end(key)
+            return self._compiled[key][1]
+        model = self._model.clone()
+        model.reshape({k: list(v.shape) for k, v in feeds.items()})
+        compiled = self._core.compile_model(model, "CPU", self._config)
+        self._compiled[key] = (compiled, compiled.create_infer_request())
+        while len(self._compiled) > STATIC_SHAPES_KEPT:
+            self._compiled.popitem(last=False)
+        return self._compiled[key][1]
+
+    def release_memory(self) -> None:
+        for compiled, _ in self._compiled.values():
+            compiled.release_memory()
+
+
+def _openvino_session(path: str, threads: int, release_idle_s: float, static_shapes: bool = False) -> Session:
     import openvino as ov
 
-    compiled = ov.Core().compile_model(path, "CPU", openvino_config(threads))
+    core = ov.Core()
+    model = core.read_model(path)
+    # names from the model as read: compiling may rename a port (e.g. after an FP16 graph's input casts)
     dims = {p.get_any_name(): [d.get_length() if d.is_static else None for d in p.get_partial_shape()]
-            for p in compiled.inputs}
-    outputs = [(p.get_any_name(), p) for p in compiled.outputs]
-    request = compiled.create_infer_request()
+            for p in model.inputs}
+    index = {name: i for i, name in enumerate(dims)}
+    outputs = [p.get_any_name() for p in model.outputs]
     lock = threading.Lock()
-    idle = IdleRelease(compiled.release_memory, lock, release_idle_s)
+    if static_shapes:
+        static = _StaticShapes(core, model, openvino_config(threads))
+        request_for, release = static.request, static.release_memory
+    else:
+        compiled = core.compile_model(model, "CPU", openvino_config(threads))
+        request = compiled.create_infer_request()
+        request_for, release = (lambda feeds: request), compiled.release_memory
+    idle = IdleRelease(release, lock, release_idle_s)
 
     def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         extra = set(feeds) - dims.keys()
         if extra:
             raise ValueError(f"unknown input(s) {sorted(extra)}; the graph's inputs are {sorted(dims)}")
+        feeds = {k: np.ascontiguousarray(v) for k, v in feeds.items()}
         with lock:
-            result = request.infer({k: np.ascontiguousarray(v) for k, v in feeds.items()})
-            out = {name: np.array(result[port], copy=True) for name, port in outputs}
+            request = request_for(feeds)
+            request.infer({index[k]: v for k, v in feeds.items()})
+            out = {name: np.array(request.get_output_tensor(i).data, copy=True) for i, name in enumerate(outputs)}
             idle.touch()
             return out
 

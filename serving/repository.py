@@ -55,6 +55,8 @@ DEFAULT_QUEUE_DELAY_US = 0
 #: `unroll repo --no-spinning` turns it off; compare both with `unroll bench serve` on your machine.
 INTRA_OP_SPINNING = True
 VERSION = "1"
+#: The AOTInductor package's file name in a version directory (with its ``.json`` sidecar beside it).
+AOTI_PACKAGE = "model.pt2"
 LABELS_FILE = "labels.txt"
 BACKEND_MODEL = Path(__file__).with_name("triton_backend_model.py")
 #: Where the NGC container keeps ONNX Runtime's TensorRT engines (must be writable inside it).
@@ -188,12 +190,14 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
                  max_batch_size: int | None = None, queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
                  instances: int = 1, cpu_stand_in: bool = False, spinning: bool = INTRA_OP_SPINNING,
                  max_pixels: int = wire.DEFAULT_MAX_PIXELS, max_aspect_ratio: float = wire.DEFAULT_MAX_ASPECT_RATIO,
+                 runtime: str | None = None, static_shapes: bool | None = None,
                  ) -> tuple[mc.ModelConfig, list[str] | None]:
     """The ModelConfig for one model, and its labels (classifiers) or None (``cpu_stand_in``: see the module doc).
 
     A CPU config of a model whose card takes an image and whose task has a gateway route (classifiers, denoisers)
     also takes encoded images (:func:`_image_protocol`), within ``max_pixels`` and ``max_aspect_ratio`` (defaults:
-    the gateway's)."""
+    the gateway's). ``runtime`` / ``static_shapes`` (CPU): the card's ``cpu_runtime`` / ``cpu_static_shapes`` unless
+    given (``unroll optimize``'s choice)."""
     if max_batch_size is None:
         max_batch_size = default_max_batch_size(target, src.card, src.profile)
     inputs, outputs = onnx_io(src.onnx)
@@ -239,7 +243,12 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
     python_backend = {"onnx_file": "model.onnx", "intra_op_num_threads": str(threads),
                       "intra_op_spinning": "1" if spinning else "0"}
     if target == "cpu":
-        params |= python_backend | {"cpu_runtime": src.card.cpu_runtime, "input_defaults": json.dumps(defaults)}
+        runtime = runtime or src.card.cpu_runtime
+        static = src.card.cpu_static_shapes if static_shapes is None else static_shapes
+        params |= python_backend | {"cpu_runtime": runtime, "static_shapes": "1" if static else "0",
+                                    "input_defaults": json.dumps(defaults)}
+        if runtime == "aotinductor":
+            params["aoti_package"] = AOTI_PACKAGE
         if kind is not None:
             params |= {wire.MAX_PIXELS_KEY: str(max_pixels), wire.MAX_ASPECT_RATIO_KEY: f"{max_aspect_ratio:g}"}
     else:
@@ -354,7 +363,8 @@ def _header(src: Source, target: Target, precision: str, cfg: mc.ModelConfig, cp
 def repository_inputs(name: str, target: Target, precision: str = "fp32", onnx_dir: Path = artifacts.ONNX_DIR,
                       plan_dir: Path = artifacts.TRT_DIR, threads: int = 2, max_batch_size: int | None = None,
                       queue_delay_us: int = DEFAULT_QUEUE_DELAY_US, instances: int = 1, cpu_stand_in: bool = False,
-                      spinning: bool = INTRA_OP_SPINNING) -> dict[str, str | None]:
+                      spinning: bool = INTRA_OP_SPINNING, runtime: str | None = None,
+                      static_shapes: bool | None = None, aoti_dir: Path = artifacts.AOTI_DIR) -> dict[str, str | None]:
     """What ``out/NAME`` is written from, as hashes (:func:`unroll.artifacts.built_from`): the served graph, the
     FP32 graph whose card and report it takes, the plan (GPU, when there is one), the Python backend's model.py
     (CPU and stand-ins) and the options. Recorded beside its config.pbtxt; :mod:`unroll.pipeline` compares it."""
@@ -368,15 +378,18 @@ def repository_inputs(name: str, target: Target, precision: str = "fp32", onnx_d
         fp32=present(artifacts.graph(name, onnx_dir=onnx_dir)),
         export_report=present(artifacts.graph_report(name, onnx_dir=onnx_dir)),
         plan=plan, backend=BACKEND_MODEL if python else None,
+        package=present(artifacts.aoti_package(name, aoti_dir)) if runtime == "aotinductor" else None,
         options={"target": target, "precision": precision, "threads": threads, "max_batch_size": max_batch_size,
                  "queue_delay_us": queue_delay_us, "instances": instances, "cpu_stand_in": cpu_stand_in,
-                 "spinning": spinning})
+                 "spinning": spinning, "runtime": runtime, "static_shapes": static_shapes})
 
 
 def write_repository(target: Target, models: list[str], out: Path, precision: str = "fp32",
                      onnx_dir: Path = artifacts.ONNX_DIR, plan_dir: Path = artifacts.TRT_DIR, threads: int = 2,
                      max_batch_size: int | None = None, queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
-                     instances: int = 1, cpu_stand_in: bool = False, spinning: bool = INTRA_OP_SPINNING) -> list[Path]:
+                     instances: int = 1, cpu_stand_in: bool = False, spinning: bool = INTRA_OP_SPINNING,
+                     runtime: str | None = None, static_shapes: bool | None = None,
+                     aoti_dir: Path = artifacts.AOTI_DIR) -> list[Path]:
     """Write ``out/<model>/config.pbtxt`` + ``out/<model>/1/…`` (+ ``labels.txt``) for each model; validate.
 
     ``models`` are ONNX file stems in ``onnx_dir`` (a model's name; its λ-rule companion is a model of its
@@ -387,6 +400,9 @@ def write_repository(target: Target, models: list[str], out: Path, precision: st
     ``cpu_stand_in`` (TEST-ONLY, ``target="gpu"`` only): the GPU configs with the Python backend running the same
     graph with ONNX Runtime on the CPU, so the bundled Triton can load them; it refuses inputs outside the profile, as
     TensorRT does. Never deploy a stand-in: it is not what the GPU runs.
+
+    ``runtime`` / ``static_shapes``: the CPU runtime and its shape mode for every model (default: each card's);
+    ``aotinductor`` serves ``aoti_dir/NAME.pt2`` (``unroll optimize`` builds it).
     """
     if target not in ("cpu", "gpu"):
         raise RepositoryError(f"target must be cpu or gpu, not {target!r}")
@@ -404,7 +420,7 @@ def write_repository(target: Target, models: list[str], out: Path, precision: st
     written: list[Path] = []
     for src in sources:
         cfg, labels = build_config(src, target, precision, threads, max_batch_size, queue_delay_us, instances,
-                                   cpu_stand_in, spinning)
+                                   cpu_stand_in, spinning, runtime=runtime, static_shapes=static_shapes)
         tmp = out / f".{src.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / VERSION).mkdir(parents=True)
@@ -424,6 +440,8 @@ def write_repository(target: Target, models: list[str], out: Path, precision: st
         if cfg.backend == "python":
             shutil.copyfile(BACKEND_MODEL, tmp / VERSION / "model.py")
             files[f"{VERSION}/model.py"] = None
+        if "aoti_package" in cfg.parameters:
+            files |= _copy_package(src.name, Path(aoti_dir), tmp / VERSION)
         try:
             validate_model(tmp, reference_onnx=src.onnx, name=src.name)
         except RepositoryError:
@@ -431,7 +449,7 @@ def write_repository(target: Target, models: list[str], out: Path, precision: st
             raise
         record = {artifacts.BUILT_FROM_KEY: repository_inputs(
                       src.name, target, precision, Path(onnx_dir), Path(plan_dir), threads, max_batch_size,
-                      queue_delay_us, instances, cpu_stand_in, spinning),
+                      queue_delay_us, instances, cpu_stand_in, spinning, runtime, static_shapes, Path(aoti_dir)),
                   "files": {f: artifacts.sha256(tmp / f) for f in files}}
         (tmp / artifacts.REPOSITORY_SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
         dst = out / src.name
@@ -442,3 +460,15 @@ def write_repository(target: Target, models: list[str], out: Path, precision: st
     return written
 
 
+
+
+def _copy_package(name: str, aoti_dir: Path, version_dir: Path) -> dict[str, None]:
+    """Copy ``NAME.pt2`` and its sidecar into a version directory; the files written, relative to the model's."""
+    package = artifacts.aoti_package(name, aoti_dir)
+    sidecar = package.with_suffix(".json")
+    if not package.exists() or not sidecar.exists():
+        raise RepositoryError(f"{name}: runtime aotinductor needs {package} and {sidecar.name}; run `unroll optimize "
+                              f"{name}` (it builds the package) or serve another runtime")
+    shutil.copyfile(package, version_dir / AOTI_PACKAGE)
+    shutil.copyfile(sidecar, version_dir / Path(AOTI_PACKAGE).with_suffix(".json"))
+    return {f"{VERSION}/{AOTI_PACKAGE}": None, f"{VERSION}/{Path(AOTI_PACKAGE).with_suffix('.json')}": None}

@@ -1,7 +1,7 @@
 """The denoiser's exported graph (issue 16) and the per-model CPU runtimes (serving/cpu_runtime.py).
 
-The synthesis convolutions (codes → 4 polyphase channels) are exported as ``ConvTranspose`` with the
-adjoint weight, because ONNX Runtime's CPU convolution pads a 4-channel output to a 16-channel block; the
+The synthesis convolutions (codes → 4 polyphase channels) are exported in taps form (a 1×1 convolution to the
+4·k² tap products, then shifted sums), because CPU convolutions run a 4-channel output far below their peak; the
 graph must keep no such narrow ``Conv`` and still match PyTorch on a real image. Both CPU runtimes must
 give the same outputs on the same graph.
 """
@@ -56,13 +56,14 @@ def denoiser_graph(demo_onnx_dir: Path) -> Path:
     return demo_onnx_dir / f"{DENOISER}.onnx"
 
 
-def test_synthesis_is_conv_transpose_and_no_narrow_conv_is_left(denoiser_graph: Path) -> None:
+def test_synthesis_is_in_taps_form_and_no_narrow_conv_is_left(denoiser_graph: Path) -> None:
     model = onnx.load(str(denoiser_graph))
     channels = _conv_out_channels(model)
     net = unroll.load(DENOISER)
-    # every synthesis (n_steps − 1 inside the loop, plus the decoder) writes the 4 polyphase channels
-    assert channels["ConvTranspose"] == [4] * net.n_steps
-    assert channels["Conv"] == [net.num_atoms] * net.n_steps  # only the wide analysis convolutions remain
+    taps = 4 * net.kernel_size ** 2
+    # every synthesis (n_steps − 1 inside the loop, plus the decoder) writes the 4 phases' tap products
+    assert channels["ConvTranspose"] == []
+    assert sorted(channels["Conv"]) == sorted([net.num_atoms] * net.n_steps + [taps] * net.n_steps)
     assert min(channels["Conv"]) >= NCHWC_BLOCK
 
 
@@ -79,8 +80,8 @@ def test_graph_matches_pytorch_on_a_real_image(denoiser_graph: Path) -> None:
 
 
 def test_pytorch_and_textbook_export_keep_conv2d(tmp_path: Path) -> None:
-    """Only the fused export swaps in ConvTranspose: eager PyTorch (oneDNN is fast at the narrow conv2d) and
-    the textbook ("naive") export keep the plain convolutions."""
+    """Only the fused export swaps in the taps form: the textbook ("naive") export keeps the plain 3×3 synthesis
+    convolutions (4 output channels each)."""
     from unroll.export.onnx_export import _torch_export
 
     net = unroll.load(DENOISER)
@@ -88,8 +89,8 @@ def test_pytorch_and_textbook_export_keep_conv2d(tmp_path: Path) -> None:
     path = str(tmp_path / "textbook.onnx")
     with textbook_mode():
         _torch_export(net, (x, s), path, ["noisy", "sigma"], ["denoised"], {}, 17)
-    ops = {n.op_type for n in onnx.load(path).graph.node}
-    assert "ConvTranspose" not in ops and "Conv" in ops
+    channels = _conv_out_channels(onnx.load(path))
+    assert channels["ConvTranspose"] == [] and channels["Conv"].count(4) == net.n_steps
 
 
 def test_onnxruntime_session_api(denoiser_graph: Path) -> None:

@@ -26,6 +26,8 @@ BUILD_DIR = Path("build")
 ONNX_DIR = BUILD_DIR / "onnx"  #: ``unroll export`` / ``unroll quantize`` output
 TRT_DIR = BUILD_DIR / "trt"  #: ``unroll build`` output
 TIMING_CACHE = TRT_DIR / "timing.cache"  #: TensorRT's timing cache, shared by builds on one GPU
+AOTI_DIR = BUILD_DIR / "aoti"  #: AOTInductor packages (``unroll optimize``'s PyTorch candidate)
+OPTIMIZE_DIR = BUILD_DIR / "optimize"  #: ``unroll optimize``'s choices and evidence, read by ``unroll repo``
 SAMPLES_DIR = BUILD_DIR / "samples"  #: one sample input per served model (``unroll serve``'s banner)
 IMAGE_DIR = BUILD_DIR / "image"  #: the container build context's generated part
 REPOSITORY_DIR = Path("model_repository")  #: the Triton model repository ``unroll repo`` writes
@@ -56,6 +58,16 @@ def report_of(path: str | Path) -> Path:
 def graph_report(name: str, precision: str = "fp32", onnx_dir: str | Path = ONNX_DIR) -> Path:
     """The report of :func:`graph` (export report for fp32, the quantization gate's report otherwise)."""
     return report_of(graph(name, precision, onnx_dir))
+
+
+def aoti_package(name: str, aoti_dir: str | Path = AOTI_DIR) -> Path:
+    """``build/aoti/NAME.pt2``: the AOTInductor package of a registered model (FP32, CPU)."""
+    return Path(aoti_dir) / f"{name}.pt2"
+
+
+def choice(name: str, target: str = "cpu", optimize_dir: str | Path = OPTIMIZE_DIR) -> Path:
+    """``build/optimize/NAME.TARGET.json``: what ``unroll optimize`` chose for ``name``, with its evidence."""
+    return Path(optimize_dir) / f"{name}.{target}.json"
 
 
 def plan(name: str, precision: str, plan_dir: str | Path = TRT_DIR) -> Path:

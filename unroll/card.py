@@ -201,6 +201,10 @@ class ModelCard(_Strict):
     #: (``serving/cpu_runtime.py``). A per-model choice made by measurement (``unroll bench export``'s
     #: "served" column); the GPU target always runs TensorRT.
     cpu_runtime: Literal["onnxruntime", "openvino"] = "onnxruntime"
+    #: OpenVINO on the CPU target: compile one static-shape model per input shape met (a few kept) instead of
+    #: running the dynamic-shape graph; worth it where shapes repeat (a denoiser's tiling windows), not where the
+    #: dynamic batcher makes every batch size. ``unroll optimize`` measures both.
+    cpu_static_shapes: bool = False
     #: For a ``lambda-rule`` graph: the classifier it picks λ for.
     companion_of: str | None = None
     #: Image-to-image graphs with a bounded receptive field: how large images run in windows (``None``: whole).

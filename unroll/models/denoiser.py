@@ -3,10 +3,12 @@
 The encoder unrolls ``n_steps`` LISTA iterations with a stride-2 dictionary and untied analysis/synthesis filters,
 ``z ← shrink(z − A_k(B_k z − y), τ_k(σ))`` with ``τ_k(σ) = relu(a_k + b_k·σ/σ_ref)`` per atom, so one model serves
 every σ up to 50 (0–255 scale); the decoder is ``x̂ = D z``. Stride-2 convolutions run as stride-1 ones on the four
-polyphase components (same dictionary, better kernels). In ONNX the synthesis is a ``ConvTranspose`` with the
-adjoint weight, because ONNX Runtime's CPU convolution pads its 4-channel output to a 16-channel block while its
-``ConvTranspose`` is one GEMM (``unroll bench export`` compares them). Grayscale by design: the gateway sends colour
-channels as one batch.
+polyphase components (same dictionary, better kernels). In ONNX the synthesis (96 codes → 4 phases) is written in
+*taps* form: one 1×1 convolution to the 4·k² per-tap products, then k² shifted slices summed. Runtimes run a
+4-channel-output 3×3 convolution far below their peak (its output fills a quarter of a 16-channel vector block);
+the 1×1 convolution runs near it and the shifted sums fuse into one elementwise kernel, so OpenVINO with static
+shapes, the served runtime, runs the graph in about three quarters of the time (``unroll optimize csc-denoiser``
+measures every runtime on it). Grayscale by design: the gateway sends colour channels as one batch.
 """
 
 from __future__ import annotations
@@ -40,6 +42,20 @@ def _lipschitz(atoms: Tensor, size: int = 48, iters: int = 50) -> float:
     return eig
 
 
+def conv_by_taps(x: Tensor, w: Tensor, out_ch: int, k: int, padding: int) -> Tensor:
+    """``conv2d(x, w, padding=padding)`` for ``w`` ``[out_ch, C, k, k]`` (given as ints: the tracer makes shapes
+    tensors), as a 1×1 convolution to every (tap, output channel) product followed by the sum of the taps'
+    shifted windows. Exact up to summation order."""
+    taps = F.conv2d(x, w.permute(2, 3, 0, 1).reshape(k * k * out_ch, -1, 1, 1))  # channel (ky·k + kx)·O + o
+    taps = F.pad(taps, (padding,) * 4)
+    h, wd = taps.shape[-2] - k + 1, taps.shape[-1] - k + 1
+    out = taps[:, :out_ch, :h, :wd]
+    for t in range(1, k * k):
+        ky, kx = divmod(t, k)
+        out = out + taps[:, t * out_ch:(t + 1) * out_ch, ky:ky + h, kx:kx + wd]
+    return out
+
+
 class CSCDenoiser(nn.Module):
     def __init__(
         self, num_atoms: int = 96, kernel_size: int = 3, n_steps: int = 4, border: int = 8, seed: int = 0,
@@ -65,10 +81,10 @@ class CSCDenoiser(nn.Module):
         return F.conv2d(x, w, padding=self.padding)
 
     def _synthesize(self, z: Tensor, w: Tensor) -> Tensor:
-        """``conv2d(z, w)`` with ``w`` ``[4, M, k, k]`` (codes → polyphase image); as ``ConvTranspose`` with
-        the adjoint weight when exporting to ONNX (see the module docstring), unless in textbook mode."""
+        """``conv2d(z, w)`` with ``w`` ``[4, M, k, k]`` (codes → polyphase image); in taps form when exporting to
+        ONNX (see the module docstring), unless in textbook mode."""
         if torch.onnx.is_in_onnx_export() and not is_textbook():
-            return F.conv_transpose2d(z, w.transpose(0, 1).flip(-1, -2), padding=self.padding)
+            return conv_by_taps(z, w, STRIDE * STRIDE, self.kernel_size, self.padding)
         return self._conv(z, w)
 
     def thresholds(self, sigma: Tensor) -> list[Tensor]:
@@ -109,6 +125,8 @@ class CSCDenoiser(nn.Module):
         # OpenVINO runs this graph faster than ONNX Runtime on CPUs: `unroll bench export` compares them
         # (benchmarks/results/export_speed.md, the "served" column)
         cpu_runtime="openvino",
+        # its windows come in a few sizes (see tiling), so OpenVINO compiles each once (`unroll optimize` measures it)
+        cpu_static_shapes=True,
         # Receptive radius 17 px (4 LISTA steps + decoder of 3×3 convs on the stride-2 phase grid; tests/test_tiling.py
         # checks it), so 20 px of margin; the mean removal makes it mean-centred. 448-px windows bound a batch's
         # runtime memory (`unroll bench memory` measures the whole service).

@@ -1,0 +1,58 @@
+"""``unroll optimize``'s per-model choice as repository options: what ``unroll repo`` serves a model with.
+
+The choice file (:func:`unroll.artifacts.choice`) holds the runtime, precision and Triton configuration that won on
+this machine, with the evidence. :func:`apply` turns it into :class:`RepoOptions` for that model; options the caller
+set explicitly are overridden, because a choice is only written when asked for and ``--no-optimized`` ignores it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from unroll import artifacts
+from unroll.errors import PipelineError
+from unroll.pipeline.repo_stage import RepoOptions
+
+#: The :class:`RepoOptions` fields a choice sets.
+CHOSEN = ("runtime", "precision", "static_shapes", "threads", "instances", "max_batch_size", "queue_delay_us",
+          "spinning")
+
+
+@dataclass(frozen=True)
+class Applied:
+    """A model's options after its choice, and where they came from (``None``: no choice applied)."""
+
+    options: RepoOptions
+    source: Path | None = None
+    note: str = ""
+
+
+def read(graph: str, target: str, optimize_dir: Path = artifacts.OPTIMIZE_DIR) -> dict | None:
+    """The choice record of ``graph`` for ``target``, or ``None`` when ``unroll optimize`` has not chosen."""
+    record = artifacts.read_json(artifacts.choice(graph, target, optimize_dir))
+    if record is None:
+        return None
+    chosen = record.get("choice")
+    if not isinstance(chosen, dict) or set(chosen) - set(CHOSEN):
+        raise PipelineError(f"{artifacts.choice(graph, target, optimize_dir)} is not a choice `unroll optimize` wrote "
+                            f"(expected a 'choice' with keys among {', '.join(CHOSEN)}); delete it or re-run "
+                            f"`unroll optimize {graph}`")
+    return record
+
+
+def apply(graph: str, options: RepoOptions, onnx_dir: Path = artifacts.ONNX_DIR,
+          optimize_dir: Path = artifacts.OPTIMIZE_DIR) -> Applied:
+    """``options`` with ``graph``'s choice applied (when ``options.optimized`` and a choice exists)."""
+    if not options.optimized:
+        return Applied(options)
+    record = read(graph, options.target, optimize_dir)
+    if record is None:
+        return Applied(options)
+    known = {f.name for f in fields(RepoOptions)}
+    chosen = replace(options, **{k: v for k, v in record["choice"].items() if k in known})
+    fp32 = artifacts.graph(graph, onnx_dir=onnx_dir)
+    note = ""
+    if fp32.exists() and record.get("graph_sha256") not in (None, artifacts.sha256(fp32)):
+        note = "measured on an earlier export of this graph: re-run `unroll optimize` to measure this one"
+    return Applied(chosen, artifacts.choice(graph, options.target, optimize_dir), note)
