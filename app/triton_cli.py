@@ -22,6 +22,7 @@ from unroll.app.serve import default_models
 from unroll.card import CardError
 from unroll.errors import ExportError, ServingError
 from unroll.export.card_attach import NO_CARD_HINT, attach_card_where_present
+from unroll.pipeline import choice
 from unroll.serving.repository import (
     CPU_MAX_BATCH_SIZE,
     DEFAULT_MAX_BATCH_SIZE,
@@ -107,6 +108,10 @@ def repo(
     queue_delay_us: Annotated[int, typer.Option(
         help="Dynamic batching max_queue_delay_microseconds (why the default: serving/repository.py; measure "
              "with `unroll bench serve`)")] = DEFAULT_QUEUE_DELAY_US,
+    optimized: Annotated[bool, typer.Option(
+        "--optimized/--no-optimized",
+        help="cpu: serve each model with the runtime, precision and configuration `unroll optimize` chose for it "
+             "(build/optimize/NAME.cpu.json) where there is a choice, overriding the options above")] = True,
     autolam: Annotated[bool, typer.Option(
         "--autolam/--no-autolam", help="Also serve the λ-rule graph a classifier's card names (lam=auto)")] = True,
     card: Annotated[list[str] | None, typer.Option(
@@ -135,9 +140,10 @@ def repo(
                     "no registered model has committed weights; name the models with --models")
     _attach_cards(card or [], names, onnx_dir, precision)
     options = pipeline.RepoOptions(target=target, precision=precision, threads=threads, max_batch_size=max_batch_size,
-                                   queue_delay_us=queue_delay_us, instances=instances, spinning=spinning)
+                                   queue_delay_us=queue_delay_us, instances=instances, spinning=spinning,
+                                   optimized=optimized)
     served = _bring_up_to_date(names, out, onnx_dir, plan_dir, options, autolam, rebuild)
-    console.print(_summary(served, out, onnx_dir, f"{out} (target {target}, {precision})"))
+    console.print(_summary(served, out, onnx_dir, f"{out} (target {target}, {precision})", optimized))
     others = sorted(p.name for p in Path(out).iterdir() if p.is_dir() and not p.name.startswith(".")
                     and p.name not in served)
     if others:
@@ -149,13 +155,18 @@ def repo(
                      f"--model-repository=/models"))
 
 
-def _summary(served: list[str], out: Path, onnx_dir: Path, title: str) -> Table:
+def _summary(served: list[str], out: Path, onnx_dir: Path, title: str, optimized: bool = True) -> Table:
     """One row per served model, each validated against its graph: how it runs, its tensors and its files."""
     table = Table("model", "runs as", "inputs", "outputs", "files", title=title)
     for name in served:
         cfg = validate_model(out / name, reference_onnx=_reference_onnx(out / name, onnx_dir))
         runtime = cfg.parameters["cpu_runtime"].string_value if "cpu_runtime" in cfg.parameters else "onnxruntime"
+        if "static_shapes" in cfg.parameters and cfg.parameters["static_shapes"].string_value == "1":
+            runtime += ", static shapes"
         runs = f"{cfg.backend} ({runtime}, CPU)" if cfg.backend == "python" else cfg.platform
+        chosen = choice.read(name, "cpu") if cfg.backend == "python" and optimized else None
+        if chosen is not None:
+            runs += f"; configured by `unroll optimize` ({artifacts.choice(name, 'cpu')})"
         if cfg.platform == "onnxruntime_onnx":
             runs += f" + TensorRT, strongly typed ({cfg.parameters['unroll_source_onnx'].string_value})"
         ins = ", ".join(f"{i.name}{list(i.dims)}{' (optional)' if i.optional else ''}" for i in cfg.input)

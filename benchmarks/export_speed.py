@@ -100,7 +100,9 @@ def run(threads: int = 2, rows: list | None = None, with_compile: bool = True, b
                     continue
                 if progress:
                     progress(f"{name} {label}: {engine}")
-                sess = open_session(paths[tag], runtime, threads)
+                # OpenVINO as served: static shapes where the card asks for them (serving/cpu_runtime.py)
+                static = runtime == "openvino" and spec.card.cpu_static_shapes
+                sess = open_session(paths[tag], runtime, threads, static_shapes=static)
                 outputs[engine] = next(iter(sess(np_feeds).values()))
                 row["timings"][engine] = time_call(partial(sess, np_feeds), budget_s=budget_s)
             if "openvino fused" in outputs:
@@ -131,6 +133,7 @@ def markdown(payload: dict) -> str:
              "Median latency in ms (speed-up vs PyTorch eager in the same run). \"served\": the CPU runtime the "
              "model's card names (`cpu_runtime`), the one `unroll serve` runs; the targets are judged on it (a runtime "
              "in *italics* after it ran this row faster). "
+             "OpenVINO runs with static shapes where the card asks for them (`cpu_static_shapes`), as served. "
              "max |Δ|: OpenVINO's output vs ONNX Runtime's on the same fused graph. " + load_note(m), "",
              "| model | case | " + " | ".join(ENGINES) + " | served | max \\|Δ\\| | served ≥ 1.5× eager "
              "| served < compile |",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
+from pathlib import Path
 
 from unroll import artifacts
 from unroll.benchmarks import gpu_check
@@ -38,16 +39,19 @@ def unreachable() -> list[dict]:
     return out
 
 
-def run_gpu(name: str, budget_s: float, fresh: bool = False) -> dict:
-    """Measure ``name``'s GPU candidates and write ``build/optimize/NAME.gpu.{json,md}``; returns the record."""
-    why = gpu_check.cuda_unavailable()
+def run_gpu(name: str, budget_s: float, fresh: bool = False, device: str = "cuda",
+            candidates: list[str] | None = None, optimize_dir: Path = artifacts.OPTIMIZE_DIR) -> dict:
+    """Measure ``name``'s GPU candidates and write ``optimize_dir/NAME.gpu.{json,md}``; returns the record.
+    ``device="cpu"`` runs the same code on the CPU (the tests' dry run, as ``gpu_check --device cpu``)."""
+    why = gpu_check.cuda_unavailable() if device == "cuda" else None
     skipped = unreachable()
     if why:
         others = "; ".join(f"{s['candidate']}: {s['reason']}" for s in skipped)
         raise OptimizeError(f"--target gpu needs a CUDA GPU: {why}. Nothing was measured or written"
                             + (f" (also unreachable here: {others})" if others else ""))
-    out = artifacts.OPTIMIZE_DIR / f"{name}.gpu_check"
-    cases = gpu_check.run_check(out, device="cuda", models=[name], budget_s=budget_s, resume=not fresh)
+    out = Path(optimize_dir) / f"{name}.gpu_check"
+    cases = gpu_check.run_check(out, device=device, models=[name], candidates=candidates, budget_s=budget_s,
+                                resume=not fresh and (out / f"{gpu_check.STEM}.json").exists())
     best = {}
     for case in cases or []:
         ok = [r for r in case.rows.values() if r.get("status") == "ok"]
@@ -55,9 +59,10 @@ def run_gpu(name: str, budget_s: float, fresh: bool = False) -> dict:
             winner = min(ok, key=lambda r: r["p50_ms"])
             best[case.label] = {"candidate": winner["candidate"], "p50_ms": winner["p50_ms"],
                                 "p99_ms": winner["p99_ms"], "speedup_vs_eager": winner.get("speedup_vs_eager")}
-    record = {"model": name, "target": "gpu", "written_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-              "choice": {}, "best": best, "skipped": skipped, "evidence": str(out / f"{gpu_check.STEM}.md")}
-    path = artifacts.choice(name, "gpu")
+    record = {"model": name, "target": "gpu", "device": device,
+              "written_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "choice": {}, "best": best,
+              "skipped": skipped, "evidence": str(out / f"{gpu_check.STEM}.md")}
+    path = artifacts.choice(name, "gpu", optimize_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
     lines = [f"# `unroll optimize {name} --target gpu`", "", "| case | fastest passing candidate | p50 ms | p99 ms |",

@@ -141,3 +141,15 @@ def test_gpu_target_without_a_gpu_says_why_and_writes_nothing(tmp_path: Path, mo
     assert result.exit_code != 0
     assert "needs a CUDA GPU" in result.output and cuda_unavailable() in result.output, result.output
     assert not artifacts.choice(MODEL, "gpu").exists()
+
+
+def test_the_gpu_targets_code_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
+    """The dry run of ``--target gpu``: the same code on the CPU device, two candidates, a real parity gate."""
+    from unroll.benchmarks.optimize_gpu import run_gpu
+
+    record = run_gpu(MODEL, 120, device="cpu", candidates=["eager-fp32", "autocast-bf16"], optimize_dir=tmp_path)
+    assert record["choice"] == {}  # measured only: the GPU repository serves TensorRT
+    assert set(record["best"]) and all(v["candidate"] in ("eager-fp32", "autocast-bf16")
+                                       for v in record["best"].values())
+    assert {s["candidate"] for s in record["skipped"]} >= {"TensorRT plan"}
+    assert artifacts.choice(MODEL, "gpu", tmp_path).with_suffix(".md").exists()
