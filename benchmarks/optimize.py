@@ -15,7 +15,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -188,7 +188,7 @@ class Settings:
     threads: int = max(1, min(2, os.cpu_count() or 1))
     onnx_dir: Path = artifacts.ONNX_DIR
     aoti_dir: Path = artifacts.AOTI_DIR
-    optimize_dir: Path = artifacts.OPTIMIZE_DIR
+    optimize_dir: Path = field(default_factory=lambda: artifacts.OPTIMIZE_DIR)
     fresh: bool = False
     sweep: bool = True
     #: time the served choice (Triton direct) against torch.compile in process (registered models only)

@@ -40,7 +40,7 @@ def unreachable() -> list[dict]:
 
 
 def run_gpu(name: str, budget_s: float, fresh: bool = False, device: str = "cuda",
-            candidates: list[str] | None = None, optimize_dir: Path = artifacts.OPTIMIZE_DIR) -> dict:
+            candidates: list[str] | None = None, optimize_dir: Path | None = None) -> dict:
     """Measure ``name``'s GPU candidates and write ``optimize_dir/NAME.gpu.{json,md}``; returns the record.
     ``device="cpu"`` runs the same code on the CPU (the tests' dry run, as ``gpu_check --device cpu``)."""
     why = gpu_check.cuda_unavailable() if device == "cuda" else None
@@ -49,7 +49,8 @@ def run_gpu(name: str, budget_s: float, fresh: bool = False, device: str = "cuda
         others = "; ".join(f"{s['candidate']}: {s['reason']}" for s in skipped)
         raise OptimizeError(f"--target gpu needs a CUDA GPU: {why}. Nothing was measured or written"
                             + (f" (also unreachable here: {others})" if others else ""))
-    out = Path(optimize_dir) / f"{name}.gpu_check"
+    optimize_dir = Path(artifacts.OPTIMIZE_DIR if optimize_dir is None else optimize_dir)
+    out = optimize_dir / f"{name}.gpu_check"
     cases = gpu_check.run_check(out, device=device, models=[name], candidates=candidates, budget_s=budget_s,
                                 resume=not fresh and (out / f"{gpu_check.STEM}.json").exists())
     best = {}

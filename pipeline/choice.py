@@ -28,7 +28,7 @@ class Applied:
     note: str = ""
 
 
-def read(graph: str, target: str, optimize_dir: Path = artifacts.OPTIMIZE_DIR) -> dict | None:
+def read(graph: str, target: str, optimize_dir: Path | None = None) -> dict | None:
     """The choice record of ``graph`` for ``target``, or ``None`` when ``unroll optimize`` has not chosen."""
     record = artifacts.read_json(artifacts.choice(graph, target, optimize_dir))
     if record is None:
@@ -42,7 +42,7 @@ def read(graph: str, target: str, optimize_dir: Path = artifacts.OPTIMIZE_DIR) -
 
 
 def apply(graph: str, options: RepoOptions, onnx_dir: Path = artifacts.ONNX_DIR,
-          optimize_dir: Path = artifacts.OPTIMIZE_DIR) -> Applied:
+          optimize_dir: Path | None = None) -> Applied:
     """``options`` with ``graph``'s choice applied (when ``options.optimized`` and a choice exists)."""
     if not options.optimized:
         return Applied(options)

@@ -1,8 +1,14 @@
 """Shared test set-up: deterministic, 2 threads (the CI machine's cores)."""
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# `unroll optimize`'s choices change what `unroll repo` writes: the tests (and the servers they start) read an empty
+# folder instead of this checkout's build/optimize (set before anything imports unroll.artifacts)
+os.environ["UNROLL_OPTIMIZE_DIR"] = tempfile.mkdtemp(prefix="unroll-test-optimize-")
 import torch
 
 

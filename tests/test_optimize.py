@@ -102,7 +102,7 @@ def test_the_sweeps_choice_is_what_the_repository_serves(demo_onnx_dir: Path, tm
     if perf_analyzer.find() is None:
         pytest.skip(perf_analyzer.missing_reason())
     onnx_dir = _copy_graph(demo_onnx_dir, tmp_path / "onnx").parent
-    monkeypatch.chdir(tmp_path)  # build/optimize (where `unroll repo` looks) is relative to the working directory
+    monkeypatch.setattr(artifacts, "OPTIMIZE_DIR", tmp_path / "optimize")  # where `unroll repo` looks, this test only
     monkeypatch.setattr(opt.optimize_sweep, "QUEUE_DELAYS_US", (0, 2000))
     settings = opt.Settings(MODEL, onnx_dir=onnx_dir, only=(ORT_FP32,), compare=False)
     record = opt.run(settings, progress=lambda _: None)
@@ -136,7 +136,7 @@ def test_gpu_target_without_a_gpu_says_why_and_writes_nothing(tmp_path: Path, mo
 
     if cuda_unavailable() is None:
         pytest.skip("a CUDA GPU is present: scripts/gpu_check.sh runs the GPU target there")
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(artifacts, "OPTIMIZE_DIR", tmp_path)
     result = CliRunner().invoke(app, ["optimize", MODEL, "--target", "gpu", "--no-progress"])
     assert result.exit_code != 0
     assert "needs a CUDA GPU" in result.output and cuda_unavailable() in result.output, result.output

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,9 @@ ONNX_DIR = BUILD_DIR / "onnx"  #: ``unroll export`` / ``unroll quantize`` output
 TRT_DIR = BUILD_DIR / "trt"  #: ``unroll build`` output
 TIMING_CACHE = TRT_DIR / "timing.cache"  #: TensorRT's timing cache, shared by builds on one GPU
 AOTI_DIR = BUILD_DIR / "aoti"  #: AOTInductor packages (``unroll optimize``'s PyTorch candidate)
-OPTIMIZE_DIR = BUILD_DIR / "optimize"  #: ``unroll optimize``'s choices and evidence, read by ``unroll repo``
+#: ``unroll optimize``'s choices and evidence, read by ``unroll repo`` (``$UNROLL_OPTIMIZE_DIR`` moves it: the tests
+#: point it at an empty folder, so a developer's own choices do not change what they serve)
+OPTIMIZE_DIR = Path(os.environ.get("UNROLL_OPTIMIZE_DIR") or BUILD_DIR / "optimize")
 SAMPLES_DIR = BUILD_DIR / "samples"  #: one sample input per served model (``unroll serve``'s banner)
 IMAGE_DIR = BUILD_DIR / "image"  #: the container build context's generated part
 REPOSITORY_DIR = Path("model_repository")  #: the Triton model repository ``unroll repo`` writes
@@ -65,9 +68,9 @@ def aoti_package(name: str, aoti_dir: str | Path = AOTI_DIR) -> Path:
     return Path(aoti_dir) / f"{name}.pt2"
 
 
-def choice(name: str, target: str = "cpu", optimize_dir: str | Path = OPTIMIZE_DIR) -> Path:
+def choice(name: str, target: str = "cpu", optimize_dir: str | Path | None = None) -> Path:
     """``build/optimize/NAME.TARGET.json``: what ``unroll optimize`` chose for ``name``, with its evidence."""
-    return Path(optimize_dir) / f"{name}.{target}.json"
+    return Path(OPTIMIZE_DIR if optimize_dir is None else optimize_dir) / f"{name}.{target}.json"
 
 
 def plan(name: str, precision: str, plan_dir: str | Path = TRT_DIR) -> Path:
