@@ -159,6 +159,9 @@ def _verdicts(c: dict[str, Component]) -> list[Verdict]:
         ("serve", serve, None),
         ("serve --target gpu", _first(gpu_triton, _need_packages(c, *SERVE_PKGS)),
          "needs NGC's tritonserver with the GPU repository (--triton-url); the bundled one serves cpu only"),
+        ("optimize", serve, "without perf_analyzer it keeps the hand-set Triton configuration (the report says so)"
+         if not c["perf_analyzer"].ok else None),
+        ("optimize --target gpu", _first(_need(c, "cuda"), export), cuda_note),
         ("bench models", export, None),
         ("bench models --device cuda", _first(_need(c, "cuda"), export), cuda_note),
         ("bench quality", _first(export, _need_packages(c, "scikit-image", "bm3d")), None),
@@ -191,7 +194,8 @@ def _bench_serve_perf_analyzer(c: dict[str, Component]) -> tuple[str | None, str
 COMMANDS = tuple(v.command for v in _verdicts({n: Component(n, "ok", "") for n in ORDER}))
 
 
-ALIASES = {"repo --target cpu": "repo", "serve --target cpu": "serve", "bench models --device cpu": "bench models",
+ALIASES = {"repo --target cpu": "repo", "serve --target cpu": "serve", "optimize --target cpu": "optimize",
+           "bench models --device cpu": "bench models",
            "container": "container images", "image": "container images"}
 
 

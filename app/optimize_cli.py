@@ -87,6 +87,7 @@ def _chosen(record: dict) -> str:
     c = record["choice"]
     if not c:
         return record.get("best", "nothing")
-    return (f"{c['runtime']}{' (static shapes)' if c.get('static_shapes') else ''} {c['precision']}, "
+    return (f"{c['runtime']}{' (static shapes)' if c.get('static_shapes') else ''} "
+            f"{'bf16' if c.get('bf16') else c['precision']}, "
             f"{c['instances']}×{c['threads']} threads, max batch {c['max_batch_size']}, "
             f"queue delay {c['queue_delay_us']} µs")

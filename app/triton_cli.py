@@ -164,9 +164,9 @@ def _summary(served: list[str], out: Path, onnx_dir: Path, title: str, optimized
         if "static_shapes" in cfg.parameters and cfg.parameters["static_shapes"].string_value == "1":
             runtime += ", static shapes"
         runs = f"{cfg.backend} ({runtime}, CPU)" if cfg.backend == "python" else cfg.platform
-        chosen = choice.read(name, "cpu") if cfg.backend == "python" and optimized else None
-        if chosen is not None:
-            runs += f"; configured by `unroll optimize` ({artifacts.choice(name, 'cpu')})"
+        applied = choice.apply(name, pipeline.RepoOptions(optimized=optimized), onnx_dir)
+        if cfg.backend == "python" and applied.source is not None:
+            runs += f"; configured by `unroll optimize` ({applied.source}{'; ' + applied.note if applied.note else ''})"
         if cfg.platform == "onnxruntime_onnx":
             runs += f" + TensorRT, strongly typed ({cfg.parameters['unroll_source_onnx'].string_value})"
         ins = ", ".join(f"{i.name}{list(i.dims)}{' (optional)' if i.optional else ''}" for i in cfg.input)

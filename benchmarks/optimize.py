@@ -11,6 +11,7 @@ which ``unroll repo`` applies. Progress is saved after every measurement, so an 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -30,9 +31,14 @@ from unroll.serving import cpu_runtime
 
 #: FP32 candidates must also match the PyTorch model this closely (relative L2 over all gate outputs).
 FP32_REL_ERR = 1e-4
-#: Seconds of timing per candidate and case (at least :data:`MIN_CALLS` calls).
-TIME_PER_CASE_S = 2.0
-MIN_CALLS = 10
+#: Seconds of timing per candidate and case, split over :data:`ROUNDS` interleaved rounds (at least :data:`MIN_CALLS`
+#: calls each).
+TIME_PER_CASE_S = 3.0
+ROUNDS = 3
+MIN_CALLS = 5
+#: Warm-up before timing: calls, and at least this long (a static-shape OpenVINO model compiles on its first call
+#: and an INT8 one keeps getting faster for several more)
+WARMUP_CALLS, WARMUP_S = 5, 0.3
 DEFAULT_TIME_BUDGET_MIN = 15.0
 Progress = Callable[[str], None]
 
@@ -46,12 +52,19 @@ class Candidate:
     """One way to run the model on the CPU target."""
 
     runtime: str
-    precision: str
+    precision: str  #: the graph's (``NAME.PRECISION.onnx``)
     static_shapes: bool = False
+    bf16: bool = False  #: OpenVINO's bfloat16 maths on the FP32 graph (gated as FP16)
 
     @property
     def key(self) -> str:
-        return f"{self.runtime}/{self.precision}" + ("/static" if self.static_shapes else "")
+        return (f"{self.runtime}/{'bf16' if self.bf16 else self.precision}"
+                + ("/static" if self.static_shapes else ""))
+
+    @property
+    def gate_precision(self) -> str:
+        """The card gate the candidate must pass: its graph's precision, FP16's for bfloat16 maths."""
+        return "fp16" if self.bf16 else self.precision
 
 
 def candidates(card: ModelCard, registered: bool) -> tuple[list[Candidate], list[dict]]:
@@ -71,6 +84,14 @@ def candidates(card: ModelCard, registered: bool) -> tuple[list[Candidate], list
                 cand = Candidate(runtime, precision, static)
                 if why:
                     skipped.append({"candidate": cand.key, "reason": why})
+                else:
+                    found.append(cand)
+        if runtime == "openvino" and "fp16" in card.precisions:  # reduced-precision maths, judged by the FP16 gate
+            why16 = cpu_runtime.bf16_unavailable()
+            for static in shapes:
+                cand = Candidate(runtime, "fp32", static, bf16=True)
+                if why16:
+                    skipped.append({"candidate": cand.key, "reason": why16})
                 else:
                     found.append(cand)
     return found, skipped
@@ -137,8 +158,8 @@ def torch_reference(name: str) -> gates.Run:
 def gate_check(card: ModelCard, cand: Candidate, session: cpu_runtime.Session, cases: list[gates.GateCase],
                refs: list[np.ndarray]) -> dict:
     """The candidate against the FP32 reference on the gate data: ``{"passed", "metrics", "failures", …}``."""
-    tol = gates.tolerances(card, cand.precision)
-    if cand.precision == "fp32":
+    tol = gates.tolerances(card, cand.gate_precision)
+    if cand.gate_precision == "fp32":
         tol["rel_err"] = min(tol.get("rel_err", FP32_REL_ERR), FP32_REL_ERR)
     res = gates.evaluate(card, cases, refs, lambda feeds: session(feeds)[card.output], tol)
     return {"passed": res.passed, "metrics": res.metrics, "tolerances": res.tolerances, "failures": res.failures}
@@ -151,21 +172,6 @@ def timing_cases(name: str, card: ModelCard) -> list[tuple[str, dict[str, np.nda
     lam = card.lam.default if card.lam is not None else None
     return [(label, {k: v.numpy() for k, v in case_inputs(name, case, lam).items()})
             for label, case in cases_for(name)]
-
-
-def time_session(session: cpu_runtime.Session, feeds: dict[str, np.ndarray], budget_s: float) -> dict:
-    """p50/p99 wall ms and CPU ms (this process, every thread) per call, after warm-up."""
-    for _ in range(3):
-        session(feeds)
-    walls = []
-    cpu0, start = time.process_time(), time.perf_counter()
-    while len(walls) < MIN_CALLS or time.perf_counter() - start < budget_s:
-        t = time.perf_counter()
-        session(feeds)
-        walls.append((time.perf_counter() - t) * 1e3)
-    summary = latency_summary(walls)
-    return {"p50_ms": summary["p50"], "p99_ms": summary["p99"], "calls": len(walls),
-            "cpu_ms": (time.process_time() - cpu0) * 1e3 / len(walls)}
 
 
 def score(rows: list[dict]) -> None:
@@ -264,7 +270,7 @@ def run(settings: Settings, progress: Progress = print, advance: Callable[[int],
     else:
         sweep_result = sweep.skipped("the sweep was not asked for (--no-sweep)")
     chosen = {"runtime": best.runtime, "precision": best.precision, "static_shapes": best.static_shapes,
-              **sweep_result["chosen"]}
+              "bf16": best.bf16, **sweep_result["chosen"]}
     versus = None
     if s.compare and registered:
         from unroll.benchmarks.optimize_served import served_vs_compile
@@ -306,16 +312,15 @@ def _ensure_exported(name: str, onnx_dir: Path, progress: Progress) -> bool:
 def _measure_candidates(name: str, card: ModelCard, cands: list[Candidate], registered: bool, timing: list,
                         s: Settings, journal: Journal, deadline: float, progress: Progress,
                         advance: Callable[[int], None] | None) -> list[dict]:
+    """Gate every candidate (each saved as it is judged), then time the ones that passed together."""
     done: dict = journal.data["candidates"]
     cases = refs = None
-    rows = []
     for cand in cands:
-        if cand.key in done:
-            rows.append(done[cand.key])
+        if cand.key in done and done[cand.key].get("status") != "not measured: time budget spent":
             advance and advance(1)
             continue
         if time.monotonic() > deadline:
-            rows.append({"candidate": asdict(cand), "key": cand.key, "status": "not measured: time budget spent"})
+            done[cand.key] = {"candidate": asdict(cand), "key": cand.key, "status": "not measured: time budget spent"}
             continue
         if cases is None:  # (loaded only when something is left to measure)
             cases = gates.gate_cases(card)
@@ -323,21 +328,24 @@ def _measure_candidates(name: str, card: ModelCard, cands: list[Candidate], regi
                 artifacts.graph(name, onnx_dir=s.onnx_dir), card.output, s.threads)
             refs = gates.reference_outputs(cases, reference)
             journal.data["gate_data"] = gates.gate_source(card, cases)
-        row = _measure(name, card, cand, s, cases, refs, timing, progress)
-        done[cand.key] = row
+        done[cand.key] = _check(name, card, cand, s, cases, refs, progress)
         journal.save()
-        rows.append(row)
         advance and advance(1)
+    rows = [done[c.key] for c in cands]
+    untimed = [r for r in rows if r.get("status") == "passed gate"]
+    if untimed:
+        _time_together(name, untimed, timing, s, progress)
+        journal.save()
     return rows
 
 
-def _measure(name: str, card: ModelCard, cand: Candidate, s: Settings, cases: list, refs: list,
-             timing: list, progress: Progress) -> dict:
+def _check(name: str, card: ModelCard, cand: Candidate, s: Settings, cases: list, refs: list,
+           progress: Progress) -> dict:
+    """Build ``cand`` and judge it on the gate data (status ``passed gate``, ``refused`` or a failure)."""
     row: dict = {"candidate": asdict(cand), "key": cand.key}
     progress(f"{name}: {cand.key}: building")
     try:
-        path = artifact(name, cand, s.onnx_dir, s.aoti_dir, progress)
-        session = cpu_runtime.open_session(path, cand.runtime, s.threads, static_shapes=cand.static_shapes)
+        session = _open(name, cand, s, progress)
     except Exception as e:  # a quantized graph that fails its own gate, a compile error: a result, not a crash
         row.update(status="failed to build", reason=_reason(e))
         return row
@@ -350,10 +358,54 @@ def _measure(name: str, card: ModelCard, cand: Candidate, s: Settings, cases: li
     if not row["gate"]["passed"]:
         row.update(status="refused", reason="; ".join(row["gate"]["failures"]))
         return row
-    progress(f"{name}: {cand.key}: timing")
-    row["timings"] = {label: time_session(session, feeds, TIME_PER_CASE_S) for label, feeds in timing}
-    row["status"] = "passed"
+    row["status"] = "passed gate"
     return row
+
+
+def _open(name: str, cand: Candidate, s: Settings, progress: Progress) -> cpu_runtime.Session:
+    path = artifact(name, cand, s.onnx_dir, s.aoti_dir, progress)
+    return cpu_runtime.open_session(path, cand.runtime, s.threads, static_shapes=cand.static_shapes, bf16=cand.bf16)
+
+
+def _time_together(name: str, rows: list[dict], timing: list, s: Settings, progress: Progress) -> None:
+    """Time every row's candidate on every case in :data:`ROUNDS` interleaved rounds, so that a slow spell of this
+    machine falls on all candidates alike instead of on whichever ran then; sets ``timings`` and ``status``."""
+    sessions = {r["key"]: _open(name, Candidate(**r["candidate"]), s, progress) for r in rows}
+    walls: dict = {(k, label): [] for k in sessions for label, _ in timing}
+    cpu: dict = dict.fromkeys(walls, 0.0)
+    for i in range(ROUNDS):
+        for key, session in sessions.items():
+            progress(f"{name}: timing {key} (round {i + 1} of {ROUNDS})")
+            for label, feeds in timing:
+                got, cpu_s = _timed_calls(session, feeds, TIME_PER_CASE_S / ROUNDS)
+                walls[key, label] += got
+                cpu[key, label] += cpu_s
+    for r in rows:
+        r["timings"] = {}
+        for label, _ in timing:
+            summary = latency_summary(walls[r["key"], label])
+            r["timings"][label] = {"p50_ms": summary["p50"], "p99_ms": summary["p99"],
+                                   "calls": len(walls[r["key"], label]),
+                                   "cpu_ms": cpu[r["key"], label] * 1e3 / len(walls[r["key"], label])}
+        r["status"] = "passed"
+
+
+def _timed_calls(session: cpu_runtime.Session, feeds: dict[str, np.ndarray], budget_s: float
+                 ) -> tuple[list[float], float]:
+    """Wall ms of each call after warm-up, for ``budget_s`` (at least :data:`MIN_CALLS` calls), and the CPU
+    seconds (this process, every thread) they took."""
+    start = time.perf_counter()
+    for i in itertools.count():
+        session(feeds)
+        if i + 1 >= WARMUP_CALLS and time.perf_counter() - start >= WARMUP_S:
+            break
+    walls = []
+    cpu0, start = time.process_time(), time.perf_counter()
+    while len(walls) < MIN_CALLS or time.perf_counter() - start < budget_s:
+        t = time.perf_counter()
+        session(feeds)
+        walls.append((time.perf_counter() - t) * 1e3)
+    return walls, time.process_time() - cpu0
 
 
 def _reason(e: BaseException) -> str:

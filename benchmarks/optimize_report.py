@@ -21,8 +21,8 @@ def candidates_table(record: dict) -> list[str]:
     chosen = record["choice"]
     for r in sorted(rows, key=lambda r: r.get("score", float("inf"))):
         c = r["candidate"]
-        mark = " **(chosen)**" if (c["runtime"], c["precision"], c["static_shapes"]) == (
-            chosen["runtime"], chosen["precision"], chosen["static_shapes"]) else ""
+        mark = " **(chosen)**" if all(c.get(k, False) == chosen.get(k, False)
+                                      for k in ("runtime", "precision", "static_shapes", "bf16")) else ""
         gate = r.get("gate") or {}
         metrics = ", ".join(f"{k} {v:.3g}" for k, v in (gate.get("metrics") or {}).items()
                             if isinstance(v, (int, float)) and k in gate.get("tolerances", {}))
@@ -73,7 +73,8 @@ def markdown(record: dict) -> str:
     lines = [f"# `unroll optimize {record['model']}` ({record['target']})", "",
              f"{record['machine'].get('cpu', '')}, measured {record['written_utc']} UTC in {record['elapsed_s']:.0f} s "
              f"(budget {record['time_budget_min']:g} min{', cut short by it' if record['truncated'] else ''}).", "",
-             f"**Chosen:** {c['runtime']}{' (static shapes)' if c['static_shapes'] else ''}, {c['precision']}, "
+             f"**Chosen:** {c['runtime']}{' (static shapes)' if c['static_shapes'] else ''}, "
+             f"{'bf16 maths on the fp32 graph' if c.get('bf16') else c['precision']}, "
              f"{_config(c)}. `unroll repo` serves it (`--no-optimized` ignores it).", "",
              "## Candidates", "",
              f"Each candidate is checked against the {record['reference']} on the card's gate data "
@@ -93,7 +94,8 @@ def versus_lines(versus: dict | None) -> list[str]:
            "| case | served (Triton direct) p50 ms | client | torch.compile p50 ms | compile ÷ served "
            "| served ≥ compile |",
            "|---|---|---|---|---|---|"]
-    out += [f"| {r['case']} | {r['served_p50_ms']:.2f} | {r['client']} | {r['compile_p50_ms']:.2f} | "
+    out += [f"| {r['case']} | skipped: {r['skipped']} | | | | |" if "skipped" in r else
+            f"| {r['case']} | {r['served_p50_ms']:.2f} | {r['client']} | {r['compile_p50_ms']:.2f} | "
             f"{r['compile_over_served']:.2f}× | {'yes' if r['compile_over_served'] >= 1 else '**no**'} |"
             for r in versus["rows"]]
     return out

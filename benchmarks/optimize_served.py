@@ -2,14 +2,16 @@
 same model compiled in process, on each benchmark case.
 
 Triton runs the repository ``unroll repo`` would write from the choice; requests are the case's tensors over gRPC,
-one at a time, sent by ``perf_analyzer`` (Triton's own C++ client, the project's reference for Triton-direct numbers;
-without it, by ``tritonclient`` in this process, and the result says which). Triton is stopped before PyTorch is
-timed, so neither competes with the other for the cores.
-``torch.compile`` gets the same thread count and ``dynamic=False`` (one compilation per case, not timed).
+one at a time (a case whose batch exceeds the served max batch is skipped, with the reason), sent by
+``perf_analyzer`` for batch 1 (Triton's own C++ client, the project's reference for Triton-direct numbers; else by
+``tritonclient`` in this process, and the row says which). The two sides alternate in :data:`ROUNDS` rounds, so a
+slow spell of the machine falls on both; Triton idles (no CPU) while PyTorch runs, and PyTorch idles while Triton
+serves. ``torch.compile`` gets the same thread count and ``dynamic=False`` (compiled once per case, not timed).
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -23,63 +25,79 @@ from unroll.benchmarks.serve_triton import triton_server
 from unroll.card import ModelCard
 from unroll.serving.repository import write_repository
 
-TIME_PER_CASE_S = 3.0
+ROUNDS = 3
+TIME_PER_ROUND_S = 1.0
 
 
-def _triton_p50(name: str, card: ModelCard, timing: list, repo_kwargs: dict, onnx_dir: Path, aoti_dir: Path,
-                progress: Callable[[str], None]) -> dict[str, dict]:
-    out = {}
-    with tempfile.TemporaryDirectory(prefix="unroll-served-") as tmp:
-        repo = Path(tmp) / "repo"
-        write_repository("cpu", [name], repo, onnx_dir=onnx_dir, aoti_dir=aoti_dir, **repo_kwargs)
-        progress(f"{name}: Triton direct with the chosen configuration")
-        with triton_server(repo, Path(tmp) / "triton.log") as (_, grpc):
-            for label, feeds in timing:
-                if perf_analyzer.find() is not None:
-                    row = perf_analyzer.measure(name, grpc, [feeds], 1, batching=repo_kwargs["max_batch_size"] > 0)
-                    out[label] = {"median_ms": row["latency_ms"]["p50"], "p90_ms": row["latency_ms"]["p90"],
-                                  "client": "perf_analyzer"}
-                    continue
-                w = Workload(label, name, label, [feeds], [], "", card.output)
-                call, close = triton_grpc_client(grpc, w)()
-                try:
-                    out[label] = time_call(lambda call=call: call(0), warmup=5, max_repeats=500,
-                                           budget_s=TIME_PER_CASE_S) | {"client": "tritonclient (Python)"}
-                finally:
-                    close()
-    return out
-
-
-def _compiled_p50(name: str, timing: list, threads: int, progress: Callable[[str], None]) -> dict[str, dict]:
+def _compiled_calls(name: str, timing: list, threads: int, progress: Callable[[str], None]) -> dict[str, Callable]:
+    """``torch.compile``'d calls per case, each compiled (by a first call) before any timing."""
     import torch
 
     import unroll
     from unroll.benchmarks.models_inputs import torch_call
 
     torch.set_num_threads(threads)
-    model = unroll.load(name).eval()
-    compiled = torch.compile(model, dynamic=False)
-    out = {}
+    compiled = torch.compile(unroll.load(name).eval(), dynamic=False)
+    calls = {}
     for label, feeds in timing:
-        progress(f"{name}: torch.compile in process, {label} (compiling)")
+        progress(f"{name}: torch.compile, {label} (compiling)")
         tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in feeds.items()}
-        with torch.inference_mode():
-            call = torch_call(compiled, name, tensors)
-            out[label] = time_call(call, warmup=3, max_repeats=500, budget_s=TIME_PER_CASE_S)
-    return out
+        call = torch_call(compiled, name, tensors)
+
+        def run(call: Callable = call) -> object:
+            with torch.inference_mode():
+                return call()
+
+        run()
+        calls[label] = run
+    return calls
+
+
+def _served_p50(name: str, card: ModelCard, grpc: str, label: str, feeds: dict, batching: bool) -> tuple[float, str]:
+    batch = next(iter(feeds.values())).shape[0]
+    if batch == 1 and perf_analyzer.find() is not None:
+        row = perf_analyzer.measure(name, grpc, [feeds], 1, window_ms=1000, max_trials=4, batching=batching)
+        return row["latency_ms"]["p50"], "perf_analyzer"
+    call, close = triton_grpc_client(grpc, Workload(label, name, label, [feeds], [], "", card.output))()
+    try:
+        return time_call(lambda: call(0), warmup=3, max_repeats=500, budget_s=TIME_PER_ROUND_S)["median_ms"], \
+            "tritonclient (Python)"
+    finally:
+        close()
 
 
 def served_vs_compile(name: str, card: ModelCard, timing: list, repo_kwargs: dict, onnx_dir: Path, aoti_dir: Path,
                       threads: int, progress: Callable[[str], None]) -> dict:
-    """Rows per case: Triton direct p50 (served), ``torch.compile`` p50 and their ratio (≥ 1: served is faster)."""
-    served = _triton_p50(name, card, timing, repo_kwargs, onnx_dir, aoti_dir, progress)
-    compiled = _compiled_p50(name, timing, threads, progress)
+    """Rows per case: Triton direct p50 (served), ``torch.compile`` p50 and their ratio (≥ 1: served is faster);
+    each the median of its rounds' p50s."""
+    max_batch = repo_kwargs["max_batch_size"]
+    skipped = {lb: f"batch {next(iter(f.values())).shape[0]} exceeds the served max batch {max_batch}"
+               for lb, f in timing if next(iter(f.values())).shape[0] > max(1, max_batch)}
+    cases = [(lb, f) for lb, f in timing if lb not in skipped]
+    calls = _compiled_calls(name, cases, threads, progress)
+    served: dict[str, list[float]] = {lb: [] for lb, _ in cases}
+    compiled: dict[str, list[float]] = {lb: [] for lb, _ in cases}
+    clients = {}
+    with tempfile.TemporaryDirectory(prefix="unroll-served-") as tmp:
+        repo = Path(tmp) / "repo"
+        write_repository("cpu", [name], repo, onnx_dir=onnx_dir, aoti_dir=aoti_dir, **repo_kwargs)
+        with triton_server(repo, Path(tmp) / "triton.log") as (_, grpc):
+            for i in range(ROUNDS):
+                for label, feeds in cases:
+                    progress(f"{name}: served vs torch.compile, {label} (round {i + 1} of {ROUNDS})")
+                    p50, clients[label] = _served_p50(name, card, grpc, label, feeds, max_batch > 0)
+                    served[label].append(p50)
+                    compiled[label].append(time_call(calls[label], warmup=3, max_repeats=500,
+                                                     budget_s=TIME_PER_ROUND_S)["median_ms"])
     rows = []
     for label, _ in timing:
-        s, c = served[label]["median_ms"], compiled[label]["median_ms"]
+        if label in skipped:
+            rows.append({"case": label, "skipped": skipped[label]})
+            continue
+        s, c = statistics.median(served[label]), statistics.median(compiled[label])
         rows.append({"case": label, "served_p50_ms": s, "compile_p50_ms": c, "compile_over_served": c / s,
-                     "client": served[label]["client"],
-                     "served_p90_ms": served[label]["p90_ms"], "compile_p90_ms": compiled[label]["p90_ms"]})
-    return {"threads": threads, "repository": repo_kwargs, "rows": rows,
-            "method": "Triton direct (gRPC tensors, one request at a time, p50 as the client measures it) vs "
-                      "torch.compile(dynamic=False) in process; Triton stopped before PyTorch runs"}
+                     "client": clients[label], "served_rounds_ms": served[label], "compile_rounds_ms": compiled[label]})
+    return {"threads": threads, "repository": repo_kwargs, "rows": rows, "rounds": ROUNDS,
+            "method": f"Triton direct (gRPC tensors, one request at a time, p50 as the client measures it) vs "
+                      f"torch.compile(dynamic=False) in process, alternating in {ROUNDS} rounds (median of the "
+                      "rounds' p50s)"}

@@ -106,7 +106,7 @@ class Sweep:
             repo = Path(tmp) / "repo"
             write_repository("cpu", [self.name], repo, precision=self.cand.precision, onnx_dir=self.onnx_dir,
                              runtime=self.cand.runtime, static_shapes=self.cand.static_shapes, aoti_dir=self.aoti_dir,
-                             **self.base)
+                             bf16=self.cand.bf16, **self.base)
             progress(f"{self.name}: starting Triton for the configuration sweep")
             with _explicit_triton(repo, self.name, Path(tmp) / "triton.log") as (http, grpc):
                 base_json = _get(f"http://{http}/v2/models/{self.name}/config")

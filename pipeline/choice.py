@@ -15,7 +15,7 @@ from unroll.errors import PipelineError
 from unroll.pipeline.repo_stage import RepoOptions
 
 #: The :class:`RepoOptions` fields a choice sets.
-CHOSEN = ("runtime", "precision", "static_shapes", "threads", "instances", "max_batch_size", "queue_delay_us",
+CHOSEN = ("runtime", "precision", "static_shapes", "bf16", "threads", "instances", "max_batch_size", "queue_delay_us",
           "spinning")
 
 

@@ -41,6 +41,8 @@ class RepoOptions:
     #: CPU runtime and shape mode for every model (``None``: each card's ``cpu_runtime`` / ``cpu_static_shapes``)
     runtime: str | None = None
     static_shapes: bool | None = None
+    #: OpenVINO's bfloat16 maths (a reduced precision that passed the FP16 gate in ``unroll optimize``)
+    bf16: bool = False
     #: take each model's configuration from ``unroll optimize``'s choice where there is one (:mod:`.choice`)
     optimized: bool = True
 

@@ -13,6 +13,7 @@ import ctypes
 import importlib.util
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -51,12 +52,12 @@ def unavailable_reason(runtime: str) -> str | None:
 
 
 def open_session(path: str | Path, runtime: str = DEFAULT_RUNTIME, threads: int = 2, spinning: bool = False,
-                 release_idle_s: float | None = None, static_shapes: bool = False) -> Session:
+                 release_idle_s: float | None = None, static_shapes: bool = False, bf16: bool = False) -> Session:
     """A callable running the graph at ``path`` on ``runtime`` with ``threads`` threads.
 
     ``static_shapes`` (OpenVINO): compile one static-shape model per input shape met instead of running the
     dynamic-shape graph (faster per call once compiled; :class:`_StaticShapes`). ``aotinductor``: ``path`` is an
-    AOTInductor package (``export/aoti.py``).
+    AOTInductor package (``export/aoti.py``). ``bf16`` (OpenVINO): bfloat16 maths (:func:`openvino_config`).
 
     OpenVINO gives its intermediate buffers back after ``release_idle_s`` seconds without an inference
     (:class:`IdleRelease`; default :data:`RELEASE_IDLE_S`); ONNX Runtime's are bounded by the largest input it
@@ -71,6 +72,8 @@ def open_session(path: str | Path, runtime: str = DEFAULT_RUNTIME, threads: int 
         raise RuntimeUnavailable(why)
     if threads < 1:
         raise ValueError(f"threads must be ≥ 1, got {threads}")
+    if bf16 and runtime != "openvino":
+        raise ValueError(f"bf16 maths is an OpenVINO setting, not one of {runtime}")
     if runtime == "onnxruntime":
         return _ort_session(str(path), threads, spinning)
     if runtime == "aotinductor":
@@ -78,7 +81,7 @@ def open_session(path: str | Path, runtime: str = DEFAULT_RUNTIME, threads: int 
 
         return aoti_session(path, threads)
     idle_s = RELEASE_IDLE_S if release_idle_s is None else release_idle_s
-    return _openvino_session(str(path), threads, idle_s, static_shapes)
+    return _openvino_session(str(path), threads, idle_s, static_shapes, bf16)
 
 
 def ort_session(path: str | Path, threads: int, spinning: bool = False):
@@ -112,10 +115,23 @@ def _ort_session(path: str, threads: int, spinning: bool) -> Session:
     return run
 
 
-def openvino_config(threads: int) -> dict[str, object]:
-    """OpenVINO CPU settings matching :func:`_ort_session`'s (latency, ``threads`` threads, FP32 maths)."""
-    return {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32",
-            "NUM_STREAMS": 1}
+def openvino_config(threads: int, bf16: bool = False) -> dict[str, object]:
+    """OpenVINO CPU settings matching :func:`_ort_session`'s (latency, ``threads`` threads, FP32 maths; ``bf16``:
+    bfloat16 maths where the CPU has it, a reduced precision that must pass the FP16 gate)."""
+    return {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY",
+            "INFERENCE_PRECISION_HINT": "bf16" if bf16 else "f32", "NUM_STREAMS": 1}
+
+
+def bf16_unavailable() -> str | None:
+    """Why OpenVINO cannot run bfloat16 maths here (not installed, no BF16 in this CPU), or ``None``."""
+    why = unavailable_reason("openvino")
+    if why:
+        return why
+    import openvino as ov
+
+    if "BF16" not in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+        return "this CPU has no bfloat16 instructions (OpenVINO's OPTIMIZATION_CAPABILITIES lacks BF16)"
+    return None
 
 
 #: Seconds without an inference after which an OpenVINO model gives its intermediate buffers back.
@@ -136,24 +152,47 @@ class IdleRelease:
         self._release, self._lock, self.idle_s = release, lock, idle_s
         self._last, self._dirty = 0.0, False
         self._wake = threading.Event()
-        threading.Thread(target=self._loop, name="unroll-release-idle", daemon=True).start()
+        # the thread holds this object weakly: a session dropped by its owner (``unroll optimize`` opens many)
+        # frees its models, and the thread ends
+        threading.Thread(target=IdleRelease._loop, args=(weakref.ref(self), self._wake), name="unroll-release-idle",
+                         daemon=True).start()
+        weakref.finalize(self, self._wake.set)
 
     def touch(self) -> None:
         """Record an inference (called with ``lock`` held)."""
         self._last, self._dirty = time.monotonic(), True
         self._wake.set()
 
-    def _loop(self) -> None:
+    @staticmethod
+    def _loop(ref: weakref.ref, wake: threading.Event) -> None:
         while True:
-            self._wake.wait()
-            self._wake.clear()
-            while (left := self._last + self.idle_s - time.monotonic()) > 0:
+            wake.wait()
+            wake.clear()
+            while True:
+                left = IdleRelease._step(ref)  # (never holds the object while waiting or sleeping)
+                if left is None:
+                    return
+                if left <= 0:
+                    break
                 time.sleep(left)
-            with self._lock:
-                if self._dirty and time.monotonic() - self._last >= self.idle_s:
-                    self._release()
-                    self._dirty = False
-                    _malloc_trim()
+
+    @staticmethod
+    def _step(ref: weakref.ref) -> float | None:
+        """Seconds until the owner is due for release (≤ 0: released now); ``None`` once it is gone."""
+        me = ref()
+        if me is None:
+            return None
+        left = me._last + me.idle_s - time.monotonic()
+        if left <= 0:
+            me._release_if_idle()
+        return left
+
+    def _release_if_idle(self) -> None:
+        with self._lock:
+            if self._dirty and time.monotonic() - self._last >= self.idle_s:
+                self._release()
+                self._dirty = False
+                _malloc_trim()
 
 
 def _malloc_trim() -> None:
@@ -195,7 +234,8 @@ class _StaticShapes:
             compiled.release_memory()
 
 
-def _openvino_session(path: str, threads: int, release_idle_s: float, static_shapes: bool = False) -> Session:
+def _openvino_session(path: str, threads: int, release_idle_s: float, static_shapes: bool = False,
+                      bf16: bool = False) -> Session:
     import openvino as ov
 
     core = ov.Core()
@@ -207,10 +247,10 @@ def _openvino_session(path: str, threads: int, release_idle_s: float, static_sha
     outputs = [p.get_any_name() for p in model.outputs]
     lock = threading.Lock()
     if static_shapes:
-        static = _StaticShapes(core, model, openvino_config(threads))
+        static = _StaticShapes(core, model, openvino_config(threads, bf16))
         request_for, release = static.request, static.release_memory
     else:
-        compiled = core.compile_model(model, "CPU", openvino_config(threads))
+        compiled = core.compile_model(model, "CPU", openvino_config(threads, bf16))
         request = compiled.create_infer_request()
         request_for, release = (lambda feeds: request), compiled.release_memory
     idle = IdleRelease(release, lock, release_idle_s)

@@ -190,14 +190,14 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
                  max_batch_size: int | None = None, queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
                  instances: int = 1, cpu_stand_in: bool = False, spinning: bool = INTRA_OP_SPINNING,
                  max_pixels: int = wire.DEFAULT_MAX_PIXELS, max_aspect_ratio: float = wire.DEFAULT_MAX_ASPECT_RATIO,
-                 runtime: str | None = None, static_shapes: bool | None = None,
+                 runtime: str | None = None, static_shapes: bool | None = None, bf16: bool = False,
                  ) -> tuple[mc.ModelConfig, list[str] | None]:
     """The ModelConfig for one model, and its labels (classifiers) or None (``cpu_stand_in``: see the module doc).
 
     A CPU config of a model whose card takes an image and whose task has a gateway route (classifiers, denoisers)
     also takes encoded images (:func:`_image_protocol`), within ``max_pixels`` and ``max_aspect_ratio`` (defaults:
     the gateway's). ``runtime`` / ``static_shapes`` (CPU): the card's ``cpu_runtime`` / ``cpu_static_shapes`` unless
-    given (``unroll optimize``'s choice)."""
+    given (``unroll optimize``'s choice); ``bf16``: OpenVINO's bfloat16 maths on the graph."""
     if max_batch_size is None:
         max_batch_size = default_max_batch_size(target, src.card, src.profile)
     inputs, outputs = onnx_io(src.onnx)
@@ -245,7 +245,10 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
     if target == "cpu":
         runtime = runtime or src.card.cpu_runtime
         static = src.card.cpu_static_shapes if static_shapes is None else static_shapes
+        if bf16 and runtime != "openvino":
+            raise RepositoryError(f"{src.name}: bf16 maths is an OpenVINO setting, not one of {runtime}")
         params |= python_backend | {"cpu_runtime": runtime, "static_shapes": "1" if static else "0",
+                                    "inference_precision": "bf16" if bf16 else "f32",
                                     "input_defaults": json.dumps(defaults)}
         if runtime == "aotinductor":
             params["aoti_package"] = AOTI_PACKAGE
@@ -364,7 +367,8 @@ def repository_inputs(name: str, target: Target, precision: str = "fp32", onnx_d
                       plan_dir: Path = artifacts.TRT_DIR, threads: int = 2, max_batch_size: int | None = None,
                       queue_delay_us: int = DEFAULT_QUEUE_DELAY_US, instances: int = 1, cpu_stand_in: bool = False,
                       spinning: bool = INTRA_OP_SPINNING, runtime: str | None = None,
-                      static_shapes: bool | None = None, aoti_dir: Path = artifacts.AOTI_DIR) -> dict[str, str | None]:
+                      static_shapes: bool | None = None, aoti_dir: Path = artifacts.AOTI_DIR,
+                      bf16: bool = False) -> dict[str, str | None]:
     """What ``out/NAME`` is written from, as hashes (:func:`unroll.artifacts.built_from`): the served graph, the
     FP32 graph whose card and report it takes, the plan (GPU, when there is one), the Python backend's model.py
     (CPU and stand-ins) and the options. Recorded beside its config.pbtxt; :mod:`unroll.pipeline` compares it."""
@@ -381,7 +385,7 @@ def repository_inputs(name: str, target: Target, precision: str = "fp32", onnx_d
         package=present(artifacts.aoti_package(name, aoti_dir)) if runtime == "aotinductor" else None,
         options={"target": target, "precision": precision, "threads": threads, "max_batch_size": max_batch_size,
                  "queue_delay_us": queue_delay_us, "instances": instances, "cpu_stand_in": cpu_stand_in,
-                 "spinning": spinning, "runtime": runtime, "static_shapes": static_shapes})
+                 "spinning": spinning, "runtime": runtime, "static_shapes": static_shapes, "bf16": bf16})
 
 
 def write_repository(target: Target, models: list[str], out: Path, precision: str = "fp32",
@@ -389,7 +393,7 @@ def write_repository(target: Target, models: list[str], out: Path, precision: st
                      max_batch_size: int | None = None, queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
                      instances: int = 1, cpu_stand_in: bool = False, spinning: bool = INTRA_OP_SPINNING,
                      runtime: str | None = None, static_shapes: bool | None = None,
-                     aoti_dir: Path = artifacts.AOTI_DIR) -> list[Path]:
+                     aoti_dir: Path = artifacts.AOTI_DIR, bf16: bool = False) -> list[Path]:
     """Write ``out/<model>/config.pbtxt`` + ``out/<model>/1/…`` (+ ``labels.txt``) for each model; validate.
 
     ``models`` are ONNX file stems in ``onnx_dir`` (a model's name; its λ-rule companion is a model of its
@@ -402,7 +406,7 @@ def write_repository(target: Target, models: list[str], out: Path, precision: st
     TensorRT does. Never deploy a stand-in: it is not what the GPU runs.
 
     ``runtime`` / ``static_shapes``: the CPU runtime and its shape mode for every model (default: each card's);
-    ``aotinductor`` serves ``aoti_dir/NAME.pt2`` (``unroll optimize`` builds it).
+    ``aotinductor`` serves ``aoti_dir/NAME.pt2`` (``unroll optimize`` builds it); ``bf16``: OpenVINO's bfloat16 maths.
     """
     if target not in ("cpu", "gpu"):
         raise RepositoryError(f"target must be cpu or gpu, not {target!r}")
@@ -420,7 +424,7 @@ def write_repository(target: Target, models: list[str], out: Path, precision: st
     written: list[Path] = []
     for src in sources:
         cfg, labels = build_config(src, target, precision, threads, max_batch_size, queue_delay_us, instances,
-                                   cpu_stand_in, spinning, runtime=runtime, static_shapes=static_shapes)
+                                   cpu_stand_in, spinning, runtime=runtime, static_shapes=static_shapes, bf16=bf16)
         tmp = out / f".{src.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / VERSION).mkdir(parents=True)
@@ -449,7 +453,8 @@ def write_repository(target: Target, models: list[str], out: Path, precision: st
             raise
         record = {artifacts.BUILT_FROM_KEY: repository_inputs(
                       src.name, target, precision, Path(onnx_dir), Path(plan_dir), threads, max_batch_size,
-                      queue_delay_us, instances, cpu_stand_in, spinning, runtime, static_shapes, Path(aoti_dir)),
+                      queue_delay_us, instances, cpu_stand_in, spinning, runtime, static_shapes, Path(aoti_dir),
+                      bf16),
                   "files": {f: artifacts.sha256(tmp / f) for f in files}}
         (tmp / artifacts.REPOSITORY_SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
         dst = out / src.name

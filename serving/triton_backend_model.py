@@ -2,8 +2,8 @@
 
 :mod:`unroll.serving.repository` copies this file unchanged to ``<model>/1/model.py``; everything model-specific
 comes from ``config.pbtxt`` parameters (``onnx_file``, ``cpu_runtime``, ``intra_op_num_threads``,
-``intra_op_spinning``, ``static_shapes``, ``aoti_package``, ``input_defaults`` for optional inputs, ``unroll.card``,
-``unroll.max_pixels`` /
+``intra_op_spinning``, ``static_shapes``, ``inference_precision``, ``aoti_package``, ``input_defaults`` for
+optional inputs, ``unroll.card``, ``unroll.max_pixels`` /
 ``unroll.max_aspect_ratio`` for encoded images, and ``unroll.profile`` in the test-only GPU stand-in, which refuses
 inputs outside the profile as TensorRT does). Tensors cross the stub zero-copy through DLPack, because the wheel's
 stub predates NumPy 2's dtype ABI and its ``as_numpy()`` returns wrong data under NumPy 2 (``BYTES`` tensors too,
@@ -73,7 +73,8 @@ class TritonPythonModel:
             # intra_op_spinning "1": threads spin briefly before sleeping (serving/repository.py's measurement).
             self.session = open_session(onnx_path, runtime, int(params["intra_op_num_threads"]),
                                         spinning=params.get("intra_op_spinning", "0") == "1",
-                                        static_shapes=params.get("static_shapes", "0") == "1")
+                                        static_shapes=params.get("static_shapes", "0") == "1",
+                                        bf16=params.get("inference_precision", "f32") == "bf16")
         except RuntimeUnavailable as e:  # e.g. the card names OpenVINO and it is not installed here
             raise pb_utils.TritonModelException(f"cpu_runtime {runtime!r}: {e}") from None
         self.max_batch = int(cfg.get("max_batch_size", 0))

@@ -153,3 +153,42 @@ def test_benchmark_tables_name_a_missing_openvino(monkeypatch: pytest.MonkeyPatc
     assert f"| 10.00 (2.00×) | skipped: {why} | onnxruntime | - | yes | - |" in md
     assert models_markdown._cell(None, None, f"skipped: {why}") == f"skipped: {why}"
     assert models_markdown._cell(None, None, "export failed: boom") == "-"
+
+
+@OPENVINO
+def test_openvino_static_shapes_match_the_dynamic_graph(denoiser_graph: Path) -> None:
+    """One static-shape model per input shape (what the denoiser's card serves) gives the dynamic graph's outputs,
+    on a real image at two sizes and a batch of two σ."""
+    dynamic = open_session(denoiser_graph, "openvino")
+    static = open_session(denoiser_graph, "openvino", static_shapes=True)
+    for size in ((131, 150), (64, 64)):
+        feeds = _real_noisy(size=size)
+        np.testing.assert_allclose(static(feeds)["denoised"], dynamic(feeds)["denoised"], atol=1e-5)
+    two = _real_noisy(size=(64, 64))
+    two = {"noisy": np.concatenate([two["noisy"]] * 2), "sigma": np.array([10 / 255, 40 / 255], np.float32)}
+    out = static(two)["denoised"]
+    np.testing.assert_allclose(out, dynamic(two)["denoised"], atol=1e-5)
+    assert not np.allclose(out[0], out[1])  # each item its own σ
+
+
+@OPENVINO
+def test_a_dropped_openvino_session_frees_its_models(denoiser_graph: Path) -> None:
+    """The idle-release thread holds its session weakly: `unroll optimize` opens a session per candidate, and each
+    must be freed (with its thread) once dropped."""
+    import gc
+    import threading
+
+    def release_threads() -> int:
+        return sum(t.name == "unroll-release-idle" for t in threading.enumerate())
+
+    before = release_threads()
+    for _ in range(3):
+        session = open_session(denoiser_graph, "openvino", static_shapes=True, release_idle_s=0.05)
+        session(_real_noisy(size=(32, 32)))
+        del session
+        gc.collect()
+    for _ in range(50):
+        if release_threads() == before:
+            break
+        threading.Event().wait(0.02)
+    assert release_threads() == before
