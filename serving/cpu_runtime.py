@@ -207,10 +207,9 @@ STATIC_SHAPES_KEPT = 8
 
 
 class _StaticShapes:
-    """OpenVINO models compiled for one input-shape signature each, on first use (about 0.1 s), the
-    :data:`STATIC_SHAPES_KEPT` most recently used kept. A static shape lets OpenVINO plan every buffer and pick its
-    kernels once; the dynamic-shape graph re-infers shapes on every call, which costs a quarter of a denoiser
-    window's time (``unroll optimize`` measures both)."""
+    """OpenVINO models compiled for one input-shape signature each, on first use, the :data:`STATIC_SHAPES_KEPT`
+    most recently used kept. A static shape lets OpenVINO plan every buffer and pick its kernels once; the
+    dynamic-shape graph re-infers shapes and re-plans on every call (``unroll optimize`` measures both)."""
 
     def __init__(self, core, model, config: dict) -> None:
         self._core, self._model, self._config = core, model, config
