@@ -7,7 +7,8 @@ polyphase components (same dictionary, better kernels). In ONNX the synthesis (9
 *taps* form: one 1×1 convolution to the 4·k² per-tap products, then k² shifted slices summed. Runtimes run a
 4-channel-output 3×3 convolution far below their peak (its output fills a quarter of a 16-channel vector block);
 the 1×1 convolution runs near it and the shifted sums fuse into one elementwise kernel, which OpenVINO with static
-shapes, the served runtime, runs faster (``unroll optimize csc-denoiser`` measures every runtime on it). Grayscale by design: the gateway sends colour channels as one batch.
+shapes, the served runtime, runs faster (``unroll optimize csc-denoiser`` measures every runtime on it). Grayscale
+by design: the gateway sends colour channels as one batch.
 """
 
 from __future__ import annotations
