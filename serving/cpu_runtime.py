@@ -13,7 +13,6 @@ import ctypes
 import importlib.util
 import threading
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -152,47 +151,24 @@ class IdleRelease:
         self._release, self._lock, self.idle_s = release, lock, idle_s
         self._last, self._dirty = 0.0, False
         self._wake = threading.Event()
-        # the thread holds this object weakly: a session dropped by its owner (``unroll optimize`` opens many)
-        # frees its models, and the thread ends
-        threading.Thread(target=IdleRelease._loop, args=(weakref.ref(self), self._wake), name="unroll-release-idle",
-                         daemon=True).start()
-        weakref.finalize(self, self._wake.set)
+        threading.Thread(target=self._loop, name="unroll-release-idle", daemon=True).start()
 
     def touch(self) -> None:
         """Record an inference (called with ``lock`` held)."""
         self._last, self._dirty = time.monotonic(), True
         self._wake.set()
 
-    @staticmethod
-    def _loop(ref: weakref.ref, wake: threading.Event) -> None:
+    def _loop(self) -> None:
         while True:
-            wake.wait()
-            wake.clear()
-            while True:
-                left = IdleRelease._step(ref)  # (never holds the object while waiting or sleeping)
-                if left is None:
-                    return
-                if left <= 0:
-                    break
+            self._wake.wait()
+            self._wake.clear()
+            while (left := self._last + self.idle_s - time.monotonic()) > 0:
                 time.sleep(left)
-
-    @staticmethod
-    def _step(ref: weakref.ref) -> float | None:
-        """Seconds until the owner is due for release (≤ 0: released now); ``None`` once it is gone."""
-        me = ref()
-        if me is None:
-            return None
-        left = me._last + me.idle_s - time.monotonic()
-        if left <= 0:
-            me._release_if_idle()
-        return left
-
-    def _release_if_idle(self) -> None:
-        with self._lock:
-            if self._dirty and time.monotonic() - self._last >= self.idle_s:
-                self._release()
-                self._dirty = False
-                _malloc_trim()
+            with self._lock:
+                if self._dirty and time.monotonic() - self._last >= self.idle_s:
+                    self._release()
+                    self._dirty = False
+                    _malloc_trim()
 
 
 def _malloc_trim() -> None:

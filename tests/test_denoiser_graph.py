@@ -170,25 +170,3 @@ def test_openvino_static_shapes_match_the_dynamic_graph(denoiser_graph: Path) ->
     np.testing.assert_allclose(out, dynamic(two)["denoised"], atol=1e-5)
     assert not np.allclose(out[0], out[1])  # each item its own σ
 
-
-@OPENVINO
-def test_a_dropped_openvino_session_frees_its_models(denoiser_graph: Path) -> None:
-    """The idle-release thread holds its session weakly: `unroll optimize` opens a session per candidate, and each
-    must be freed (with its thread) once dropped."""
-    import gc
-    import threading
-
-    def release_threads() -> int:
-        return sum(t.name == "unroll-release-idle" for t in threading.enumerate())
-
-    before = release_threads()
-    for _ in range(3):
-        session = open_session(denoiser_graph, "openvino", static_shapes=True, release_idle_s=0.05)
-        session(_real_noisy(size=(32, 32)))
-        del session
-        gc.collect()
-    for _ in range(50):
-        if release_threads() == before:
-            break
-        threading.Event().wait(0.02)
-    assert release_threads() == before
