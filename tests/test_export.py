@@ -49,8 +49,9 @@ def _check(result) -> None:
     # fused shrinkage: none of the stock exporters' chains anywhere in the graph
     assert all(v == 0 for v in rep["shrinkage_chain_ops"].values()), rep["shrinkage_chain_ops"]
     if rep["model"] != "nmf-ham":  # NMF has no shrinkage to fuse
-        assert rep["node_count"] < rep["naive_export"]["node_count"]
         naive_ops = rep["naive_export"]["op_histogram"]
+        if rep["model"] != "csc-denoiser":  # its synthesis is expanded to taps form on purpose (test_denoiser_graph)
+            assert rep["node_count"] < rep["naive_export"]["node_count"]
         assert naive_ops.get("Sign", 0) > 0 and naive_ops.get("Abs", 0) > 0  # the naive form really is naive
 
 

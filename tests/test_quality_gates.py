@@ -110,7 +110,8 @@ def small_denoiser_sets(monkeypatch, demo_onnx_dir: Path, tmp_path: Path) -> Pat
 @pytest.mark.timeout(600)  # two INT8 quantizations with gates; ~2.5 min on a busy 2-core machine
 def test_all_int8_fails_the_worst_image_gate_and_the_chosen_placement_passes(small_denoiser_sets: Path) -> None:
     """The INT8 the mean-only gate on natural images took (all weighted ops INT8, percentile calibration) loses
-    far more than 0.15 dB on the stress set; quantize keeps the decoder in FP32 and passes on every image."""
+    far more than 0.15 dB on the stress set; quantize tries other placements and calibrations until one passes on
+    every image (which one depends on the graph: layers kept in FP32, or another calibration method)."""
     src = small_denoiser_sets / "csc-denoiser.onnx"
     card = from_onnx(src)
     cases = gates.gate_cases(card)
@@ -124,7 +125,7 @@ def test_all_int8_fails_the_worst_image_gate_and_the_chosen_placement_passes(sma
     r = quantize("csc-denoiser", "int8", small_denoiser_sets, calib=32)
     assert r["passed"] and r["metrics"]["psnr_loss_db_worst"] <= 0.15 * 0.8, r["chosen"]
     assert r["tries"][0]["config"].startswith("all weighted ops in INT8") and r["tries"][0]["failures"]
-    assert r["kept_in_higher_precision"], "all-INT8 does not hold on the stress set"
+    assert r["chosen"] != r["tries"][0]["config"], "all-INT8 (percentile) fails the stress set"
     assert all(v["worst_loss_db"] <= 0.15 for v in r["metrics"]["per_image"].values())
     assert {v["role"] for v in r["metrics"]["per_image"].values()} == {"validation", "stress"}
     assert r["gate_data"].startswith("card.data.validation = denoise-validation + card.data.stress = denoise-stress")
