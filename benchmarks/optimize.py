@@ -70,6 +70,13 @@ class Candidate:
 def candidates(card: ModelCard, registered: bool) -> tuple[list[Candidate], list[dict]]:
     """The CPU candidates for ``card``'s model, and the ones skipped here with the reason."""
     found, skipped = [], []
+
+    def add(cand: Candidate, why: str | None) -> None:
+        if why:
+            skipped.append({"candidate": cand.key, "reason": why})
+        else:
+            found.append(cand)
+
     for runtime in cpu_runtime.RUNTIMES:
         why = cpu_runtime.unavailable_reason(runtime)
         if runtime == "aotinductor":
@@ -81,19 +88,11 @@ def candidates(card: ModelCard, registered: bool) -> tuple[list[Candidate], list
         shapes = (False, True) if runtime == "openvino" else (False,)
         for precision in precisions:
             for static in shapes:
-                cand = Candidate(runtime, precision, static)
-                if why:
-                    skipped.append({"candidate": cand.key, "reason": why})
-                else:
-                    found.append(cand)
+                add(Candidate(runtime, precision, static), why)
         if runtime == "openvino" and "fp16" in card.precisions:  # reduced-precision maths, judged by the FP16 gate
-            why16 = cpu_runtime.bf16_unavailable()
+            why16 = cpu_runtime.bf16_unavailable()  # (OpenVINO missing included)
             for static in shapes:
-                cand = Candidate(runtime, "fp32", static, bf16=True)
-                if why16:
-                    skipped.append({"candidate": cand.key, "reason": why16})
-                else:
-                    found.append(cand)
+                add(Candidate(runtime, "fp32", static, bf16=True), why16)
     return found, skipped
 
 
@@ -208,7 +207,7 @@ class Journal:
     when it was made from the same inputs (graph, card, budgets)."""
 
     def __init__(self, path: Path, inputs: dict, fresh: bool) -> None:
-        self.path, self.inputs = path, inputs
+        self.path = path
         old = None if fresh else artifacts.read_json(path)
         self.data = old if old is not None and old.get("inputs") == inputs else {"inputs": inputs}
         self.resumed = old is not None and self.data is old

@@ -11,28 +11,25 @@ only when it gains more than :data:`MIN_GAIN`, so the hand-set one is measured i
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from unroll.benchmarks import perf_analyzer
 from unroll.benchmarks.processes import cpu_by_pid
-from unroll.benchmarks.serve_triton import stats_delta, triton_stats
+from unroll.benchmarks.serve_triton import get_json, stats_delta, triton_server, triton_stats
 from unroll.card import ModelCard
-from unroll.errors import BenchError
 from unroll.serving.repository import (
     DEFAULT_QUEUE_DELAY_US,
     INTRA_OP_SPINNING,
     default_max_batch_size,
     write_repository,
 )
-from unroll.serving.triton import TritonStartError, free_ports, start
 
 CONCURRENCY = (1, 4, 16)
 #: The processes whose CPU counts as the server's (Triton and its Python-backend stubs).
@@ -108,8 +105,8 @@ class Sweep:
                              runtime=self.cand.runtime, static_shapes=self.cand.static_shapes, aoti_dir=self.aoti_dir,
                              bf16=self.cand.bf16, **self.base)
             progress(f"{self.name}: starting Triton for the configuration sweep")
-            with _explicit_triton(repo, self.name, Path(tmp) / "triton.log") as (http, grpc):
-                base_json = _get(f"http://{http}/v2/models/{self.name}/config")
+            with triton_server(repo, Path(tmp) / "triton.log", load=[self.name]) as (http, grpc):
+                base_json = get_json(f"http://{http}/v2/models/{self.name}/config", timeout=30)
                 measure = _Measure(self, http, grpc, base_json, feeds, done, journal, progress, advance)
                 best = dict(self.base)
                 budget, source = self._budget(measure(best))
@@ -218,30 +215,11 @@ def _config_json(base: dict, config: dict) -> dict:
     return cfg
 
 
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return json.loads(r.read())
-
-
 def _load(http: str, name: str, config: dict) -> None:
     body = json.dumps({"parameters": {"config": json.dumps(config)}}).encode()
     req = urllib.request.Request(f"http://{http}/v2/repository/models/{name}/load", data=body, method="POST",
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
         r.read()
-
-
-@contextlib.contextmanager
-def _explicit_triton(repo: Path, name: str, log: Path) -> Iterator[tuple[str, str]]:
-    """A tritonserver on free ports in explicit model-control mode with ``name`` loaded; always stopped."""
-    try:
-        handle = start(repo, *free_ports(3), log_file=log, timeout_s=300, model_control="explicit",
-                       extra_args=["--exit-timeout-secs=2", f"--load-model={name}"])
-    except TritonStartError as e:
-        raise BenchError(f"could not start Triton for the sweep: {e.reason} (log: {log})") from None
-    try:
-        yield handle.url, handle.grpc_url
-    finally:
-        handle.stop()
 
 

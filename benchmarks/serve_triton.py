@@ -169,10 +169,13 @@ def write_delay_repository(onnx_dir: Path, root: Path, served: Served, queue_del
 
 
 @contextlib.contextmanager
-def triton_server(repo: Path, log: Path) -> Iterator[tuple[str, str]]:
-    """A tritonserver on free ports; yields (HTTP url, gRPC url) and always stops it."""
+def triton_server(repo: Path, log: Path, load: list[str] | None = None) -> Iterator[tuple[str, str]]:
+    """A tritonserver on free ports; yields (HTTP url, gRPC url) and always stops it. ``load``: explicit model
+    control with these models loaded (others can be loaded, or reloaded with a new config, through its API)."""
+    control = {"model_control": "explicit"} if load is not None else {}
+    args = ["--exit-timeout-secs=2", *(f"--load-model={m}" for m in load or [])]
     try:
-        handle = start(repo, *free_ports(3), log_file=log, timeout_s=300, extra_args=["--exit-timeout-secs=2"])
+        handle = start(repo, *free_ports(3), log_file=log, timeout_s=300, extra_args=args, **control)
     except TritonStartError as e:
         raise BenchError(f"could not start Triton: {e.reason} (log: {log})") from None
     try:
