@@ -295,6 +295,27 @@ def bench_png_level(out: OutOpt = RESULTS) -> None:
     err.print(png_level.markdown(payload))
 
 
+
+def bench_ham_draws(
+    draws: Annotated[int, typer.Option(help="Official random draws of the NMF bases (seeded, so reproducible)")] = 32,
+    seed: Annotated[int, typer.Option(help="Seed of the official draws' generator")] = 100,
+    out: OutOpt = RESULTS,
+) -> None:
+    """Hamburger's NMF bases: how far the official random draws are from each other and from their mean, and how far
+    each deterministic serving policy is from that mean (golden fixture input, eval mode).
+
+    Writes ham_draws.json and ham_draws.md; unroll/solvers/nmf.py:DEFAULT_BASES is the chosen policy (kept equal to
+    the result by a test).
+    """
+    from unroll.benchmarks import ham_draws
+
+    if draws < 3:
+        raise typer.BadParameter("--draws: at least 3")
+    with err.status(f"running {draws} official NMF draws and the deterministic candidates"):
+        payload = ham_draws.run(n_draws=draws, seed=seed, out_dir=out)
+    _wrote(out, ["ham_draws"])
+    err.print(ham_draws.markdown(payload))
+
 STAGES = ("export", "models", "quality", "serve", "gateway-profile", "soak", "memory", "png-level")
 
 

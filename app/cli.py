@@ -29,6 +29,7 @@ from unroll import artifacts, tasks
 from unroll.app.bench_cli import (
     bench_all,
     bench_gateway_profile,
+    bench_ham_draws,
     bench_memory,
     bench_models,
     bench_png_level,
@@ -205,7 +206,8 @@ def export_cmd(
                                                   "[B] (default) or baked in")] = None,
     checkpoint: Annotated[Path | None, typer.Option(
         help="NAME: a checkpoint for the architecture's own loader (official SDNet model_best.pth.tar / "
-             "checkpoint.pth.tar, with or without `module.`); --model: a state_dict file for the module")] = None,
+             "checkpoint.pth.tar, official VARS/RVT {'model': …} files; with or without `module.`); --model: a "
+             "state_dict file for the module")] = None,
     model: Annotated[str | None, typer.Option(
         "--model", help="Your own nn.Module instead of NAME: path/to/file.py:factory or package.module:factory "
                         "(factory() returns the module)")] = None,
@@ -501,6 +503,7 @@ def _register_subsystem_commands() -> None:
     bench_app.command("soak")(bench_soak)
     bench_app.command("memory")(bench_memory)
     bench_app.command("png-level")(bench_png_level)
+    bench_app.command("ham-draws")(bench_ham_draws)
     bench_app.command("gateway-profile")(bench_gateway_profile)
     bench_app.command("all")(bench_all)
 

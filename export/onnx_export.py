@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import io
 import json
@@ -50,6 +51,9 @@ from unroll.solvers.vars_attn import VARSAttention
 
 MAX_ABS_ERR = 1e-4
 MAX_REL_ERR = 1e-5
+#: :func:`float64_floor`: how much worse than PyTorch's own FP32 error ONNX Runtime may be, and the largest such
+#: floor accepted at all (a model whose FP32 output is off by more than 0.1 % is refused, whatever the graph).
+FLOOR_FACTOR, MAX_FLOOR = 2.0, 1e-3
 SHRINK_CHAIN_OPS = ("Sign", "Abs", "Where", "Greater", "Less")
 
 
@@ -132,9 +136,11 @@ def solver_settings(model: nn.Module) -> list[dict]:
             out.append({"layer": name or "model", "solver": "LISTA (untied, stride-2 CSC)", "iterations": m.n_steps,
                         "atoms": m.num_atoms, "frozen": ["per-step filters", "threshold affine maps τ(σ)"]})
         elif isinstance(m, VARSAttention):
-            out.append({"layer": name or "model", "solver": f"ISTA (VARS-{m.mode.upper()})",
-                        "iterations": m.n_steps, "lambda": m.lmbd,
-                        "frozen": ["random-feature matrix Ω"] + (["static atoms"] if m.mode == "sd" else [])})
+            out.append({"layer": name or "model", "solver": f"learned ISTA (official VARS-{m.mode.upper()})",
+                        "iterations": m.n_steps, "lambda": round(m.lam * float(m.learned_lam.detach()), 6),
+                        "shrinkage": "sign(v)·GELU(|v| − θ)" if m.shrink == "gelu" else "soft threshold",
+                        "frozen": ["random-feature matrix Ω", "learned_k, learned_lam, learned_L"]
+                        + (["static atoms (kernel)"] if m.mode == "sd" else [])})
         elif isinstance(m, NMFHam):
             out.append({"layer": name or "model", "solver": "NMF multiplicative updates", "iterations": m.eval_steps,
                         "rank": m.bases.shape[-1], "frozen": ["seeded NMF bases (official code redraws per call)"]})
@@ -265,11 +271,36 @@ def verify(model_bytes: bytes, module: nn.Module, cases: list[example_inputs.Cas
             raise ExportError(f"{case.label}: ONNX output shape {got.shape} != PyTorch {ref.shape}")
         diff = np.abs(got.astype(np.float64) - ref)
         rel = float(np.linalg.norm(diff) / max(np.linalg.norm(ref), 1e-30))
-        rows.append({"case": case.label, "batch": int(next(iter(feed.values())).shape[0]),
-                     "shapes": {k: list(v.shape) for k, v in feed.items()},
-                     "max_abs_err": float(diff.max()), "rel_err": rel,
-                     "ok": bool(diff.max() <= MAX_ABS_ERR and rel <= MAX_REL_ERR)})
+        row = {"case": case.label, "batch": int(next(iter(feed.values())).shape[0]),
+               "shapes": {k: list(v.shape) for k, v in feed.items()},
+               "max_abs_err": float(diff.max()), "rel_err": rel,
+               "ok": bool(diff.max() <= MAX_ABS_ERR and rel <= MAX_REL_ERR)}
+        if not row["ok"]:
+            row.update(float64_floor(module, case, ins, got, ref))
+        rows.append(row)
     return rows
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a.astype(np.float64) - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def float64_floor(module: nn.Module, case: example_inputs.Case, ins: list[str], got: np.ndarray,
+                  ref: np.ndarray) -> dict:
+    """Judge ONNX Runtime against exact arithmetic when it misses PyTorch: an ill-conditioned model (VARS's
+    discontinuous shrinkage, a random init's growing residual stream) differs from *itself* in FP32 by more than
+    the fixed tolerance, and which FP32 rounding (the fused or the textbook form) lands closer is luck. The graph
+    passes when its error to the float64 PyTorch output is within ``FLOOR_FACTOR`` × the larger FP32 error of the
+    two PyTorch forms (+ the fixed tolerance), and that floor is below ``MAX_FLOOR``: no worse than the framework
+    it came from, never a wrong graph (those miss by orders of magnitude more)."""
+    with torch.no_grad(), textbook_mode():
+        textbook = module(*(case.inputs[k] for k in ins)).numpy()
+    with torch.no_grad():
+        exact = copy.deepcopy(module).double()(*(case.inputs[k].double() for k in ins)).numpy()
+    errs = {"pytorch_fp32_rel_err": _rel(ref, exact), "pytorch_textbook_fp32_rel_err": _rel(textbook, exact)}
+    floor, onnx_err = max(errs.values()), _rel(got, exact)
+    ok = floor <= MAX_FLOOR and onnx_err <= FLOOR_FACTOR * floor + MAX_REL_ERR
+    return {"float64": {**errs, "onnx_rel_err": onnx_err}, "ok": bool(ok)}
 
 
 def _check_tiling(blob: bytes, card: ModelCard, case: example_inputs.Case, ins: list[str]) -> dict:
@@ -320,7 +351,8 @@ def export_module(module: nn.Module, cases: list[example_inputs.Case], ins: list
         tiling = _check_tiling(blob, card, cases[0], ins) if card is not None and card.tiling is not None else None
         bad = [r for r in parity if not r["ok"]]
         if bad:
-            raise ExportError("ONNX Runtime output differs from PyTorch beyond max abs 1e-4 / rel 1e-5: " +
+            raise ExportError("ONNX Runtime output differs from PyTorch beyond max abs 1e-4 / rel 1e-5 (and beyond "
+                              f"{FLOOR_FACTOR:g}× PyTorch FP32's own error to float64): " +
                               "; ".join(f"{r['case']}: abs {r['max_abs_err']:.2e}, rel {r['rel_err']:.2e}"
                                         for r in bad) + _frozen_values_hint(caught))
         naive_info = None
@@ -529,9 +561,10 @@ def export_model(name: str, out_dir: Path = artifacts.ONNX_DIR, iters: int | Non
     """Export a registered model to ``out_dir/NAME.onnx`` + ``NAME.report.json`` (verified, card inside).
 
     ``checkpoint=PATH`` loads that checkpoint with the architecture's own loader (official SDNet
-    ``model_best.pth.tar`` / ``checkpoint.pth.tar``) instead of the committed weights; the report names it
-    (path and sha256). ``card_updates`` changes card fields (e.g. ``{"labels": [...]}``, or
-    ``{"input": {"mean": [...]}}``; validated, see :func:`unroll.export.user_model.update_card`),
+    ``model_best.pth.tar`` / ``checkpoint.pth.tar``, official VARS/RVT ``{"model": …}``) instead of the
+    committed weights; the report names it (path and sha256). ``card_updates`` changes card fields (e.g.
+    ``{"labels": [...]}``, or ``{"input": {"mean": [...]}}``; validated, see
+    :func:`unroll.export.user_model.update_card`),
     ``export_name`` the name the graph is written and served under. With ``companions``, the graphs its
     card names are exported too (its λ rule for ``lam=auto``); they are in ``ExportResult.companions``.
     """

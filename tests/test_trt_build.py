@@ -302,10 +302,15 @@ def test_memory_estimate_by_hand() -> None:
 DEFAULT_PROFILE_BUDGET = 8 * trt_memory.GIB
 
 
+#: RVT sizes and variants are bounded by these: Small is Base with half the width and heads, the ``-plus`` graphs
+#: add one constant mask per masked block, and Base with VARS-SD has the widest layers and the most atoms.
+RVT_CHECKED = ("rvt-tiny", "rvt-tiny-vars-d", "rvt-tiny-vars-sd", "rvt-base-vars-sd")
+
+
 @pytest.mark.slow
 def test_every_registered_default_profile_fits_the_budget(onnx_dir: Path, tmp_path: Path) -> None:
     rows = {}
-    for name in list_models():
+    for name in [n for n in list_models() if not n.startswith("rvt-") or n in RVT_CHECKED]:
         path = onnx_dir / f"{name}.onnx"
         if not path.exists():
             path = Path(export_model(name, tmp_path, naive=False, companions=False).onnx_path)

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from unroll import tasks
 from unroll.card import InputCard, LamCard
+from unroll.checkpoints import load_strict, read_state_dict
 from unroll.registry import register_model
 from unroll.solvers.csc import DictBlock, normalize_atoms
 
@@ -239,23 +240,7 @@ def load_official_checkpoint(
     (normalised) atoms, and our power iteration (different probe, no warm start) would shift it
     slightly; pass ``recompute_step_size=True`` to recompute it anyway.
     """
-    obj = torch.load(path, map_location="cpu", weights_only=True)
-    state = obj["state_dict"] if isinstance(obj, dict) and "state_dict" in obj else obj
-    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise ValueError(f"{path}: not a state dict nor a {{'state_dict': ...}} checkpoint")
-    if state and all(k.startswith("module.") for k in state):
-        state = {k.removeprefix("module."): v for k, v in state.items()}
-
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    bad_shape = sorted(f"{k}: checkpoint {list(state[k].shape)} vs model {list(expected[k].shape)}"
-                       for k in set(state) & set(expected) if state[k].shape != expected[k].shape)
-    if missing or unexpected or bad_shape:
-        arch = getattr(model, "arch", type(model).__name__)
-        raise ValueError(f"{path} does not match {arch}: missing keys {missing}, unexpected keys "
-                         f"{unexpected}, shape mismatches {bad_shape}")
-    model.load_state_dict(state, strict=True)
+    load_strict(model, read_state_dict(path), path)
 
     if recompute_step_size:
         refresh_csc(model)
