@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from unroll.benchmarks.common import RESULTS, machine_info, write_results
+from unroll.benchmarks.common import RESULTS, machine_info, write_readme_block, write_results
 from unroll.solvers.nmf import ETA, NMFHam, draw_bases
 
 #: The golden fixture's recipe (tests/fixtures/ham_nmf_golden.npz, meta ``x_recipe``): seed, shape, latent rank.
@@ -77,6 +77,8 @@ def run(n_draws: int = 32, seed: int = 100, calibration_inputs: int = 8, out_dir
         torch.set_num_threads(threads)
     if out_dir is not None:
         write_results("ham_draws", payload, markdown(payload), Path(out_dir))
+        if Path(out_dir).resolve() == RESULTS.resolve():
+            write_readme_block(RESULTS.parent.parent / "README.md", README_BEGIN, README_END, readme_block(payload))
     return payload
 
 
@@ -134,14 +136,8 @@ def _pct(v: list[float]) -> str:
     return " / ".join(f"{100 * t:.1f}%" for t in v)
 
 
-def markdown(p: dict) -> str:
-    """A short table: the spread, each candidate's distance, and the chosen default with the reason."""
-    b = len(p["draw_pairs"]["mean"])
+def _table(p: dict) -> list[str]:
     lines = [
-        f"# Hamburger NMF: official random bases vs deterministic serving ({p['machine']['cpu']})", "",
-        f"Golden fixture input {p['input']['shape']} (recipe seed {p['input']['recipe_seed']}), NMF rank "
-        f"{p['nmf']['rank']}, {p['nmf']['eval_steps']} eval steps; {p['n_draws']} official draws (generator seed "
-        f"{p['draw_seed']}). Distances: {p['metric']}; one value per sample ({b} samples).", "",
         "| what | distance (per sample) |", "|---|---|",
         f"| (a) two official draws, mean over pairs | {_pct(p['draw_pairs']['mean'])} |",
         f"| (a) two official draws, max over pairs | {_pct(p['draw_pairs']['max'])} |",
@@ -153,9 +149,34 @@ def markdown(p: dict) -> str:
         tag += " (in-sample)" if r["in_sample"] else ""
         lines.append(f"| (b) {r['candidate']}{tag} → official mean | {_pct(r['rel_to_official_mean'])} "
                      f"(× {' / '.join(f'{t:.2f}' for t in r['ratio_to_single_draw'])} of (c)) |")
+    return lines
+
+
+def markdown(p: dict) -> str:
+    """A short table: the spread, each candidate's distance, and the chosen default with the reason."""
+    b = len(p["draw_pairs"]["mean"])
+    lines = [
+        f"# Hamburger NMF: official random bases vs deterministic serving ({p['machine']['cpu']})", "",
+        f"Golden fixture input {p['input']['shape']} (recipe seed {p['input']['recipe_seed']}), NMF rank "
+        f"{p['nmf']['rank']}, {p['nmf']['eval_steps']} eval steps; {p['n_draws']} official draws (generator seed "
+        f"{p['draw_seed']}). Distances: {p['metric']}; one value per sample ({b} samples).", "",
+        *_table(p),
+    ]
     within = "within" if p["chosen_within_single_draw_spread"] else "outside"
     lines += ["", f"Chosen serving default: **{p['chosen']}** — {p['rule']}; it is {within} the spread of a single "
               "official draw (the (c) max), i.e. no further from what the official model returns on average than "
               "the official model itself is on any one call. Candidates: "
               + "; ".join(f"{r['candidate']}: {r['what']}" for r in p["candidates"]) + "."]
     return "\n".join(lines) + "\n"
+
+
+#: The README's draw-spread table sits between these markers; :func:`run` rewrites it from ham_draws.json.
+README_BEGIN = "<!-- ham-draws: generated from benchmarks/results/ham_draws.json -->"
+README_END = "<!-- /ham-draws -->"
+
+
+def readme_block(p: dict) -> str:
+    """The README's draw-spread table and the default it picked (numbers from the results, never typed by hand)."""
+    return "\n".join([*_table(p), "", f"Served: **{p['chosen']}** ({p['n_draws']} official draws on the golden input "
+                      f"{p['input']['shape']}; [`ham_draws.md`](benchmarks/results/ham_draws.md), "
+                      "`unroll bench ham-draws`)."])

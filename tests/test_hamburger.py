@@ -284,3 +284,11 @@ def test_serving_default_is_the_measured_choice() -> None:
     committed = json.loads(RESULTS.read_text())
     assert committed["chosen"] == DEFAULT_BASES
     assert committed["n_draws"] >= 16
+
+
+def test_readme_draw_spread_table_is_generated_from_the_committed_results() -> None:
+    """The README quotes the committed ham_draws.json through its generated block, never by hand."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start, stop = readme.index(ham_draws.README_BEGIN), readme.index(ham_draws.README_END)
+    block = readme[start + len(ham_draws.README_BEGIN):stop].strip()
+    assert block == ham_draws.readme_block(json.loads(RESULTS.read_text())).strip()
