@@ -107,6 +107,8 @@ def calibration_inputs(card: ModelCard, n: int, seed: int = 0) -> list[dict[str,
         return _denoising_calibration(card, n, rng)
     x, _, _ = gate.real_inputs(card, "train")
     idx = np.sort(rng.choice(len(x), size=min(n, len(x)), replace=False))
+    if len(idx) > CALIB_BATCH:  # equal batches: ONNX Runtime's histogram calibrators stack them (a ragged last
+        idx = idx[:len(idx) - len(idx) % CALIB_BATCH]  # one fails with "inhomogeneous shape")
     feeds = []
     for i in range(0, len(idx), CALIB_BATCH):
         part = x[idx[i:i + CALIB_BATCH]]
@@ -140,9 +142,24 @@ class _Reader:
         return next(self._it, None)
 
 
+def fp32_matmuls(model: onnx.ModelProto) -> list[str]:
+    """MatMuls that are not 2-D weighted layers: products of two computed tensors (attention's ``q·kᵀ``, a solver's
+    ``DᵀD``) and batched ones with a weight of rank > 2 (VARS's per-head random-feature matrix). They stay FP32:
+    ONNX Runtime's CPU kernel cannot run either quantized per channel ("b zero point is not valid")."""
+    ranks = {i.name: len(i.dims) for i in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].HasField("t"):
+            ranks[n.output[0]] = len(n.attribute[0].t.dims)
+    return [n.name for n in model.graph.node
+            if n.op_type == "MatMul" and not any(ranks.get(i) == 2 for i in n.input)]
+
+
 def int8_candidates(model: onnx.ModelProto) -> list[tuple[str, list[str]]]:
-    """Exclusion sets to try, from most quantized to least: (description, FP32 node names)."""
-    convs = [n.name for n in model.graph.node if n.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul")]
+    """Exclusion sets to try, from most quantized to least: (description, FP32 node names); weighted layers only
+    (:func:`fp32_matmuls` are never quantized)."""
+    products = set(fp32_matmuls(model))
+    convs = [n.name for n in model.graph.node
+             if n.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul") and n.name not in products]
     if not convs:
         return [("all weighted ops in INT8", [])]
     out = [("all weighted ops in INT8", []), ("first layer in FP32", convs[:1])]
@@ -181,7 +198,8 @@ def to_int8(model_path: Path, feeds: list[dict[str, np.ndarray]], exclude: list[
         quantize_static(
             str(pre), str(out_path), _Reader(feeds), quant_format=QuantFormat.QDQ,
             op_types_to_quantize=INT8_OPS, per_channel=True, reduce_range=False,
-            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, nodes_to_exclude=exclude,
+            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+            nodes_to_exclude=[*exclude, *fp32_matmuls(onnx.load(pre, load_external_data=False))],
             calibrate_method={"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                               "percentile": CalibrationMethod.Percentile}[method],
             extra_options=qdq_options(style))

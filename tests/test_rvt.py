@@ -231,6 +231,22 @@ def test_exported_attention_and_micro_model_match_the_official_code(variant: str
     assert rel(got, z[f"{variant}/rvt_micro/init/logits"]) <= TOL
 
 
+@pytest.mark.slow
+def test_fp16_passes_its_gate_on_held_out_photo_crops(exported, z) -> None:
+    """``unroll quantize … --precision fp16``: calibration/gate data are the card's disjoint photo-crop sets."""
+    import json
+
+    name = "rvt-tiny-vars-d"
+    r = unroll_cli("quantize", name, "--precision", "fp16", "--out", str(exported.onnx_dir))
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads((exported.onnx_dir / f"{name}.fp16.report.json").read_text())
+    assert report["passed"] and "photo-crops-validation" in report["gate_data"]
+    sess = ort.InferenceSession(str(exported.onnx_dir / f"{name}.fp16.onnx"), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {"image": z["x"]})[0]
+    assert (got.argmax(1) == z["vars_d/rvt_tiny/recipe/logits"].argmax(1)).all()
+    assert rel(got, z["vars_d/rvt_tiny/recipe/logits"]) < 1e-2
+
+
 # --- served: repository → tritonserver → gateway -----------------------------------------------------------------
 
 

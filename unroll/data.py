@@ -218,6 +218,51 @@ def _photos() -> tuple[np.ndarray, None]:
     return np.stack(out), None
 
 
+#: Colour images for RGB models without a labelled set: calibration (INT8) crops from scikit-image's colour
+#: images other than :data:`PHOTOS`, validation (precision gates) crops from scikit-learn's and matplotlib's
+#: photos. Disjoint sources, so a gate never sees what calibrated the graph.
+CALIBRATION_PHOTOS = ("hubble_deep_field", "immunohistochemistry", "retina", "stereo_motorcycle", "colorwheel")
+VALIDATION_PHOTOS = ("sklearn_china", "sklearn_flower", "mpl_grace_hopper")
+#: Crops per image, and the seed of their positions and sizes.
+CROPS_PER_PHOTO, CROP_SEED = 8, 0
+
+
+def colour_image(name: str) -> np.ndarray:
+    """``[H, W, 3]`` float32 RGB in [0, 1] of a bundled photo (scikit-image name, ``sklearn_*`` or ``mpl_*``)."""
+    if name.startswith("sklearn_"):
+        from sklearn.datasets import load_sample_image
+
+        img = load_sample_image(name.removeprefix("sklearn_") + ".jpg")
+    elif name == "mpl_grace_hopper":
+        from PIL import Image
+
+        with _mpl_sample("grace_hopper.jpg") as f:
+            img = np.asarray(Image.open(f).convert("RGB"))
+    else:
+        img = bundled_image(name, gray=False)
+    return np.asarray(img)[..., :3].astype(np.float32) / 255.0
+
+
+def photo_crops(names: tuple[str, ...], per_photo: int = CROPS_PER_PHOTO, seed: int = CROP_SEED,
+                side: int = PHOTO_SIDE) -> tuple[np.ndarray, None]:
+    """Seeded square crops (side 40–100 % of the shorter side, anywhere in the image) of each photo, resized
+    (bilinear, antialiased) to ``side``²: ``[len(names)·per_photo, 3, side, side]``, unlabelled."""
+    import torch
+    import torch.nn.functional as F
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for name in names:
+        img = torch.from_numpy(colour_image(name)).permute(2, 0, 1)[None]
+        h, w = img.shape[2:]
+        for _ in range(per_photo):
+            c = int(rng.uniform(0.4, 1.0) * min(h, w))
+            top, left = int(rng.integers(0, h - c + 1)), int(rng.integers(0, w - c + 1))
+            out.append(F.interpolate(img[..., top:top + c, left:left + c], size=(side, side), mode="bilinear",
+                                     antialias=True, align_corners=False)[0].numpy())
+    return np.clip(np.stack(out), 0.0, 1.0), None  # (antialiasing overshoots by a rounding)
+
+
 @dataclass(frozen=True)
 class Dataset:
     """A named dataset: ``labelled`` loads ``(x [N,C,H,W] float32 in [0,1], y [N] int64 or None)``;
@@ -249,6 +294,12 @@ DATASETS: dict[str, Dataset] = {d.id: d for d in (
     Dataset("denoise-stress", "images", f"{len(DENOISE_STRESS_IMAGES)} synthetic/graphic images: phantom, "
             "checkerboard, silhouette, logo, rendered text, line art, flat shapes, blobs", denoise_stress_set),
     Dataset("photos", "labelled", f"{len(PHOTOS)} bundled colour photos at {PHOTO_SIDE}², unlabelled", _photos),
+    Dataset("photo-crops-calibration", "labelled",
+            f"{len(CALIBRATION_PHOTOS) * CROPS_PER_PHOTO} seeded {PHOTO_SIDE}² crops of scikit-image's colour images "
+            "(not the `photos` ones), unlabelled", lambda: photo_crops(CALIBRATION_PHOTOS)),
+    Dataset("photo-crops-validation", "labelled",
+            f"{len(VALIDATION_PHOTOS) * CROPS_PER_PHOTO} seeded {PHOTO_SIDE}² crops of scikit-learn's and matplotlib's "
+            "colour photos, unlabelled", lambda: photo_crops(VALIDATION_PHOTOS)),
 )}
 
 

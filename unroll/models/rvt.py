@@ -201,7 +201,8 @@ _ATTENTION_TEXT = {"softmax": "softmax attention", "vars-d": "VARS-D attention (
 def _register(size: str, plus: bool, attention: Attention) -> None:
     name = f"rvt-{size}{'-plus' if plus else ''}{'' if attention == 'softmax' else '-' + attention}"
     card = dict(task=tasks.CLASSIFICATION, output="logits", input=IMAGENET_BICUBIC, labels=None,
-                data=dict(test="photos"), trt_profile=dict(batch=(1, 8, 32)),
+                data=dict(train="photo-crops-calibration", validation="photo-crops-validation", test="photos",
+                          gate="validation"), trt_profile=dict(batch=(1, 8, 32)),
                 description=f"RVT-{size.capitalize()}{'*' if plus else ''} with {_ATTENTION_TEXT[attention]}; "
                             "official VARS checkpoints load (checkpoint=PATH)")
     register_model(name, input_shape=(3, IMAGE_SIZE, IMAGE_SIZE), checkpoint_loader=load_official_checkpoint,
