@@ -31,6 +31,8 @@ from unroll.solvers.shrink import textbook_mode
 TOL = 1e-4
 ATTENTION = {"self-att": "softmax", "vars_d": "vars-d", "vars_sd": "vars-sd"}
 MICRO = dict(base_dims=(32, 32), depth=(2, 1), heads=(2, 4))
+#: The VARS-D checkpoint served a second time, as its FP16 graph.
+HALF = "rvt-tiny-vars-d-half"
 
 
 def rel(a: torch.Tensor | np.ndarray, b: np.ndarray) -> float:
@@ -259,6 +261,12 @@ def served(exported):
 
     repo = exported.root / "repo"
     write_repository("cpu", list(VARIANTS.values()), repo, onnx_dir=exported.onnx_dir)
+    # the VARS-D checkpoint again, under its own name, served as the FP16 graph `unroll quantize` gates
+    for args in (("export", "rvt-tiny-vars-d", "--checkpoint", str(exported.ckpts["rvt-tiny-vars-d"]), "--name", HALF),
+                 ("quantize", HALF, "--precision", "fp16")):
+        r = unroll_cli(*args, "--out", str(exported.onnx_dir))
+        assert r.returncode == 0, r.stdout + r.stderr
+    write_repository("cpu", [HALF], repo, precision="fp16", onnx_dir=exported.onnx_dir)
     http, grpc, metrics = free_ports(3)
     with start(repo, http, grpc, metrics, log_file=exported.root / "triton.log", timeout_s=240,
                extra_args=["--exit-timeout-secs=2"]) as _server, \
@@ -269,21 +277,29 @@ def served(exported):
 
 @pytest.mark.triton
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(VARIANTS.values()))
+@pytest.mark.parametrize("name", [*VARIANTS.values(), HALF])
 def test_served_rvt_answers_like_pytorch(served, name: str) -> None:
     from unroll.card import from_onnx
 
     card = from_onnx(served.repo / name / "1" / "model.onnx")
+    half = name == HALF
     assert card.input.interpolation == "bicubic" and card.input.resize == "shorter-side-crop"
     data = png(photo(240, 320, seed=11), "JPEG", quality=92)  # landscape: resized to 256 high, centre-cropped
     x = reference_input(data, card.input)
-    model = unroll.load(name, checkpoint=served.ckpts[name])
+    arch = "rvt-tiny-vars-d" if half else name
+    model = unroll.load(arch, checkpoint=served.ckpts[arch])
     with torch.no_grad():
         probs = _softmax(model(torch.from_numpy(x)).double()[0].numpy())
     assert probs.max() > 0.005  # well above uniform (0.001): the scores below mean something
     r = served.client.post("/v1/classify", params={"model": name, "top_k": 5}, content=data,
                            headers={"content-type": "image/jpeg"})
     assert r.status_code == 200, r.text
-    _check_topk(r.json(), probs, 5, None)
+    if half:  # FP16: the same top-1 and scores within FP16's rounding, not FP32's
+        preds = r.json()["predictions"]
+        assert preds[0]["index"] == int(probs.argmax())
+        assert all(abs(p["score"] - probs[p["index"]]) < 1e-3 for p in preds)
+        assert "fp16" in (served.repo / name / "config.pbtxt").read_text().lower()
+    else:
+        _check_topk(r.json(), probs, 5, None)
     models = served.client.get("/v1/models").json()
     assert name in str(models)
