@@ -34,6 +34,7 @@ from unroll.app.bench_cli import (
     bench_models,
     bench_png_level,
     bench_quality,
+    bench_robustness,
     bench_serve,
     bench_soak,
 )
@@ -504,6 +505,7 @@ def _register_subsystem_commands() -> None:
     bench_app.command("memory")(bench_memory)
     bench_app.command("png-level")(bench_png_level)
     bench_app.command("ham-draws")(bench_ham_draws)
+    bench_app.command("robustness")(bench_robustness)
     bench_app.command("gateway-profile")(bench_gateway_profile)
     bench_app.command("all")(bench_all)
 
