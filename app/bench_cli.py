@@ -333,7 +333,7 @@ def bench_robustness(
     corruptions; models that take λ also at the λ chosen on the validation digits per corruption and severity, and
     with their λ rule.
 
-    Writes robustness.json and robustness.md.
+    Writes robustness.json, robustness.md and robustness.png.
     """
     from unroll.benchmarks import robustness
     from unroll.benchmarks.common import progress_bars

@@ -237,3 +237,30 @@ def quality_classify_plot(payload: dict, out_dir: Path) -> Path:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     return _save(fig, out_dir / "quality_classify.png")
+
+
+def robustness_plot(payload: dict, out_dir: Path) -> Path:
+    """``robustness.png``: per corruption, accuracy vs severity (0 = clean) for each model at its trained λ (solid),
+    at the validation-chosen λ (dashed) and with its λ rule (dotted)."""
+    corruptions = list(payload["corruptions"])
+    cols = 4
+    rows = -(-len(corruptions) // cols)
+    fig = Figure(figsize=(3.2 * cols, 2.6 * rows))
+    styles = (("trained", "-", "trained λ"), ("chosen", "--", "λ chosen on validation"), ("auto", ":", "λ rule"))
+    for k, c in enumerate(corruptions):
+        ax = fig.add_subplot(rows, cols, k + 1)
+        for i, (name, m) in enumerate(payload["models"].items()):
+            sev = [r for r in m["rows"] if r["corruption"] == c]
+            for key, ls, label in styles:
+                if all(key in r for r in sev):
+                    ax.plot([0] + [r["severity"] for r in sev], [100 * m["clean"]] + [100 * r[key] for r in sev],
+                            ls, marker="o", ms=3, color=f"C{i}", label=f"{name}, {label}")
+        ax.set_title(c, fontsize=8)
+        ax.set_xticks([0, *payload["severities"]])
+        ax.set_ylim(0, 100)
+        ax.grid(True, alpha=0.3)
+        ax.tick_params(labelsize=7)
+        if k == 0:
+            ax.set_ylabel("accuracy (%)", fontsize=8)
+            ax.legend(fontsize=6)
+    return _save(fig, out_dir / "robustness.png")

@@ -3,7 +3,7 @@
 Every trained classifier whose card's test set is the MNIST test digits is evaluated on those digits clean and under
 each corruption of :mod:`unroll.corruptions` at severities 1–3. Models that take λ (a CSC front end) are also run at
 the λ chosen on the *validation* digits under the same corruption and severity (a grid, ties to the trained λ) and
-with the card's ``lam=auto`` rule; the test digits only report. Writes ``robustness.{json,md}``.
+with the card's ``lam=auto`` rule; the test digits only report. Writes ``robustness.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 import unroll
 from unroll import data
 from unroll.benchmarks.common import RESULTS, machine_info, trained_models, write_results
+from unroll.benchmarks.plots import robustness_plot
 from unroll.corruptions import CORRUPTIONS, SEVERITIES, corrupt
 from unroll.registry import get_spec
 from unroll.train.mnist import LAM_GRID, accuracy, auto_lam
@@ -47,6 +48,7 @@ def run(models: Sequence[str] | None = None, corruptions: Sequence[str] | None =
                "models": {n: _evaluate(n, chosen, n_test, n_validation, tick) for n in names}}
     if out_dir is not None:
         write_results("robustness", payload, markdown(payload), Path(out_dir))
+        robustness_plot(payload, Path(out_dir))
     return payload
 
 
@@ -94,7 +96,8 @@ def _pct(v: float | None) -> str:
 
 def markdown(p: dict) -> str:
     """Per model: clean beside mean corrupted accuracy, then the table per corruption and severity."""
-    lines = [f"# Robustness of the digit classifiers ({p['machine']['cpu']})", "",
+    lines = [f"# Robustness of the digit classifiers ({p['machine']['cpu']})", "", "![accuracy vs severity per "
+             "corruption](robustness.png)", "",
              "Top-1 accuracy (%) on the MNIST test digits, clean and under each corruption (`unroll/corruptions.py`) "
              "at severity 1/2/3. λ columns (models that take λ): *chosen* is the λ picked on the validation digits "
              "under the same corruption and severity (grid " + ", ".join(f"{v:g}" for v in p["lam_grid"]) +

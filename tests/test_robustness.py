@@ -25,6 +25,7 @@ def test_smoke_run_is_deterministic_and_chooses_lambda_on_validation(tmp_path: P
                            out_dir=None)
     assert again["models"] == p["models"]
     assert "| gaussian_noise | 2 |" in (tmp_path / "robustness.md").read_text()
+    assert (tmp_path / "robustness.png").stat().st_size > 10_000
 
 
 def test_cli_names_bad_choices(tmp_path: Path) -> None:
