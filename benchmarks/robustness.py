@@ -19,8 +19,8 @@ from unroll import data
 from unroll.benchmarks.common import RESULTS, machine_info, trained_models, write_results
 from unroll.benchmarks.plots import robustness_plot
 from unroll.corruptions import CORRUPTIONS, SEVERITIES, corrupt
+from unroll.evaluation import LAM_GRID, accuracy, auto_lam
 from unroll.registry import get_spec
-from unroll.train.mnist import LAM_GRID, accuracy, auto_lam
 
 #: Seeds of the corrupted test and validation digits (different draws, so a choice never sees the test noise).
 TEST_SEED, VALIDATION_SEED = 0, 1

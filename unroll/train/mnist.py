@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from unroll import data
+from unroll.evaluation import LAM_GRID, accuracy, auto_lam
 from unroll.models.mnist import MNISTSDNet
 from unroll.train import Evaluation, Option, ProgressFactory, Table, TrainRun, counted
 
 NOISE_SIGMAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
-LAM_GRID = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0)
 
 
 def _augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -77,33 +77,6 @@ def train_mnist(epochs: int = 30, batch: int = 64, lr: float = 2e-3, seed: int =
 def _noisy(x: np.ndarray, sigma: float, seed: int) -> torch.Tensor:
     rng = np.random.default_rng(seed)
     return torch.from_numpy((x + sigma * rng.standard_normal(x.shape)).astype(np.float32))
-
-
-#: Digits per forward pass in evaluation. Larger batches are slower on a CPU, not faster: their CSC activations are
-#: large enough to be allocated with mmap and page-faulted afresh by every op. Every digit's logits are independent
-#: of the batch, so the metrics do not move.
-EVAL_BATCH = 100
-
-
-@torch.inference_mode()
-def accuracy(model: MNISTSDNet, x: torch.Tensor, y: np.ndarray, lam: torch.Tensor | float | None = None) -> float:
-    """Top-1 accuracy at the training λ (``None``), one λ for all digits (a float) or one per digit (``[N]``)."""
-    preds = []
-    for i in range(0, len(x), EVAL_BATCH):
-        xb = x[i:i + EVAL_BATCH]
-        lb = None
-        if isinstance(lam, float):
-            lb = torch.full((len(xb),), lam)
-        elif isinstance(lam, torch.Tensor):
-            lb = lam[i:i + EVAL_BATCH]
-        preds.append(model(xb, lb).argmax(1))
-    return float((torch.cat(preds).numpy() == y).mean())
-
-
-@torch.inference_mode()
-def auto_lam(model: MNISTSDNet, x: torch.Tensor) -> torch.Tensor:
-    """``model.auto_lam`` per digit, in batches of :data:`EVAL_BATCH` (the same values as one pass)."""
-    return torch.cat([model.auto_lam(x[i:i + EVAL_BATCH]) for i in range(0, len(x), EVAL_BATCH)])
 
 
 @torch.inference_mode()
