@@ -22,13 +22,13 @@ import tracemalloc
 from pathlib import Path
 from types import SimpleNamespace
 
-import httpx
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
 from PIL import Image
 from pydantic import ValidationError
+from served import check_topk, gateway_over_triton, png, softmax
 from torch import nn
 
 import unroll
@@ -40,13 +40,6 @@ from unroll.serving.imaging import images
 FILTERS = {"lanczos": Image.Resampling.LANCZOS, "bilinear": Image.Resampling.BILINEAR,
            "bicubic": Image.Resampling.BICUBIC}
 CIFAR, IMAGENET, DENOISER = "sdnet18-cifar", "sdnet18-imagenet", "tiny-rgb-denoiser"
-
-
-def png(arr: np.ndarray | Image.Image, fmt: str = "PNG", **kw) -> bytes:
-    img = arr if isinstance(arr, Image.Image) else Image.fromarray(arr)
-    buf = io.BytesIO()
-    img.save(buf, format=fmt, **kw)
-    return buf.getvalue()
 
 
 def photo(h: int, w: int, seed: int) -> np.ndarray:
@@ -237,10 +230,7 @@ def export_checkpoint(name: str, ckpt: Path, out_dir: Path) -> None:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, denoiser_registered: str):
     from unroll.export.onnx_export import export_model
-    from unroll.serving.gateway.process import gateway_process
-    from unroll.serving.gateway.settings import Settings
     from unroll.serving.repository import write_repository
-    from unroll.serving.triton import free_ports, start
 
     root = tmp_path_factory.mktemp("rgb")
     onnx_dir, repo = root / "onnx", root / "repo"
@@ -252,11 +242,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, denoiser_registered: str):
     export_model(DENOISER, onnx_dir, naive=False)
     names = [CIFAR, IMAGENET, DENOISER]
     write_repository("cpu", names, repo, onnx_dir=onnx_dir)
-    http, grpc, metrics = free_ports(3)
-    with start(repo, http, grpc, metrics, log_file=root / "triton.log", timeout_s=180,
-               extra_args=["--exit-timeout-secs=2"]) as _server, \
-            gateway_process(Settings(triton_url=f"127.0.0.1:{grpc}"), root / "gateway.log") as base, \
-            httpx.Client(base_url=base, timeout=60) as client:
+    with gateway_over_triton(repo, root) as client:
         yield SimpleNamespace(client=client, repo=repo, ckpts=ckpts)
 
 
@@ -264,22 +250,6 @@ def _torch_logits(name: str, ckpt: Path | None, x: np.ndarray) -> np.ndarray:
     model = unroll.load(name, pretrained=False, checkpoint=ckpt)
     with torch.no_grad():
         return model(torch.from_numpy(x)).double()[0].numpy()
-
-
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    p = np.exp(logits - logits.max())
-    return p / p.sum()
-
-
-def _check_topk(body: dict, probs: np.ndarray, top_k: int, labels: tuple[str, ...] | None) -> None:
-    preds = body["predictions"]
-    assert len(preds) == top_k
-    order = np.argsort(-probs, kind="stable")
-    for rank, p in enumerate(preds):
-        assert p["score"] == pytest.approx(float(probs[p["index"]]), abs=1e-4)
-        if p["index"] != order[rank]:  # only a near-tie may swap places
-            assert abs(probs[p["index"]] - probs[order[rank]]) < 1e-5, (rank, p, order[:top_k])
-        assert p["label"] == (labels[p["index"]] if labels else str(p["index"]))
 
 
 @pytest.mark.triton
@@ -295,12 +265,12 @@ def test_cifar_checkpoint_classifies_an_rgb_png_like_pytorch(served) -> None:
         logits = _torch_logits(CIFAR, served.ckpts[CIFAR], x)
         # the checkpoint, not the seeded init, is what is compared
         assert np.abs(logits - _torch_logits(CIFAR, None, x)).max() > 0.1
-        probs = _softmax(logits)
+        probs = softmax(logits)
         assert probs.max() > 0.2  # not a flat distribution
         r = served.client.post("/v1/classify", params={"model": CIFAR, "top_k": 5},
                                files={"image": ("x.png", data, "image/png")})
         assert r.status_code == 200, r.text
-        _check_topk(r.json(), probs, 5, card.labels)
+        check_topk(r.json(), probs, 5, card.labels)
     r = served.client.post("/v1/classify", params={"model": CIFAR, "top_k": 11},
                            files={"image": ("x.png", data, "image/png")})
     assert r.status_code == 422 and "10 classes" in r.json()["error"]["message"]
@@ -317,12 +287,12 @@ def test_imagenet_checkpoint_resizes_and_crops_a_jpeg_like_pytorch(served) -> No
     x = reference_input(data, card.input)
     logits = _torch_logits(IMAGENET, served.ckpts[IMAGENET], x)
     assert np.abs(logits - _torch_logits(IMAGENET, None, x)).max() > 0.1
-    probs = _softmax(logits)
+    probs = softmax(logits)
     assert probs.max() > 0.01  # well above uniform (0.001)
     r = served.client.post("/v1/classify", params={"model": IMAGENET, "top_k": 10},
                            content=data, headers={"content-type": "image/jpeg"})
     assert r.status_code == 200, r.text
-    _check_topk(r.json(), probs, 10, None)
+    check_topk(r.json(), probs, 10, None)
     # the crop matters: a stretched image would be classified from other pixels
     stretched = reference_input(data, card.input.model_copy(update={"resize": "stretch"}))
     assert np.abs(stretched - x).max() > 0.1

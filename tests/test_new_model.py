@@ -15,13 +15,13 @@ import sys
 import textwrap
 from pathlib import Path
 
-import httpx
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 import torch
 from PIL import Image
+from served import gateway_over_triton
 
 ARCH_FILE = '''
 import torch
@@ -104,10 +104,7 @@ def test_new_architecture_goes_through_every_stage(arch, tmp_path: Path) -> None
     from unroll.data import mnist_split
     from unroll.export.onnx_export import export_model
     from unroll.export.quantize import quantize
-    from unroll.serving.gateway.process import gateway_process
-    from unroll.serving.gateway.settings import Settings
     from unroll.serving.repository import write_repository
-    from unroll.serving.triton import free_ports, start
 
     onnx_dir, repo = tmp_path / "onnx", tmp_path / "repo"
     res = export_model(NAME, onnx_dir, naive=False)
@@ -127,11 +124,7 @@ def test_new_architecture_goes_through_every_stage(arch, tmp_path: Path) -> None
     digits = xte[:20]
     served_graph = ort.InferenceSession(str(repo / NAME / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
     expected = served_graph.run(None, {"image": digits, "lam": np.full(20, card.lam.default, np.float32)})[0]
-    http, grpc, metrics = free_ports(3)
-    with start(repo, http, grpc, metrics, log_file=tmp_path / "triton.log", timeout_s=120,
-               extra_args=["--exit-timeout-secs=2"]) as _server, \
-            gateway_process(Settings(triton_url=f"127.0.0.1:{grpc}"), tmp_path / "gateway.log") as base, \
-            httpx.Client(base_url=base, timeout=30) as client:
+    with gateway_over_triton(repo, tmp_path, timeout_s=120, client_timeout_s=30) as client:
         served = {m["name"]: m for m in client.get("/v1/models").json()["models"]}
         assert served[NAME]["task"] == "classification"
         for i, digit in enumerate(digits):

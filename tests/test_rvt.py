@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import httpx
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
 from rvt_recipe import KEYS, VARIANTS, checksum, golden, make_state_dict
-from test_gateway_rgb import _check_topk, _softmax, photo, png, reference_input
+from served import check_topk, gateway_over_triton, png, softmax
+from test_gateway_rgb import photo, reference_input
 
 import unroll
 from unroll.card import ModelCard
@@ -254,10 +254,7 @@ def test_fp16_passes_its_gate_on_held_out_photo_crops(exported, z) -> None:
 
 @pytest.fixture(scope="module")
 def served(exported):
-    from unroll.serving.gateway.process import gateway_process
-    from unroll.serving.gateway.settings import Settings
     from unroll.serving.repository import write_repository
-    from unroll.serving.triton import free_ports, start
 
     repo = exported.root / "repo"
     write_repository("cpu", list(VARIANTS.values()), repo, onnx_dir=exported.onnx_dir)
@@ -267,11 +264,7 @@ def served(exported):
         r = unroll_cli(*args, "--out", str(exported.onnx_dir))
         assert r.returncode == 0, r.stdout + r.stderr
     write_repository("cpu", [HALF], repo, precision="fp16", onnx_dir=exported.onnx_dir)
-    http, grpc, metrics = free_ports(3)
-    with start(repo, http, grpc, metrics, log_file=exported.root / "triton.log", timeout_s=240,
-               extra_args=["--exit-timeout-secs=2"]) as _server, \
-            gateway_process(Settings(triton_url=f"127.0.0.1:{grpc}"), exported.root / "gateway.log") as base, \
-            httpx.Client(base_url=base, timeout=120) as client:
+    with gateway_over_triton(repo, exported.root, timeout_s=240, client_timeout_s=120) as client:
         yield SimpleNamespace(client=client, repo=repo, ckpts=exported.ckpts)
 
 
@@ -289,7 +282,7 @@ def test_served_rvt_answers_like_pytorch(served, name: str) -> None:
     arch = "rvt-tiny-vars-d" if half else name
     model = unroll.load(arch, checkpoint=served.ckpts[arch])
     with torch.no_grad():
-        probs = _softmax(model(torch.from_numpy(x)).double()[0].numpy())
+        probs = softmax(model(torch.from_numpy(x)).double()[0].numpy())
     assert probs.max() > 0.005  # well above uniform (0.001): the scores below mean something
     r = served.client.post("/v1/classify", params={"model": name, "top_k": 5}, content=data,
                            headers={"content-type": "image/jpeg"})
@@ -300,6 +293,6 @@ def test_served_rvt_answers_like_pytorch(served, name: str) -> None:
         assert all(abs(p["score"] - probs[p["index"]]) < 1e-3 for p in preds)
         assert "fp16" in (served.repo / name / "config.pbtxt").read_text().lower()
     else:
-        _check_topk(r.json(), probs, 5, None)
+        check_topk(r.json(), probs, 5, None)
     models = served.client.get("/v1/models").json()
     assert name in str(models)
