@@ -20,6 +20,7 @@ from unroll.benchmarks.common import RESULTS, machine_info, trained_models, writ
 from unroll.benchmarks.plots import robustness_plot
 from unroll.corruptions import CORRUPTIONS, SEVERITIES, corrupt
 from unroll.evaluation import LAM_GRID, accuracy, auto_lam
+from unroll.export.onnx_export import resolve_card
 from unroll.registry import get_spec
 
 #: Seeds of the corrupted test and validation digits (different draws, so a choice never sees the test noise).
@@ -58,15 +59,13 @@ def _digits(dataset_id: str, n: int | None) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _evaluate(name: str, corruptions: list[str], n_test: int | None, n_validation: int | None, tick) -> dict:
-    card = get_spec(name).card
     model = unroll.load(name).eval()
+    card = resolve_card(get_spec(name).card, model, lam_input=True)  # λ's default: the trained one, as exported
     xte, yte = _digits(card.data.test, n_test)
     xva, yva = _digits(card.data.validation, n_validation)
     takes_lam = card.lam is not None
-    trained_lam = card.lam.default if takes_lam and card.lam.default is not None else None
-    if takes_lam and trained_lam is None:
-        trained_lam = float(getattr(getattr(model, "csc", None), "lmbd", LAM_GRID[0]))
-    has_rule = takes_lam and hasattr(model, "auto_lam")
+    trained_lam = card.lam.default if takes_lam else None
+    has_rule = takes_lam and card.lam.auto is not None
     out: dict = {"test": f"{card.data.test} ({len(yte)} digits)", "validation": f"{card.data.validation} "
                  f"({len(yva)} digits)", "clean": accuracy(model, torch.from_numpy(xte), yte),
                  "trained_lam": trained_lam, "rows": []}
