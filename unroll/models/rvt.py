@@ -175,12 +175,17 @@ class RVT(nn.Module):
         return self.head(self.norm(x.mean(dim=(2, 3))))
 
 
+def rvt_name(size: str, plus: bool, attention: Attention) -> str:
+    """The registered name: ``rvt-<size>[-plus][-vars-d|-vars-sd]`` (softmax has no suffix)."""
+    return f"rvt-{size}{'-plus' if plus else ''}{'' if attention == 'softmax' else '-' + attention}"
+
+
 def build(size: str, attention: Attention = "softmax", plus: bool = False, **kw: Any) -> RVT:
     """``rvt_<size>[_plus]`` with the given attention; ``kw`` overrides the configuration or VARS options."""
     cfg = {**ARCHS[size], **kw}
     masked_block = cfg.pop("masked_block")
-    name = f"rvt-{size}{'-plus' if plus else ''}{'' if attention == 'softmax' else '-' + attention}"
-    return RVT(attention=attention, use_mask=plus, masked_block=masked_block, arch=name, **cfg)
+    return RVT(attention=attention, use_mask=plus, masked_block=masked_block, arch=rvt_name(size, plus, attention),
+               **cfg)
 
 
 def load_official_checkpoint(model: nn.Module, path: Any) -> nn.Module:
@@ -199,7 +204,7 @@ _ATTENTION_TEXT = {"softmax": "softmax attention", "vars-d": "VARS-D attention (
 
 
 def _register(size: str, plus: bool, attention: Attention) -> None:
-    name = f"rvt-{size}{'-plus' if plus else ''}{'' if attention == 'softmax' else '-' + attention}"
+    name = rvt_name(size, plus, attention)
     card = dict(task=tasks.CLASSIFICATION, output="logits", input=IMAGENET_BICUBIC, labels=None,
                 data=dict(train="photo-crops-calibration", validation="photo-crops-validation", test="photos",
                           gate="validation"), trt_profile=dict(batch=(1, 8, 32)),
