@@ -55,8 +55,9 @@ def _say(msg: str) -> None:
 
 
 def default_models() -> list[str]:
-    """Every registered model with committed weights (the ones whose answers mean something)."""
-    return [n for n in list_models() if get_spec(n).has_weights]
+    """Every registered model with committed weights (the ones whose answers mean something) that its registration
+    does not keep for serving by name only (``served_by_default``)."""
+    return [n for n in list_models() if get_spec(n).has_weights and get_spec(n).served_by_default]
 
 
 def triton_load_args(graphs: list[str]) -> tuple[str, list[str]]:

@@ -45,6 +45,7 @@ from unroll.models.denoiser import CSCDenoiser
 from unroll.registry import get_spec
 from unroll.solvers.csc import DictBlock, fista_momenta
 from unroll.solvers.dic_attn import DicAttention
+from unroll.solvers.iterations import iteration_count, set_iterations
 from unroll.solvers.nmf import NMFHam
 from unroll.solvers.shrink import textbook_mode
 from unroll.solvers.vars_attn import VARSAttention
@@ -97,7 +98,10 @@ def io_names(card: ModelCard, lam_input: bool) -> tuple[list[str], list[str], di
 
 
 def resolve_card(card: ModelCard, model: nn.Module, lam_input: bool) -> ModelCard:
-    """The card as exported: λ's default filled in from the model's first solver layer, λ dropped if baked in."""
+    """The card as exported: λ's default filled in from the model's first solver layer, λ dropped if baked in;
+    the served iteration counts' default filled in from the solver layers' count."""
+    if card.iters is not None and card.iters.default is None:
+        card = card.model_copy(update={"iters": card.iters.model_copy(update={"default": iteration_count(model)})})
     if card.lam is None:
         return card
     if not lam_input:
@@ -109,18 +113,6 @@ def resolve_card(card: ModelCard, model: nn.Module, lam_input: bool) -> ModelCar
         raise ExportError(f"{card.name}: its card declares a λ input but no solver layer has a λ to default to; "
                           "set lam.default on the card")
     return card.model_copy(update={"lam": card.lam.model_copy(update={"default": float(lams[0])})})
-
-
-def set_iterations(model: nn.Module, k: int) -> None:
-    """Change K for every solver layer (``--iters``); learned per-step weights cannot be re-unrolled."""
-    for m in model.modules():
-        if isinstance(m, CSCDenoiser) and m.n_steps != k:
-            raise ExportError(f"the CSC denoiser has learned weights for each of its {m.n_steps} steps; "
-                              f"--iters {k} would need retraining")
-        if hasattr(m, "eval_steps"):
-            m.eval_steps = k
-        elif hasattr(m, "n_steps"):
-            m.n_steps = k
 
 
 def solver_settings(model: nn.Module) -> list[dict]:
@@ -548,16 +540,50 @@ def export(module: nn.Module, card: ModelCard | dict, example_inputs: Examples |
     out_path = artifacts.graph(card.name, onnx_dir=out_dir)
     result = export_module(module, cases, ins, outs, axes, out_path, opset, extra, naive, card=card)
     inner = module.model if isinstance(module, _Classifier) else module
-    if companions and lam_input and card.lam.auto is not None and hasattr(inner, "auto_lam"):
-        try:
+    if not companions:
+        return result
+    try:
+        if lam_input and card.lam.auto is not None and hasattr(inner, "auto_lam"):
             result.companions.append(_export_auto_lam(card, inner, cases, Path(out_dir), opset,
                                                       result.report.get("weights", "given module"),
                                                       result.report.get(artifacts.BUILT_FROM_KEY)))
-        except BaseException:  # all or nothing: the classifier without its λ rule is not served half-way
-            result.onnx_path.unlink(missing_ok=True)
-            result.report_path.unlink(missing_ok=True)
-            raise
+        result.companions += _export_iteration_graphs(module, card, cases, ins, outs, axes, Path(out_dir), opset,
+                                                      extra)
+    except BaseException:  # all or nothing: a model without the graphs its card names is not served half-way
+        for r in (result, *result.companions):
+            r.onnx_path.unlink(missing_ok=True)
+            r.report_path.unlink(missing_ok=True)
+        raise
     return result
+
+
+def iteration_card(card: ModelCard, k: int) -> ModelCard:
+    """The card of the graph that runs ``card``'s model with ``k`` solver iterations (``iters=k``): the model's
+    own card, named :meth:`IterCard.graph`, with ``k`` as its count and ``companion_of`` the model."""
+    assert card.iters is not None and card.iters.default is not None
+    return card.model_copy(update={
+        "name": card.iters.graph(card.name, k), "companion_of": card.name,
+        "description": f"{card.name} with {k} solver iterations (iters={k}; trained: {card.iters.default})",
+        "iters": card.iters.model_copy(update={"default": k})})
+
+
+def _export_iteration_graphs(module: nn.Module, card: ModelCard, cases: list[example_inputs.Case], ins: list[str],
+                             outs: list[str], axes: dict, out_dir: Path, opset: int, extra: dict
+                             ) -> list[ExportResult]:
+    """One verified graph per served iteration count other than the trained one (``card.iters``): a copy of the
+    module unrolled to that count, traced and checked against PyTorch running the same count."""
+    if card.iters is None:
+        return []
+    out = []
+    for k in card.iters.counts:
+        if k == card.iters.default:
+            continue
+        sibling = iteration_card(card, k)
+        unrolled = set_iterations(copy.deepcopy(module), k)
+        report = {**extra, "model": sibling.name, "iterations": k, "solvers": solver_settings(unrolled)}
+        out.append(export_module(unrolled, cases, ins, outs, axes, artifacts.graph(sibling.name, onnx_dir=out_dir),
+                                 opset, report, naive=False, card=sibling))
+    return out
 
 
 def export_model(name: str, out_dir: Path = artifacts.ONNX_DIR, iters: int | None = None, opset: int = 17,

@@ -7,6 +7,7 @@ registered model's (``unroll export --model``, ``unroll fuse``) is never stale: 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from unroll import artifacts
@@ -32,13 +33,35 @@ def card_of(name: str, onnx_dir: Path | None = None) -> ModelCard:
 
 
 def graphs_of(models: list[str], onnx_dir: Path | None = None, companions: bool = True) -> list[str]:
-    """Triton model names to serve: each model, followed by the companions its card names (``lam.auto``)."""
+    """Triton model names to serve: each model, followed by the graphs its card names: its λ rule (``lam.auto``,
+    unless ``companions`` is off) and one graph per served iteration count other than the trained one
+    (``iters``)."""
     out: list[str] = []
     for m in models:
         card = card_of(m, onnx_dir)
         auto = card.lam.auto if card.lam is not None and companions else None
-        out += [m] + ([auto] if auto is not None else [])
+        out += [m] + ([auto] if auto is not None else []) + iteration_graphs(m, card)
     return list(dict.fromkeys(out))
+
+
+def iteration_graphs(model: str, card: ModelCard) -> list[str]:
+    """The sibling graphs of ``model``'s other served iteration counts (``card.iters``; none without it). A
+    registration leaves the trained count to the model: it is read from the architecture (built without
+    weights) when the card does not say it."""
+    if card.iters is None:
+        return []
+    iters = card.iters
+    if iters.default is None:
+        iters = iters.model_copy(update={"default": _trained_iterations(model)})
+    return [iters.graph(model, k) for k in iters.counts if k != iters.default]
+
+
+@functools.cache
+def _trained_iterations(model: str) -> int:
+    from unroll.solvers.iterations import iteration_count  # PyTorch: only for a registered model (see above)
+
+    spec = get_spec(model)
+    return iteration_count(spec.builder(**spec.defaults))
 
 
 def stale_reason(graph: str, onnx_dir: Path) -> str | None:

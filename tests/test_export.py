@@ -84,7 +84,8 @@ def test_exported_graph_carries_its_card(exported, name: str) -> None:
 
 def test_companion_lambda_rule_is_exported_with_its_classifier(exported) -> None:
     res = exported("sdnet-mnist")
-    (comp,) = res.companions
+    comp = res.companions[0]  # then one graph per other served iteration count (tests/test_iterations.py)
+    assert [c.onnx_path.stem for c in res.companions[1:]] == [f"sdnet-mnist-iters{k}" for k in (1, 4, 8)]
     card, main = from_onnx(comp.onnx_path), from_onnx(res.onnx_path)
     assert main.lam.auto == card.name == comp.onnx_path.stem and card.task == "lambda-rule"
     assert card.companion_of == "sdnet-mnist" and card.output == "lam"

@@ -29,9 +29,10 @@ ORT_FP32 = "onnxruntime/fp32"
 
 
 def _copy_graph(src_dir: Path, dst_dir: Path) -> Path:
-    """The model's export and its λ-rule companion's (without it the model counts as stale and is re-exported)."""
+    """The model's export and its companions' (λ rule, other iteration counts: without them the model counts as stale
+    and is re-exported)."""
     dst_dir.mkdir(parents=True, exist_ok=True)
-    for name in (MODEL, f"{MODEL}-autolam"):
+    for name in pipeline.graphs_of([MODEL]):
         for path in (artifacts.graph(name, onnx_dir=src_dir), artifacts.graph_report(name, onnx_dir=src_dir)):
             shutil.copyfile(path, dst_dir / path.name)
     return artifacts.graph(MODEL, onnx_dir=dst_dir)

@@ -118,6 +118,8 @@ def _check_classify(live: Live, cmd: Command, query: dict[str, str], r: subproce
     assert all(0 <= p["score"] <= 1 for p in preds) and preds == sorted(preds, key=lambda p: -p["score"])
     if "lam" in query:
         assert math.isfinite(body["lam"]) and body["lam"] > 0, body
+    if "iters" in query:
+        assert body["iters"] == int(query["iters"]), body
     if cmd.answer is not None:
         _check_answer(live, cmd.answer, body)
 

@@ -21,19 +21,22 @@ from unroll.app.triton_cli import repo_plan
 from unroll.registry import REGISTRY
 
 MODEL, RULE = "sdnet-mnist", "sdnet-mnist-autolam"
-EXPORT = {("export", MODEL), ("repo", MODEL), ("repo", RULE)}
+#: MODEL's graphs: itself, its λ rule and one graph per other served iteration count (tests/test_iterations.py)
+GRAPHS = tuple(pipeline.graphs_of([MODEL]))
+REPO = {("repo", g) for g in GRAPHS}
+EXPORT = {("export", MODEL)} | REPO
 
 
 @pytest.fixture(scope="module")
 def built(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``onnx/`` (the shared demo exports of MODEL and RULE) and ``repo/`` written from them by serve's plan."""
+    """``onnx/`` (the shared demo exports of MODEL's graphs) and ``repo/`` written from them by serve's plan."""
     root = tmp_path_factory.mktemp("staleness")
     (root / "onnx").mkdir()
-    for g in (MODEL, RULE):
+    for g in GRAPHS:
         for src in (artifacts.graph(g, onnx_dir=demo_onnx_dir), artifacts.graph_report(g, onnx_dir=demo_onnx_dir)):
             shutil.copy2(src, root / "onnx" / src.name)
     steps = serve_plan([MODEL], root / "onnx", root / "repo")
-    assert {s.key for s in steps} == {("repo", MODEL), ("repo", RULE)}, steps  # the exports are up to date
+    assert {s.key for s in steps} == REPO, steps  # the exports are up to date
     pipeline.run(steps, progress=None)
     return root
 
@@ -102,20 +105,19 @@ def test_both_commands_plan_exactly_what_depends_on_a_changed_input(
 
 
 def test_a_repository_option_rewrites_the_directories_only(tree: Path) -> None:
-    """`unroll repo --threads 3` rewrites both directories (nothing is re-exported); afterwards serve's default
-    options are the changed input, so serve plans the same two rewrites back, and repo with --threads 3 nothing."""
+    """`unroll repo --threads 3` rewrites every directory (nothing is re-exported); afterwards serve's default
+    options are the changed input, so serve plans the same rewrites back, and repo with --threads 3 nothing."""
     threads = pipeline.RepoOptions(threads=3)
-    both = {("repo", MODEL), ("repo", RULE)}
     serve, repo = _plans(tree, threads)
-    assert (serve, repo) == (set(), both)
+    assert (serve, repo) == (set(), REPO)
     pipeline.run(repo_plan([MODEL], tree / "repo", tree / "onnx", options=threads), progress=None)
-    assert _plans(tree, threads) == (both, set())
+    assert _plans(tree, threads) == (REPO, set())
 
 
 def test_a_precision_quantizes_first(tree: Path) -> None:
     """`unroll repo --precision fp16` plans the quantized graphs (missing) before the directories that serve them."""
     _, repo = _plans(tree, pipeline.RepoOptions(precision="fp16"))
-    assert repo == {("quantize", MODEL), ("quantize", RULE), ("repo", MODEL), ("repo", RULE)}
+    assert repo == {("quantize", g) for g in GRAPHS} | REPO
 
 
 def test_an_edited_model_directory_is_rewritten(tree: Path) -> None:
@@ -134,7 +136,7 @@ def test_running_a_plan_leaves_nothing_stale(tree: Path) -> None:
 
 @pytest.mark.slow
 def test_after_a_re_export_nothing_is_stale(tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Card and weights changed: one re-export and two rewrites, then both commands find nothing to do."""
+    """Card and weights changed: one re-export and a rewrite per graph, then both commands find nothing to do."""
     _change_card(monkeypatch)
     _change_weights()
     steps = repo_plan([MODEL], tree / "repo", tree / "onnx")

@@ -467,7 +467,8 @@ def test_repo_command_writes_and_validates(onnx_dir: Path, tmp_path: Path) -> No
     out = tmp_path / "repo"
     res = runner.invoke(_app(), ["repo", "--out", str(out), "--onnx-dir", str(onnx_dir)])
     assert res.exit_code == 0, res.output
-    assert sorted(p.name for p in out.iterdir()) == sorted(DEMO)  # the autolam companion is added
+    # the autolam companion and the graphs of sdnet-mnist's other served iteration counts are added
+    assert sorted(p.name for p in out.iterdir()) == sorted([*DEMO, *(f"sdnet-mnist-iters{k}" for k in (1, 4, 8))])
     assert (out / "csc-denoiser" / "1" / "model.py").exists()
     res = runner.invoke(_app(), ["repo", "--target", "tpu", "--out", str(out)])
     assert res.exit_code == 1 and "cpu or gpu" in res.output and "Traceback" not in res.output

@@ -121,6 +121,34 @@ class LamCard(_Strict):
     auto: str | None = None
 
 
+class IterCard(_Strict):
+    """Iteration counts served for the model's weight-tied solver layers (SDNet's FISTA, VARS's ISTA steps, NMF
+    updates, Dic-Attn's ISTA): the request's ``iters=K`` picks one, each a static graph of its own."""
+
+    #: The trained count, used when a request gives none. ``None`` in a declaration means "the solver layers'
+    #: count": export fills it in from the model (every tied solver layer must have the same count).
+    default: int | None = Field(None, ge=1)
+    #: The counts served; export adds the default. Each count other than the default is a sibling graph
+    #: (:meth:`graph`) exported, verified and served beside the model.
+    served: tuple[int, ...] = Field(min_length=1)
+
+    @field_validator("served")
+    @classmethod
+    def _positive(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if any(k < 1 for k in v):
+            raise ValueError(f"iteration counts are at least 1, got {list(v)}")
+        return tuple(sorted(set(v)))
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Every served count, the default included, ascending."""
+        return tuple(sorted({*self.served, *([self.default] if self.default is not None else [])}))
+
+    def graph(self, model: str, k: int) -> str:
+        """The served graph that runs ``model`` with ``k`` iterations: the model itself for the default."""
+        return model if k == self.default else f"{model}-iters{k}"
+
+
 class SigmaCard(_Strict):
     """A per-sample noise-level input (denoisers)."""
 
@@ -189,6 +217,8 @@ class ModelCard(_Strict):
     labels: tuple[str, ...] | None = None
     lam: LamCard | None = None
     sigma: SigmaCard | None = None
+    #: Per-request iteration counts of the weight-tied solver layers (``iters=K``), or ``None``: one count only.
+    iters: IterCard | None = None
     data: DataCard = DataCard()
     #: Gate tolerances per precision, overriding the task's defaults (``unroll.tasks.get(task).gates``) metric by
     #: metric.

@@ -58,6 +58,11 @@ class ExportError(UnrollError):
     """Export to ONNX failed or its parity check did not pass."""
 
 
+class IterationsError(ExportError, ValueError):
+    """A model's solver iteration count cannot be read or changed (no tied solver layer, untied steps, mixed
+    counts): its graph cannot be exported with another count."""
+
+
 class QuantizeError(ExportError):
     """FP16/INT8 conversion failed or a graph did not pass its card's accuracy gate."""
 

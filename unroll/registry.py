@@ -52,6 +52,9 @@ class ModelSpec:
     recipe: str | None = None
     #: Folder with ``NAME.pt`` / ``NAME.json`` committed weights.
     weights_dir: Path = WEIGHTS_DIR
+    #: Whether ``unroll serve`` without ``--models`` serves it (when it has weights): the demos do; models trained
+    #: for a study (the robustness comparison) are served when named.
+    served_by_default: bool = True
 
     @property
     def task(self) -> Task:
@@ -88,10 +91,11 @@ NO_TORCH = ("PyTorch is not installed, so the shipped models are not registered 
 
 def register_model(name: str, *, card: dict[str, Any], input_shape: tuple[int, ...],
                    defaults: dict[str, Any] | None = None, checkpoint_loader: Callable | None = None,
-                   recipe: str | None = None, weights_dir: Path | None = None,
+                   recipe: str | None = None, weights_dir: Path | None = None, served_by_default: bool = True,
                    replace: bool = False) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
     """Decorator registering a builder under ``name`` with its model card (the card's fields, no name).
 
+    ``served_by_default=False``: ``unroll serve`` serves it only when named (``--models``).
     ``replace=True`` allows re-registering a name (a user iterating on their model in one session);
     otherwise a second registration of the same name is an error rather than a silent override.
     """
@@ -102,7 +106,8 @@ def register_model(name: str, *, card: dict[str, Any], input_shape: tuple[int, .
             raise ValueError(f"model {name!r} is already registered (by {REGISTRY[name].builder.__module__}); "
                              "pass replace=True to override it")
         REGISTRY[name] = ModelSpec(name, builder, model_card, tuple(input_shape), dict(defaults or {}),
-                                   checkpoint_loader, recipe, Path(weights_dir) if weights_dir else WEIGHTS_DIR)
+                                   checkpoint_loader, recipe, Path(weights_dir) if weights_dir else WEIGHTS_DIR,
+                                   served_by_default)
         return builder
 
     return deco

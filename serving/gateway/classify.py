@@ -31,6 +31,7 @@ from unroll.serving.gateway.body import check_declared_length
 from unroll.serving.gateway.catalog import Entry
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.image_graph import forward_errors, image_row, per_item
+from unroll.serving.gateway.iterations import ItersQuery, iteration_graph
 from unroll.serving.gateway.openapi import IMAGE_BODY, errors
 from unroll.serving.gateway.state import Gateway, GatewayDep, route_task, v1_router
 from unroll.serving.gateway.triton_client import TritonRejected, fit_shape
@@ -52,6 +53,8 @@ class ClassifyResponse(BaseModel):
     lam: float | None = Field(None, description="λ of the model's sparse-coding front end used for this image (the "
                                                 "card's default when `lam` was omitted); absent for models without "
                                                 "a λ input", examples=[0.1])
+    iters: int | None = Field(None, description="solver iterations run for this image (the card's trained count when "
+                                                "`iters` was omitted); absent for models without `iters`", examples=[2])
     inverted: bool = Field(description="whether the image was inverted (`1 - x`) before classification, as "
                                        "`invert` asked or `invert=auto` decided", examples=[False])
 
@@ -132,6 +135,7 @@ async def classify(
                     "background), invert when the median brightness of the image's outermost pixel frame is on the "
                     "other side of mid-grey (0.5) from the card's background. Default: `auto` when the card "
                     "declares a polarity, else `false`.", examples=["auto"])] = None,
+    iters: ItersQuery = None,
 ) -> JSONResponse:
     t0 = time.perf_counter()
     card, info = entry.card, entry.info
@@ -142,6 +146,9 @@ async def classify(
     lam_v = check_lam(card, parse_lam(lam))
     inv = check_invert(card.input, invert)
     rule = await gw.catalog.companion(card.lam.auto, entry.name, tasks.LAMBDA_RULE) if lam_v == "auto" else None
+    model, (entry, k) = entry.name, await iteration_graph(gw, entry, iters)  # the graph run: iters=K's
+    card, info = entry.card, entry.info
+    assert card is not None and info is not None
     settings = gw.settings
     check_declared_length(request, settings.max_body_bytes)
     data = await gw.read_image(request)  # before the slot: a slow upload never holds an inference slot
@@ -165,9 +172,11 @@ async def classify(
         preds = _classes(res[card.output][0], top_k)
     latency = round((time.perf_counter() - t0) * 1000.0, 2)
     # The documented ClassifyResponse, built as a plain dict (no per-request model validation and dump).
-    body: dict = {"model": entry.name, "predictions": preds, "latency_ms": latency}
+    body: dict = {"model": model, "predictions": preds, "latency_ms": latency}
     if card.lam is not None:
         body["lam"] = round(float(lam_v), 6)
+    if k is not None:
+        body["iters"] = k
     body["inverted"] = inverted
     return JSONResponse(body, headers={"X-Latency-Ms": str(latency)})
 

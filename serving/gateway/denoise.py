@@ -34,6 +34,7 @@ from unroll.serving.gateway.body import check_declared_length
 from unroll.serving.gateway.catalog import Entry
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.image_graph import forward_errors, image_row, per_item, run_image_graph, tiler_for
+from unroll.serving.gateway.iterations import ItersQuery, iteration_graph
 from unroll.serving.gateway.openapi import IMAGE_BODY, errors
 from unroll.serving.gateway.state import Gateway, GatewayDep, route_task, v1_router
 from unroll.serving.gateway.triton_client import fit_shape
@@ -77,18 +78,21 @@ async def denoise(
     sigma: Annotated[float | None, Query(ge=0, le=255, allow_inf_nan=False,
                                          description=QUERY_HELP,
                                          examples=[25])] = None,
+    iters: ItersQuery = None,
 ) -> Response:
-    return await _answer(request, gw, entry, sigma)
+    return await _answer(request, gw, entry, sigma, iters)
 
 
-async def image_to_image(request: Request, gw: GatewayDep, entry: DenoiserDep) -> Response:
-    return await _answer(request, gw, entry, None)
+async def image_to_image(request: Request, gw: GatewayDep, entry: DenoiserDep, iters: ItersQuery = None) -> Response:
+    return await _answer(request, gw, entry, None, iters)
 
 
-async def _answer(request: Request, gw: Gateway, entry: Entry, sigma: float | None) -> Response:
-    """The image through ``entry``'s graph, in the input's size and mode, encoded as ``Accept`` asks (PNG unless
-    told); σ (given or estimated) where the card has a noise-level input."""
+async def _answer(request: Request, gw: Gateway, entry: Entry, sigma: float | None, iters: str | None) -> Response:
+    """The image through ``entry``'s graph (``iters=K``'s where the card serves several counts), in the input's
+    size and mode, encoded as ``Accept`` asks (PNG unless told); σ (given or estimated) where the card has a
+    noise-level input."""
     t0 = time.perf_counter()
+    model, (entry, k) = entry.name, await iteration_graph(gw, entry, iters)
     card, info = entry.card, entry.info
     assert card is not None and info is not None  # served entries have both (catalog)
     fmt = wire.media_format(request.headers.get("accept"))
@@ -134,8 +138,10 @@ async def _answer(request: Request, gw: Gateway, entry: Entry, sigma: float | No
                    "X-Sigma-Reliable": "true" if used.reliable else "false"}
         if used.rule is not None:
             headers["X-Sigma-Rule"] = used.rule
+    if k is not None:
+        headers["X-Iters"] = str(k)
     return Response(body, media_type=wire.OUTPUT_FORMATS[fmt], headers={**headers, "X-Latency-Ms": str(latency),
-                                                                         "X-Model": entry.name})
+                                                                         "X-Model": model})
 
 
 async def _decoded(gw: Gateway, entry: Entry, data: bytes, given: SigmaEstimate | None,

@@ -34,6 +34,8 @@ def _served(e: Entry, task: str, default: bool, ready: bool) -> dict[str, Any]:
     entry: dict[str, Any] = {"name": e.name, "task": task, "ready": ready, "default": default,
                              "description": card.description}
     entry.update(tasks.get(task).listing(card, tuple(info.outputs[card.output].shape)))  # params, per task
+    if card.iters is not None:  # any route: the counts served (serving/gateway/iterations.py)
+        entry["params"]["iters"] = " | ".join(map(str, card.iters.counts)) + f" (trained: {card.iters.default})"
     entry.update(info.public())
     entry["card"] = card.model_dump(mode="json")
     return entry

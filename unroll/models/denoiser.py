@@ -57,6 +57,9 @@ def conv_by_taps(x: Tensor, w: Tensor, out_ch: int, k: int, padding: int) -> Ten
 
 
 class CSCDenoiser(nn.Module):
+    #: Each LISTA step has its own learned filters and thresholds: no other iteration count without retraining.
+    untied_steps = True
+
     def __init__(
         self, num_atoms: int = 96, kernel_size: int = 3, n_steps: int = 4, border: int = 8, seed: int = 0,
     ) -> None:

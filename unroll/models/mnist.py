@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from unroll import tasks
-from unroll.card import InputCard, LamCard
+from unroll.card import InputCard, IterCard, LamCard
 from unroll.registry import register_model
 from unroll.solvers.csc import DictBlock, output_padding
 
@@ -85,6 +85,7 @@ class MNISTSDNet(nn.Module):
         input=InputCard(name="image", shape=(1, 28, 28), colour="gray", resize="pad-square", polarity="light-on-dark"),
         output="logits", labels=tuple(str(i) for i in range(10)),
         lam=LamCard(default=None, max=10.0, auto="sdnet-mnist-autolam"),
+        iters=IterCard(served=(1, 2, 4, 8)),
         data=dict(train="mnist-train", validation="mnist-validation", test="mnist-test", gate="validation"),
     ))
 def sdnet_mnist(**kw) -> MNISTSDNet:

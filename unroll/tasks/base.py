@@ -100,6 +100,8 @@ class Task:
         """Why the gateway does not serve a model of this task (``None``: it may, when the task has a route)."""
         if self.route is None:
             return f"task {card.task!r} has no /v1 route"
+        if card.companion_of is not None and card.iters is not None:
+            return f"{card.companion_of}'s graph for iters={card.iters.default} (requests name {card.companion_of})"
         return None
 
     def listing(self, card: ModelCard, output_shape: tuple[int, ...]) -> dict[str, Any]:

@@ -45,6 +45,10 @@ class Classification(Task):
         lines = [f"  curl{auth} -F {form} '{url}'"]
         if card.lam is not None and card.lam.auto is not None:
             lines.append(f"  curl{auth} -F {form} '{url}&lam=auto'")
+        if card.iters is not None and len(card.iters.counts) > 1:  # another count: the next above the trained one
+            others = [k for k in card.iters.counts if k != card.iters.default]
+            k = min((k for k in others if k > (card.iters.default or 0)), default=max(others))
+            lines.append(f"  curl{auth} -F {form} '{url}&iters={k}'")
         return lines
 
 
