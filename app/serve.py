@@ -349,8 +349,8 @@ def _run_gateway(run: _Run, settings: Settings, host: str, port: int, workers: i
             if self.started:
                 announce()
 
-    server = _Server(uvicorn.Config(create_app(settings), host=host, port=port, log_level=log_level,
-                                    timeout_graceful_shutdown=10, **uvicorn_options()))
+    server = _Server(uvicorn.Config(create_app(settings), host=host, port=port, timeout_graceful_shutdown=10,
+                                    **uvicorn_options(log_level=log_level)))
     run.server = server
     if run.gave_up:  # Triton failed again while the gateway was being set up
         raise ServeError(run.gave_up[0])

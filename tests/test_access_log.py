@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import subprocess
 from pathlib import Path
@@ -27,7 +28,7 @@ from unroll.serving.gateway.settings import Settings
 from unroll.serving.gateway.workers import HTTP_PROTOCOL
 from unroll.serving.triton import free_ports
 
-KEYS = {"method", "path", "status", "ms", "client", "bytes"}
+KEYS = {"method", "path", "status", "ms", "client", "bytes", "request_id"}
 
 
 def gateway(log: Path, *args: str) -> contextlib.AbstractContextManager[tuple[str, subprocess.Popen]]:
@@ -68,8 +69,10 @@ def check_records(records: list[dict]) -> None:
         assert (r["method"], r["path"], r["status"], r["bytes"]) == ("GET", f"/healthz?n={i}", 200, 15), r
         assert isinstance(r["ms"], float) and 0 <= r["ms"] < 10_000, r
         assert r["client"].startswith("127.0.0.1:"), r
+        assert re.fullmatch("[0-9a-f]{32}", r["request_id"]), r  # the X-Request-Id the gateway generated
     assert (by_n[5]["method"], by_n[5]["status"]) == ("POST", 404), by_n[5]
-    assert (by_n[6]["method"], by_n[6]["status"], by_n[6]["ms"]) == (None, 400, None), by_n[6]  # refused before app
+    assert (by_n[6]["method"], by_n[6]["status"], by_n[6]["ms"], by_n[6]["request_id"]) == (None, 400, None, None), \
+        by_n[6]  # refused before the app
     assert by_n[6]["bytes"] > 0
 
 

@@ -8,13 +8,14 @@ uvicorn's httptools protocol on uvloop with the gateway's header deadline and si
 from __future__ import annotations
 
 import argparse
-import logging
+import logging.config
 import os
 
 import uvicorn
 
 from unroll.serving.gateway.app import create_app
 from unroll.serving.gateway.http_settings import ACCESS_LOG_ENV, HttpSettings
+from unroll.serving.gateway.request_id import LOG_FORMAT_ENV, log_config, log_format
 from unroll.serving.gateway.server import uvicorn_options
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.gateway.workers import WORKERS_ENV, check_workers, run_workers
@@ -29,22 +30,28 @@ def main(argv: list[str] | None = None) -> None:
                                                     "else 1; see unroll.serving.gateway.workers)")
     p.add_argument("--access-log", action="store_true", help="one JSON line per request on stdout (default: "
                                                               f"${ACCESS_LOG_ENV}, else off)")
+    p.add_argument("--log-format", choices=("text", "json"), default=None,
+                   help=f"log lines as text or one JSON object each, with the request id (default: ${LOG_FORMAT_ENV}, "
+                        "else text)")
     args = p.parse_args(argv)
     try:
         settings = Settings.from_env()
         if args.access_log:
             os.environ[ACCESS_LOG_ENV] = "1"  # for the workers too
         limits = HttpSettings()
+        if args.log_format:
+            os.environ[LOG_FORMAT_ENV] = args.log_format  # for the workers too
+        log_format()  # UNROLL_LOG_FORMAT: text or json
         workers = check_workers(args.workers if args.workers is not None else os.environ.get(WORKERS_ENV) or 1)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.config.dictConfig(log_config(args.log_level))  # before the app is built: its start-up lines too
     if workers > 1:
         os.environ.update(settings.env())  # the workers read their settings from the environment
         run_workers(args.host, args.port, workers, args.log_level, timeout_graceful_shutdown=10)
         return
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=10, **uvicorn_options(limits))
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, timeout_graceful_shutdown=10,
+                **uvicorn_options(limits, log_level=args.log_level))
 
 
 if __name__ == "__main__":

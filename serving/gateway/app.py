@@ -22,6 +22,8 @@ from unroll.serving import malloc
 from unroll.serving.gateway import classify, denoise, errors, info, ops
 from unroll.serving.gateway.metrics import Metrics, MetricsMiddleware
 from unroll.serving.gateway.openapi import API_VERSION, DESCRIPTION, TAGS, install_docs
+from unroll.serving.gateway.rate_limit import RateLimitHeaders
+from unroll.serving.gateway.request_id import RequestIdMiddleware
 from unroll.serving.gateway.responses import JSONResponse
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.gateway.state import Gateway
@@ -67,7 +69,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   openapi_tags=TAGS, redirect_slashes=False, docs_url=None, redoc_url=None,
                   default_response_class=JSONResponse)
     errors.install(app, settings.retry_after_s)  # every UnrollError, Triton's failures included, in one handler
+    app.add_middleware(RateLimitHeaders)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(RequestIdMiddleware)  # outside the metrics: its log lines name the request too
     for task in tasks.routed():  # one /v1 route per task that has one, answered as the route says
         app.include_router(ROUTES[task.route.answer](task))
     for module in (info, ops):  # /v1/models (behind the API key), then /healthz, ...

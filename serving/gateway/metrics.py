@@ -66,6 +66,8 @@ class Metrics:
                             registry=reg, multiprocess_mode="livesum")
         self.uploads = Gauge("unroll_gateway_uploads_in_progress", "Request bodies being read now",
                              registry=reg, multiprocess_mode="livesum")
+        self.rate_limited = Counter("unroll_gateway_rate_limited", "Requests refused by the per-client rate limit "
+                                    "(UNROLL_RATE_LIMIT)", registry=reg)
         self.worker: Gauge | None = None
         if self.multiprocess:
             from prometheus_client import multiprocess

@@ -39,10 +39,12 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from unroll.errors import UnrollError
 from unroll.serving.gateway.http_settings import HttpSettings
+from unroll.serving.gateway.request_id import HEADER, log_config
 
 log = logging.getLogger("unroll.gateway")
 #: Where the one-line-per-request JSON records go when ``access_log`` is on (stdout, the message alone).
 access_log = logging.getLogger("unroll.gateway.access")
+REQUEST_ID_KEY = HEADER.lower().encode()
 
 
 class Refusal(UnrollError):
@@ -269,11 +271,13 @@ def _peer(client: tuple[str, int] | None) -> str:
 # --- The access log (only when on) ----------------------------------------------------------------------------
 
 def write_access(method: str | None, path: str | None, status: int, ms: float | None,
-                 client: tuple[str, int] | None, size: int) -> None:
+                 client: tuple[str, int] | None, size: int, request_id: str | None = None) -> None:
     """One access record: a JSON object on one line (``method``, ``path``, ``status``, ``ms``, ``client``,
-    ``bytes``: the response body's; ``ms`` from the app's call to its last byte, ``null`` when refused before)."""
+    ``bytes``: the response body's; ``ms`` from the app's call to its last byte, ``null`` when refused before;
+    ``request_id``: the response's ``X-Request-Id``, ``null`` when refused before the app)."""
     access_log.info(orjson.dumps({"method": method, "path": path, "status": status, "ms": ms,
-                                  "client": _peer(client) if client else None, "bytes": size}).decode())
+                                  "client": _peer(client) if client else None, "bytes": size,
+                                  "request_id": request_id}).decode())
 
 
 def _setup_access_log() -> None:
@@ -297,12 +301,13 @@ class AccessLog:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         t0 = time.perf_counter()
-        status, size = 0, 0
+        status, size, rid = 0, 0, None
 
         async def counted(message: Any) -> None:
-            nonlocal status, size
+            nonlocal status, size, rid
             if message["type"] == "http.response.start":
                 status = message["status"]
+                rid = next((v.decode("latin-1") for k, v in message.get("headers", ()) if k == REQUEST_ID_KEY), None)
             elif message["type"] == "http.response.body":
                 size += len(message.get("body", b""))
             await send(message)
@@ -317,7 +322,7 @@ class AccessLog:
             if scope.get("query_string"):
                 path += "?" + scope["query_string"].decode("latin-1")
             write_access(scope.get("method"), path, status or (500 if failed else 499), ms, scope.get("client"),
-                         size)
+                         size, rid)
 
 
 # --- How uvicorn is told ------------------------------------------------------------------------------------------
@@ -338,10 +343,12 @@ def protocol_class(limits: HttpSettings) -> type[GatewayProtocol]:
     return type("GatewayProtocol", (GatewayProtocol,), {"limits": limits})
 
 
-def uvicorn_options(limits: HttpSettings | None = None, http: type | str | None = None) -> dict[str, Any]:
+def uvicorn_options(limits: HttpSettings | None = None, http: type | str | None = None,
+                    log_level: str = "info") -> dict[str, Any]:
     """Keyword arguments for ``uvicorn.run`` / ``uvicorn.Config``: the gateway protocol bound to ``limits`` (or
     ``http``, e.g. the import string of :class:`EnvGatewayProtocol` for worker processes), the uvloop event loop,
-    uvicorn's own access log off (``limits.access_log`` writes the gateway's, :class:`AccessLog`)."""
+    uvicorn's own access log off (``limits.access_log`` writes the gateway's, :class:`AccessLog`), and the logging
+    of every gateway process (request ids, text or JSON: :func:`.request_id.log_config`) at ``log_level``."""
     limits = limits or HttpSettings()
     return {"http": http or protocol_class(limits), "loop": "uvloop", "access_log": False,
-            "timeout_keep_alive": limits.keep_alive_s}
+            "timeout_keep_alive": limits.keep_alive_s, "log_level": log_level, "log_config": log_config(log_level)}

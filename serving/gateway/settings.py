@@ -70,6 +70,9 @@ class Settings(BaseSettings):
     """``Retry-After`` seconds sent with 503 (Triton unavailable)."""
     busy_retry_after_s: int = Field(1, ge=1)
     """``Retry-After`` seconds sent with 429 (over the concurrency limit)."""
+    rate_limit: str | None = None
+    """Per-client rate limit of the ``/v1`` routes: ``R/s,BURST`` (e.g. ``10/s,20``), ``R,BURST`` or ``R``; a
+    client is its API key, else its address (:mod:`.rate_limit`). Unset: none."""
     batching: bool = True
     """Coalesce concurrent requests for the same model into one Triton call (:mod:`.batching`); ``false``: one call
     per request."""
@@ -99,6 +102,16 @@ class Settings(BaseSettings):
     def _url(cls, v: str) -> str:
         if "://" in v or not v.strip():
             raise ValueError("must be HOST:PORT without a scheme")
+        return v.strip()
+
+    @field_validator("rate_limit")
+    @classmethod
+    def _rate(cls, v: str | None) -> str | None:
+        if not v:
+            return None
+        from unroll.serving.gateway.rate_limit import RateLimit
+
+        RateLimit.parse(v)  # a ValueError names the accepted forms
         return v.strip()
 
     @field_validator("api_key")

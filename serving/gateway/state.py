@@ -26,6 +26,7 @@ from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.http_settings import HttpSettings
 from unroll.serving.gateway.metrics import Metrics
 from unroll.serving.gateway.openapi import COMMON_ERRORS
+from unroll.serving.gateway.rate_limit import Buckets, RateLimit
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.gateway.triton_client import TritonBackend
 
@@ -98,6 +99,8 @@ class Gateway:
     admission: Admission
     http: HttpSettings
     uploads: Uploads
+    #: The per-client token buckets (``UNROLL_RATE_LIMIT``), or ``None``: no rate limit.
+    rate_limit: Buckets | None = None
 
     @classmethod
     def create(cls, settings: Settings, metrics: Metrics, http: HttpSettings | None = None) -> Gateway:
@@ -112,7 +115,8 @@ class Gateway:
                               settings.batch_delay_ms / 1000.0, observe=metrics.observe_batch)
         return cls(settings, backend, catalog, metrics,
                    Admission(settings.max_concurrency, settings.max_queue, settings.busy_retry_after_s, metrics),
-                   http, Uploads(http.max_uploads, settings.busy_retry_after_s, metrics))
+                   http, Uploads(http.max_uploads, settings.busy_retry_after_s, metrics),
+                   Buckets(RateLimit.parse(settings.rate_limit)) if settings.rate_limit else None)
 
     async def read_image(self, request: Request) -> bytes:
         """The request's image bytes (see :mod:`.body`), read under an upload permit and *outside* any inference
@@ -144,11 +148,13 @@ _bearer = HTTPBearer(auto_error=False, description="Alternative to X-API-Key: `A
 
 
 async def require_api_key(
+    request: Request,
     settings: SettingsDep,
     key: Annotated[str | None, Security(_api_key_header)] = None,
     bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)] = None,
 ) -> None:
-    """401 unless the request carries the configured key (constant-time compare); open when none is set."""
+    """401 unless the request carries the configured key (constant-time compare); open when none is set. A
+    request that carries it is marked (``request.state.api_key``) for the rate limit's bucket."""
     expected = settings.api_key
     if expected is None:
         return
@@ -157,6 +163,22 @@ async def require_api_key(
         what = "missing" if given is None else "wrong"
         raise ApiError(401, "unauthorized", f"{what} API key: send X-API-Key: KEY or Authorization: Bearer KEY",
                        {"WWW-Authenticate": "Bearer"})
+    request.state.api_key = True
+
+
+async def rate_limited(request: Request, gw: GatewayDep) -> None:
+    """A token of the client's bucket (:mod:`.rate_limit`; nothing without ``UNROLL_RATE_LIMIT``): the API key's
+    when the request carries the configured one, else its address's; 429 when it has none. The headers of an
+    admitted request are left in ``request.state`` for :class:`.rate_limit.RateLimitHeaders`."""
+    if gw.rate_limit is None:
+        return
+    key = "api-key" if getattr(request.state, "api_key", False) else \
+        "addr:" + (request.client.host if request.client is not None else "unknown")
+    try:
+        request.state.rate_limit_headers = gw.rate_limit.admit(key)
+    except ApiError:
+        gw.metrics.rate_limited.inc()
+        raise
 
 
 def route_task(request: Request) -> str:
@@ -175,4 +197,5 @@ def v1_router() -> APIRouter:
     Each concern's router carries the prefix itself (rather than being nested in a ``/v1`` router) so the
     route a request matched keeps its full template (``/v1/classify``), which the metrics label by.
     """
-    return APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses={401: COMMON_ERRORS[401]})
+    return APIRouter(prefix="/v1", dependencies=[Depends(require_api_key), Depends(rate_limited)],
+                     responses={401: COMMON_ERRORS[401], 429: COMMON_ERRORS[429]})

@@ -27,6 +27,7 @@ import numpy as np
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from unroll.errors import ServingError
+from unroll.serving.gateway import request_id
 from unroll.serving.profile import PROFILE_KEY, ProfileError, ServedProfile
 
 log = logging.getLogger("unroll.gateway")
@@ -229,9 +230,9 @@ class TritonBackend:
         t0 = time.perf_counter()
         outcome = "error"
         try:
-            res = await self._call(f"inference on {model}", self._client.infer(model, reqs, outputs=outs,
-                                                                                    headers=self._headers),
-                                   self.timeout_s)
+            res = await self._call(f"inference on {model}", self._client.infer(
+                model, reqs, outputs=outs, headers=self._headers, request_id=request_id.current() or ""),
+                self.timeout_s)
             outcome = "ok"
         except TritonTimeout:
             outcome = "timeout"

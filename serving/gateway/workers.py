@@ -178,8 +178,8 @@ def run_workers(host: str, port: int, workers: int, log_level: str, on_ready: Ca
             on_ready()
 
     with metrics_dir():
-        config = uvicorn.Config(APP_FACTORY, factory=True, host=host, port=port, workers=workers, log_level=log_level,
-                                **uvicorn_options(limits, http=HTTP_PROTOCOL), **uvicorn_kwargs)
+        config = uvicorn.Config(APP_FACTORY, factory=True, host=host, port=port, workers=workers,
+                                **uvicorn_options(limits, http=HTTP_PROTOCOL, log_level=log_level), **uvicorn_kwargs)
         sock = config.bind_socket()
         probe = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         watcher = threading.Thread(target=_announce_when_up, args=(f"http://{probe}:{port}/healthz", ready, done),
