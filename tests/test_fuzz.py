@@ -29,12 +29,14 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 @pytest.fixture(scope="module")
 def api_schema(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    from unroll.pipeline import graphs_of
     from unroll.serving.repository import write_repository
     from unroll.serving.triton import free_ports, start
 
     repo = tmp_path_factory.mktemp("fuzz_repo")
     logs = tmp_path_factory.mktemp("fuzz_logs")
-    write_repository("cpu", ["sdnet-mnist", "sdnet-mnist-autolam", "csc-denoiser"], repo, onnx_dir=demo_onnx_dir)
+    # every graph the models' cards name: λ rule, other iteration counts (iters=K), as `unroll serve` serves them
+    write_repository("cpu", graphs_of(["sdnet-mnist", "csc-denoiser"], demo_onnx_dir), repo, onnx_dir=demo_onnx_dir)
     http, grpc, metrics = free_ports(3)
     with start(repo, http, grpc, metrics, log_file=logs / "triton.log", timeout_s=120,
                extra_args=["--exit-timeout-secs=2"]), \

@@ -4,7 +4,8 @@ Route labels are the route *templates* (``/v1/classify``), never raw paths, so a
 cannot blow up the number of time series; a mounted app (the docs' static files) is counted under its mount
 path (``/docs/static``) and unmatched paths as ``unmatched``. A request whose
 client went away before the answer (mid-upload, or while its inference ran) is counted with status
-``499`` (nginx's "client closed request"), not as a server error, and is not logged as one. The registry
+``499`` (nginx's "client closed request"), not as a server error, and is not logged as one; once its body is read,
+its work is cancelled at once (``unroll_gateway_cancelled_total``) rather than finished for nobody. The registry
 also carries the standard ``process_*`` (CPU, memory, file descriptors), ``python_info`` and
 ``python_gc_*`` collectors.
 """
@@ -68,6 +69,9 @@ class Metrics:
                              registry=reg, multiprocess_mode="livesum")
         self.rate_limited = Counter("unroll_gateway_rate_limited", "Requests refused by the per-client rate limit "
                                     "(UNROLL_RATE_LIMIT)", registry=reg)
+        self.cancelled = Counter("unroll_gateway_cancelled", "Requests whose work stopped because their client "
+                                 "disconnected before the answer (queued for a slot or waiting for Triton)",
+                                 registry=reg)
         self.worker: Gauge | None = None
         if self.multiprocess:
             from prometheus_client import multiprocess
@@ -112,16 +116,31 @@ class MetricsMiddleware:
         # responses do. Waiting also keeps the socket read, so a close is noticed at once.
         listener: asyncio.Future[Message] | None = None
 
+        handler = asyncio.current_task()
+        started = cancelled = False
+
+        def left(future: asyncio.Future[Message]) -> None:
+            """The client went away before its answer began: stop working for it (queued for a slot, or waiting
+            for Triton: the gRPC call is cancelled, and a batch it joined goes on without it)."""
+            nonlocal cancelled
+            if future.cancelled() or future.exception() is not None or started or handler is None:
+                return
+            if future.result().get("type") == "http.disconnect" and not handler.done():
+                cancelled = True
+                handler.cancel()
+
         async def receive_wrapper() -> Message:
             nonlocal listener
             message = await receive()
             if message["type"] == "http.request" and not message.get("more_body", False) and listener is None:
                 listener = asyncio.ensure_future(receive())
+                listener.add_done_callback(left)
             return message
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status, gone
+            nonlocal status, gone, started
             if message["type"] == "http.response.start":
+                started = True
                 status = message["status"]
                 gone = listener is not None and listener.done() and not listener.cancelled() \
                     and listener.result().get("type") == "http.disconnect"
@@ -136,6 +155,12 @@ class MetricsMiddleware:
             await self.app(scope, receive_wrapper, send_wrapper)
         except ClientDisconnect:  # the client left mid-upload: nobody to answer, nothing to log as an error
             gone = True
+        except asyncio.CancelledError:
+            if not cancelled:  # the server is stopping: not ours to swallow
+                raise
+            handler.uncancel()  # our own cancellation (the client left, see left()): the request ends here
+            gone = True
+            m.cancelled.inc()
         finally:
             if listener is not None and not listener.done():
                 listener.cancel()
