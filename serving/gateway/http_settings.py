@@ -47,11 +47,15 @@ class HttpSettings(BaseSettings):
     max_uploads: int = Field(64, ge=1)
     """Request bodies being read at once (memory: this × ``max_body_bytes``); beyond that: 429 at once. Above
     the 40 stalled connections that once locked every route, so such a wave no longer refuses anyone else."""
+    max_connections: int = Field(1024, ge=1)
+    """Client connections open at once, per gateway process; one more is answered 503 ``too_many_connections``
+    (JSON) and closed at once, before it sends anything."""
     keep_alive_s: float = Field(5.0, gt=0, allow_inf_nan=False)
     """How long an idle kept-alive connection stays open between requests (and how long a body the app answered
     without reading may still take to arrive)."""
     access_log: bool = False
-    """One JSON line per request on stdout (``method``, ``path``, ``status``, ``ms``, ``client``, ``bytes``); off by
+    """One JSON line per request on stdout (``method``, ``path``, ``status``, ``ms``, ``client``, ``bytes``,
+    ``request_id``); off by
     default, when it costs nothing (``UNROLL_ACCESS_LOG=1`` or ``--access-log`` turns it on)."""
 
     def __init__(self, **values: Any) -> None:

@@ -41,6 +41,13 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+#: Requests (and connections) the HTTP layer refused before any app saw them (:mod:`.server`): one counter per
+#: process, registered on every app's registry, since the protocol that refuses knows no app.
+HTTP_REFUSED = Counter("unroll_gateway_http_refused", "Requests and connections refused by the HTTP layer before "
+                       "the app (slow or oversized heads, malformed requests, over the connection cap), by status "
+                       "and code", ["status", "code"], registry=None)
+
+
 class Metrics:
     """The gateway's collectors.
 
@@ -80,6 +87,7 @@ class Metrics:
             self.worker = Gauge("unroll_gateway_worker_requests", "HTTP requests handled by each live gateway worker "
                                 "process (multi-worker mode only)", registry=None, multiprocess_mode="liveall")
         else:
+            self.registry.register(HTTP_REFUSED)
             # Process and runtime metrics, on this registry (the default one is not served).
             ProcessCollector(registry=self.registry)
             PlatformCollector(registry=self.registry)

@@ -12,7 +12,10 @@ shape, then closes the connection:
 - **431** ``headers_too_large``: the request line and headers over ``max_header_bytes``, counted as the bytes arrive
   (a head still incomplete is refused as soon as it is over, not when it ends) and exactly once it is complete;
 - **400** ``bad_request``: both ``Content-Length`` and ``Transfer-Encoding`` (request smuggling), or anything
-  llhttp (httptools' parser) cannot parse; **501** ``not_implemented``: a transfer coding other than ``chunked``.
+  llhttp (httptools' parser) cannot parse; **501** ``not_implemented``: a transfer coding other than ``chunked``;
+- **503** ``too_many_connections``: a connection over ``max_connections`` (answered as soon as it opens).
+
+Each refusal is counted in ``unroll_gateway_http_refused_total{status, code}`` (the app's ``/metrics``).
 
 An HTTP/1.0 client that asks for keep-alive gets it (uvicorn would close), so HTTP/1.0 load generators such as
 ``ab -k`` measure the server, not a TCP handshake per request.
@@ -39,6 +42,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from unroll.errors import UnrollError
 from unroll.serving.gateway.http_settings import HttpSettings
+from unroll.serving.gateway.metrics import HTTP_REFUSED
 from unroll.serving.gateway.request_id import HEADER, log_config
 
 log = logging.getLogger("unroll.gateway")
@@ -134,6 +138,10 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:  # this one included
+            self._refuse(Refusal(503, "too_many_connections", f"the gateway has {self.limits.max_connections} "
+                                                              "connections open; retry later"))
+            return
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -231,6 +239,7 @@ class GatewayProtocol(HttpToolsProtocol):
         """Answer a refusal before the app (JSON, ``Connection: close``) and close."""
         self._disarm()
         self.refusal = None
+        HTTP_REFUSED.labels(str(r.status), r.code).inc()
         log.warning("refused a request from %s: %d %s", _peer(self.client), r.status, r.message)
         if not self.transport.is_closing():
             self.transport.write(error_bytes(r.status, r.code, r.message))
