@@ -326,15 +326,23 @@ def bench_robustness(
     = None,
     digits: Annotated[int | None, typer.Option(help="Evaluate the first N test and validation digits only "
                                                     "(a smoke run) [default: all]")] = None,
+    threads: ThreadsOpt = 2,
+    onnx_dir: OnnxOpt = ONNX_DIR,
     out: OutOpt = RESULTS,
     progress: ProgressOpt = True,
 ) -> None:
     """Trained digit classifiers under eleven corruptions at three severities, clean accuracy beside the mean over
-    corruptions; models that take λ also at the λ chosen on the validation digits per corruption and severity, and
-    with their λ rule.
+    corruptions; models that take λ also at the λ chosen on the validation digits per corruption and severity, with
+    their λ rule, and over the whole λ grid (test accuracy vs λ, the validation choice beside the test's oracle).
 
-    Writes robustness.json, robustness.md and robustness.png.
+    The served graphs too: the FP32 export and the FP16 and INT8 graphs `unroll serve --precision` makes (card's
+    calibration data and accuracy gate; a precision the gate refuses is reported with its reason), on ONNX Runtime
+    at the trained λ. Graphs are made in --onnx-dir when missing or stale and reused otherwise.
+
+    Writes robustness.json, robustness.md, robustness.png and robustness_lam.png.
     """
+    import torch
+
     from unroll.benchmarks import robustness
     from unroll.benchmarks.common import progress_bars
     from unroll.corruptions import CORRUPTIONS, SEVERITIES
@@ -344,11 +352,13 @@ def bench_robustness(
     if bad:
         raise fail(f"not a trained digit classifier: {', '.join(bad)}; these are: "
                    f"{', '.join(robustness.digit_classifiers())}")
+    torch.set_num_threads(threads)
     with progress_bars(progress) as bars:
         task = bars.add_task("robustness", total=len(names) * len(corruption or CORRUPTIONS) * len(SEVERITIES),
                              info="")
         try:
-            robustness.run(names, corruption, digits, digits, out, tick=lambda: bars.advance(task))
+            robustness.run(names, corruption, digits, digits, out, tick=lambda: bars.advance(task),
+                           onnx_dir=onnx_dir, threads=threads)
         except KeyError as e:
             raise fail(str(e.args[0])) from None
     _wrote(out, ["robustness"])
@@ -433,3 +443,40 @@ def bench_all(
         {"stages_s": {k: round(v, 1) for k, v in timing.items()}, "total_s": round(total, 1), "quick": quick,
          "machine": machine_info(threads)}, indent=2) + "\n")
     err.print(f"[green]✓[/] all benchmarks in {total / 60:.1f} min → {out}")
+
+
+@handles_errors
+def bench_iters(
+    model: Annotated[list[str] | None, typer.Option("--model", "-m", help="Classifier(s) to measure [default: every "
+                                                                          "trained digit classifier whose card serves "
+                                                                          "several iteration counts]")] = None,
+    corruption: Annotated[list[str] | None, typer.Option("--corruption", "-c", help="Corruption(s) of the mean "
+                                                                                    "[default: all]")] = None,
+    digits: Annotated[int | None, typer.Option(help="Evaluate the first N test digits only (a smoke run) "
+                                                    "[default: all]")] = None,
+    duration: Annotated[float, typer.Option(help="Seconds of `ab` load per iteration count")] = 3.0,
+    out: OutOpt = RESULTS,
+    progress: ProgressOpt = True,
+) -> None:
+    """The iteration dial: per served iteration count (`iters=K`), clean and mean-corrupted accuracy beside latency
+    and CPU per request through the real gateway and tritonserver (exports and a repository as `unroll serve`
+    makes them; `ab` must be installed).
+
+    Writes iterations.json, iterations.md and iterations.png.
+    """
+    from unroll.benchmarks import iterations
+    from unroll.benchmarks.common import progress_bars
+
+    names = model or iterations.dial_models()
+    bad = [m for m in names if m not in iterations.dial_models()]
+    if bad or not names:
+        raise fail(f"not a trained digit classifier serving several iteration counts: {', '.join(bad) or 'none'}; "
+                   f"these are: {', '.join(iterations.dial_models()) or 'none'}")
+    with progress_bars(progress) as bars:
+        total = sum(2 * len(iterations.counts_of(n)[1]) for n in names)
+        task = bars.add_task("iteration counts (latency, then accuracy)", total=total, info="")
+        try:
+            iterations.run(names, corruption, digits, duration, out_dir=out, tick=lambda: bars.advance(task))
+        except KeyError as e:
+            raise fail(str(e.args[0])) from None
+    _wrote(out, ["iterations"])

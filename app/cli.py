@@ -30,6 +30,7 @@ from unroll.app.bench_cli import (
     bench_all,
     bench_gateway_profile,
     bench_ham_draws,
+    bench_iters,
     bench_memory,
     bench_models,
     bench_png_level,
@@ -506,6 +507,7 @@ def _register_subsystem_commands() -> None:
     bench_app.command("png-level")(bench_png_level)
     bench_app.command("ham-draws")(bench_ham_draws)
     bench_app.command("robustness")(bench_robustness)
+    bench_app.command("iters")(bench_iters)
     bench_app.command("gateway-profile")(bench_gateway_profile)
     bench_app.command("all")(bench_all)
 

@@ -241,26 +241,96 @@ def quality_classify_plot(payload: dict, out_dir: Path) -> Path:
 
 def robustness_plot(payload: dict, out_dir: Path) -> Path:
     """``robustness.png``: per corruption, accuracy vs severity (0 = clean) for each model at its trained λ (solid),
-    at the validation-chosen λ (dashed) and with its λ rule (dotted)."""
+    at the validation-chosen λ (dashed) and with its λ rule (dotted); the legend in a panel of its own."""
     corruptions = list(payload["corruptions"])
     cols = 4
-    rows = -(-len(corruptions) // cols)
+    rows = -(-(len(corruptions) + 1) // cols)  # one more panel: the legend
     fig = Figure(figsize=(3.2 * cols, 2.6 * rows))
     styles = (("trained", "-", "trained λ"), ("chosen", "--", "λ chosen on validation"), ("auto", ":", "λ rule"))
+    handles: dict = {}
     for k, c in enumerate(corruptions):
         ax = fig.add_subplot(rows, cols, k + 1)
         for i, (name, m) in enumerate(payload["models"].items()):
             sev = [r for r in m["rows"] if r["corruption"] == c]
             for key, ls, label in styles:
                 if all(key in r for r in sev):
-                    ax.plot([0] + [r["severity"] for r in sev], [100 * m["clean"]] + [100 * r[key] for r in sev],
-                            ls, marker="o", ms=3, color=f"C{i}", label=f"{name}, {label}")
+                    (line,) = ax.plot([0] + [r["severity"] for r in sev],
+                                      [100 * m["clean"]] + [100 * r[key] for r in sev],
+                                      ls, marker="o", ms=3, color=f"C{i % 10}")
+                    handles.setdefault(name if m.get("trained_lam") is None else f"{name}, {label}", line)
         ax.set_title(c, fontsize=8)
         ax.set_xticks([0, *payload["severities"]])
-        ax.set_ylim(0, 100)
+        ax.set_ylim(0, 102)
         ax.grid(True, alpha=0.3)
         ax.tick_params(labelsize=7)
-        if k == 0:
+        if k % cols == 0:
             ax.set_ylabel("accuracy (%)", fontsize=8)
-            ax.legend(fontsize=6)
+        if k >= len(corruptions) - cols:
+            ax.set_xlabel("severity (0 = clean)", fontsize=8)
+    legend = fig.add_subplot(rows, cols, len(corruptions) + 1)
+    legend.axis("off")
+    legend.legend(list(handles.values()), list(handles), fontsize=6, loc="center", frameon=False,
+                  ncol=1 if len(handles) <= 12 else 2)
     return _save(fig, out_dir / "robustness.png")
+
+
+def robustness_lam_plot(payload: dict, out_dir: Path) -> Path | None:
+    """``robustness_lam.png``: per model that takes λ, test accuracy vs λ (log axis) clean, at each severity of
+    Gaussian noise and averaged over every corruption; a star marks the λ chosen on the validation digits, an open
+    circle the oracle on the test digits, the dotted line the trained λ. ``None`` (nothing drawn) when no model
+    takes λ."""
+    models = {n: m for n, m in payload["models"].items() if "lam_curve" in m}
+    if not models:
+        return None
+    cols = min(3, len(models))
+    rows = -(-len(models) // cols)
+    fig = Figure(figsize=(4.6 * cols, 3.4 * rows))
+    grid = payload["lam_grid"]
+    for k, (name, m) in enumerate(models.items()):
+        ax = fig.add_subplot(rows, cols, k + 1)
+        lc = m["lam_curve"]
+        for i, c in enumerate(lc["conditions"]):
+            mean = c["condition"].startswith("mean")
+            color = "black" if mean else f"C{i}"
+            ax.plot(grid, [100 * v for v in c["test"]], "--" if mean else "-", marker="o", ms=3, color=color,
+                    lw=2 if mean else 1.2, label=c["condition"])
+            ax.plot([c["chosen_lam"]], [100 * c["chosen"]], "*", ms=11, color=color, mec="white", mew=0.5)
+            ax.plot([c["oracle_lam"]], [100 * c["oracle"]], "o", ms=9, mfc="none", mec=color)
+        ax.axvline(lc["trained_lam"], color="gray", ls=":", lw=1)
+        ax.set_xscale("log")
+        ax.set_xticks(grid, labels=[f"{v:g}" for v in grid])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.tick_params(labelsize=7)
+        ax.set_ylim(0, 102)
+        ax.set_xlabel("λ (one for every digit; dotted: trained)", fontsize=8)
+        ax.set_ylabel("test accuracy (%)", fontsize=8)
+        ax.set_title(f"{name}: ★ chosen on validation, ○ oracle on test", fontsize=8)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6, loc="lower left")
+    return _save(fig, out_dir / "robustness_lam.png")
+
+
+# ----------------------------------------------------------------------------------------------- iterations
+
+
+def iterations_plot(payload: dict, out_dir: Path) -> Path:
+    """``iterations.png``: per model, clean and mean-corrupted accuracy against gateway p50 latency, one point per
+    served iteration count (labelled K; the trained count ringed)."""
+    fig, axes = _grid(2, width=5.5)
+    for ax, key, title in zip(axes, ("clean", "mean_corrupted"), ("clean test digits", "mean over corruptions"),
+                              strict=True):
+        for name, m in payload["models"].items():
+            rows = m["counts"]
+            lat = [r["latency_ms"]["p50"] for r in rows]
+            acc = [100 * r[key] for r in rows]
+            (line,) = ax.plot(lat, acc, marker="o", label=name)
+            for r, xv, yv in zip(rows, lat, acc, strict=True):
+                ax.annotate(f"K={r['iters']}", (xv, yv), textcoords="offset points", xytext=(4, 4), fontsize=7)
+                if r["iters"] == m["trained"]:
+                    ax.plot([xv], [yv], marker="o", markersize=12, fillstyle="none", color=line.get_color())
+        ax.set_xlabel("gateway p50 latency (ms), concurrency 1")
+        ax.set_ylabel("top-1 accuracy (%)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    return _save(fig, out_dir / "iterations.png")

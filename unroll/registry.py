@@ -32,9 +32,9 @@ if TYPE_CHECKING:
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 #: Modules that register the shipped models (imported on first use of the registry).
-BUILTIN_MODULES = ("unroll.models.mnist", "unroll.models.denoiser", "unroll.models.sdnet", "unroll.models.rvt",
-                   "unroll.models.hamnet", "unroll.models.dic_vit", "unroll.solvers.csc", "unroll.solvers.vars_attn",
-                   "unroll.solvers.nmf", "unroll.solvers.dic_attn")
+BUILTIN_MODULES = ("unroll.models.mnist", "unroll.models.digits", "unroll.models.denoiser", "unroll.models.sdnet",
+                   "unroll.models.rvt", "unroll.models.hamnet", "unroll.models.dic_vit", "unroll.solvers.csc",
+                   "unroll.solvers.vars_attn", "unroll.solvers.nmf", "unroll.solvers.dic_attn")
 
 
 @dataclass(frozen=True)

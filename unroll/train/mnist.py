@@ -4,7 +4,8 @@ Split, seeded (``unroll.data.mnist_roles``): 3,500 train / 500 validation (the e
 training part) / 1,000 test. The λ rule for ``lam="auto"`` is fitted on noisy copies of *training* images;
 the per-σ λ of the robustness table is chosen on noisy *validation* digits; the test split only measures
 (its "oracle λ" column is picked on the test digits themselves and says so). The recipe
-interface (``TRAIN_OPTIONS``, ``train``, ``EVAL_OPTIONS``, ``evaluate``) is :mod:`unroll.train`'s.
+interface (``TRAIN_OPTIONS``, ``train``, ``EVAL_OPTIONS``, ``evaluate``) is :mod:`unroll.train`'s. The training
+loop (:func:`fit_digits`) is shared with the small digit classifiers' recipe (:mod:`unroll.train.digits`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from unroll import data
 from unroll.evaluation import LAM_GRID, accuracy, auto_lam
@@ -31,19 +33,30 @@ def _augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return pad[..., dy:dy + 28, dx:dx + 28]
 
 
-def train_mnist(epochs: int = 30, batch: int = 64, lr: float = 2e-3, seed: int = 0, max_steps: int | None = None,
-                progress: Callable[[int, int, float], None] | None = None) -> tuple[MNISTSDNet, dict]:
-    """AdamW + one-cycle schedule with shift augmentation; CSC step size refreshed after training."""
+#: ``fn(model)``: keeps state derived from the weights (a solver's step size) matched to them.
+Refresh = Callable[[nn.Module], object]
+
+
+def fit_digits(build: Callable[[], nn.Module], epochs: int, batch: int = 64, lr: float = 2e-3, seed: int = 0,
+               max_steps: int | None = None, progress: Callable[[int, int, float], None] | None = None,
+               refresh: tuple[int, Refresh] | None = None,
+               after_epoch: Callable[[nn.Module, int], None] | None = None) -> tuple[nn.Module, dict]:
+    """Train ``build()`` (called after seeding, so its initialisation is seeded) on the training digits: AdamW +
+    one-cycle schedule with shift augmentation and label smoothing; returns the model in eval mode and the recipe.
+
+    ``refresh=(n, fn)`` runs ``fn(model)`` every ``n`` steps and once after training; ``after_epoch(model, epoch)``
+    after each pass over the data (epochs count from 1), the model in training mode before and after.
+    """
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     xtr, ytr = data.mnist_roles()["train"]
     xtr, ytr = torch.from_numpy(xtr), torch.from_numpy(ytr)
-    model = MNISTSDNet()
+    model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=5e-4)
     steps_per_epoch = (len(xtr) + batch - 1) // batch
     total = epochs * steps_per_epoch if max_steps is None else min(max_steps, epochs * steps_per_epoch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total)
-    t0, step = time.perf_counter(), 0
+    t0, step, epoch = time.perf_counter(), 0, 0
     model.train()
     while step < total:
         perm = torch.randperm(len(xtr), generator=gen)
@@ -55,14 +68,17 @@ def train_mnist(epochs: int = 30, batch: int = 64, lr: float = 2e-3, seed: int =
             opt.step()
             sched.step()
             step += 1
-            if step % 20 == 0:
-                # Keep the step size matched to the (changing) dictionary during training.
-                model.csc.refresh()
+            if refresh is not None and step % refresh[0] == 0:
+                refresh[1](model)
             if progress is not None:
                 progress(step, total, float(loss.detach()))
             if step >= total:
                 break
-    model.csc.refresh()
+        epoch += 1
+        if after_epoch is not None:
+            after_epoch(model, epoch)
+    if refresh is not None:
+        refresh[1](model)
     model.eval()
     recipe = {"epochs": epochs, "steps": step, "batch": batch, "lr": lr, "optimizer": "adamw(wd=5e-4)",
               "schedule": "one-cycle", "augmentation": "random ±2 px shifts", "label_smoothing": 0.05,
@@ -72,6 +88,17 @@ def train_mnist(epochs: int = 30, batch: int = 64, lr: float = 2e-3, seed: int =
                                       "permutation_seed": data.MNIST_SEED},
               "torch": torch.__version__, "device": "cpu", "wall_time_s": round(time.perf_counter() - t0, 1)}
     return model, recipe
+
+
+def train_mnist(epochs: int = 30, batch: int = 64, lr: float = 2e-3, seed: int = 0, max_steps: int | None = None,
+                progress: Callable[[int, int, float], None] | None = None) -> tuple[MNISTSDNet, dict]:
+    """:func:`fit_digits` for the SDNet; the CSC step size is kept matched to the (changing) dictionary every 20
+    steps and refreshed after training."""
+    return fit_digits(MNISTSDNet, epochs, batch, lr, seed, max_steps, progress, refresh=(20, _refresh_csc))
+
+
+def _refresh_csc(model: MNISTSDNet) -> None:
+    model.csc.refresh()
 
 
 def _noisy(x: np.ndarray, sigma: float, seed: int) -> torch.Tensor:
