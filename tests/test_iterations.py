@@ -131,3 +131,33 @@ def test_gateway_refuses_iters_for_a_model_without_them(gateway) -> None:
                      headers={"Content-Type": "image/png"})
     assert r.status_code == 200 and "X-Iters" not in r.headers
 
+
+def test_bench_iters_measures_each_count_through_the_gateway(demo_onnx_dir, tmp_path) -> None:
+    """`unroll bench iters` on a few digits: one row per served count, accuracy equal to PyTorch's at that count,
+    requests answered through the gateway (none failed) with their CPU per request, and the files written."""
+    from unroll.benchmarks import iterations, serve_ab
+
+    if serve_ab.find() is None:
+        pytest.skip(serve_ab.missing_reason())
+    payload = iterations.run([MODEL], ["gaussian_noise"], n_test=50, duration_s=1, onnx_dir=demo_onnx_dir,
+                             out_dir=tmp_path)
+    rows = payload["models"][MODEL]["counts"]
+    assert [r["iters"] for r in rows] == [1, 2, 4, 8] and payload["models"][MODEL]["trained"] == 2
+    _, _, x, y = mnist_split()
+    for r in rows:
+        want = float((_torch_logits(r["iters"], x[:50]).argmax(1) == y[:50]).mean())
+        assert r["clean"] == pytest.approx(want)
+        assert r["requests"] > 0 and r["latency_ms"]["p50"] > 0 and r["cpu_ms_per_request"]["gateway"] > 0
+    assert {p.name for p in tmp_path.iterdir()} >= {"iterations.json", "iterations.md", "iterations.png"}
+
+
+def test_readme_quotes_the_committed_iteration_results() -> None:
+    import json
+    from pathlib import Path
+
+    from unroll.benchmarks import iterations
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split(iterations.README_BEGIN)[1].split(iterations.README_END)[0].strip()
+    committed = Path(iterations.__file__).parent / "results" / "iterations.json"
+    assert block == iterations.readme_block(json.loads(committed.read_text())).strip()
