@@ -9,6 +9,12 @@ Each is first checked against the FP32 CPU PyTorch output on the card's gate dat
 gate for the candidate's precision; a candidate beyond them is refused, not timed), then timed with CUDA events
 (warm-up, then p50/p99). A candidate that fails to build or run is recorded with the reason; the run goes on.
 
+The iteration dial on the GPU: every model whose card serves several iteration counts (``card.iters``: SDNet,
+VARS, Dic-Attn, Hamburger) is also run at each served K (:func:`unroll.solvers.iterations.set_iterations`), batch
+1 and 64, as eager FP32 and ``torch.compile`` (while its own share of the budget, ``--dial-budget-s``, lasts), each
+gated against the CPU FP32 model at the same K and timed beside that CPU model (eager, on this machine's CPU) —
+the GPU counterpart of ``unroll bench iters`` (``iterations.md``). It runs first, then the candidates above.
+
 Without CUDA it says why and writes nothing. ``--device cpu`` runs the very same code on the CPU (a dry run
 for the tests). Results are rewritten after every candidate, so a run cut short still leaves its rows.
 
@@ -41,6 +47,7 @@ from unroll.benchmarks.common import RESULTS
 from unroll.errors import BenchError
 from unroll.metrics import psnr
 from unroll.registry import get_spec, list_models
+from unroll.solvers.iterations import iteration_count, set_iterations
 
 STEM = "gpu_check"
 #: σ of the denoiser cases, 0–255 scale.
@@ -53,6 +60,11 @@ STATED_TOLERANCE = {"fp32": {"rel_err": 1e-4}, "fp16": {"rel_err": 1e-2}}
 AT_LEAST = {"top1_agreement"}
 #: Seconds kept back for ``compile-max-autotune``: it starts only with at least this much of the budget left.
 AUTOTUNE_RESERVE_S = 90.0
+#: The iteration dial's candidates and its share of the run's budget (seconds; it runs first).
+DIAL_CANDIDATES = ("eager-fp32", "compile")
+DIAL_BUDGET_S = 75.0
+#: CPU timing of the reference at each dial point: warm-up calls, at most this many timed calls, for about this long.
+CPU_TIMING = (2, 30, 0.3)
 
 
 class BudgetExceeded(BenchError, TimeoutError):
@@ -98,6 +110,12 @@ class Case:
     gate_of: Callable[[str], dict[str, float]]
     note: str = ""
     rows: dict[str, dict] = field(default_factory=dict)
+    #: The solver layers' iteration count this case runs at (``None``: the model has no dial).
+    iters: int | None = None
+    #: The model's trained count (dial models).
+    trained: int | None = None
+    #: The iteration dial: the CPU FP32 reference model timed on this machine's CPU (p50 ms, images/s ...).
+    cpu: dict | None = None
 
 
 # ----------------------------------------------------------------------------------------------- environment
@@ -121,6 +139,7 @@ def machine(device: str) -> dict:
     import torch
 
     info: dict[str, Any] = {"device": device, "python": platform.python_version(), "platform": platform.platform(),
+                            "cpu_threads": torch.get_num_threads(),
                             "torch": torch.__version__, "cuda_build": torch.version.cuda,
                             "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
     try:
@@ -212,6 +231,7 @@ def build_cases(models: list[str], quick: bool = False) -> list[Case]:
         model = unroll.load(name)
         gate_of = spec.card.gate
         task = tasks.get(spec.task)
+        dial = served_counts(name, model)
         if task.data == "noisy":
             for size in DENOISE_SIZES[:1] if quick else DENOISE_SIZES:
                 clean, img = denoise_clean(size)
@@ -227,9 +247,58 @@ def build_cases(models: list[str], quick: bool = False) -> list[Case]:
                 args = (torch.from_numpy(np.ascontiguousarray(x)),)
                 with torch.no_grad():
                     ref = model(*args).numpy()
-                cases.append(Case(name, f"batch {b}", b, args, ref, y, spec.task, gate_of, note=note))
+                cases.append(Case(name, f"batch {b}", b, args, ref, y, spec.task, gate_of, note=note,
+                                  iters=dial[0] if dial else None, trained=dial[0] if dial else None))
         else:
             raise ValueError(f"{name}: gpu_check measures denoisers and classifiers, not {spec.task!r}")
+    return cases
+
+
+def served_counts(name: str, model: Any) -> tuple[int, tuple[int, ...]] | None:
+    """A dial model's trained count and every served count (the card's, the default filled in from the model as
+    export fills it in); ``None`` when its card serves no iteration counts."""
+    it = get_spec(name).card.iters
+    if it is None:
+        return None
+    default = it.default if it.default is not None else iteration_count(model)
+    return default, tuple(sorted({*it.served, default}))
+
+
+def dial_models(models: list[str]) -> list[str]:
+    """The models of ``models`` whose card serves several iteration counts (the iteration dial)."""
+    return [n for n in models if get_spec(n).card.iters is not None]
+
+
+def build_dial_cases(models: list[str], quick: bool = False,
+                     cpu_timing: tuple[int, int, float] = CPU_TIMING) -> list[Case]:
+    """The iteration dial's cases: each served K of each dial model at batch 1 and 64 (``quick``: batch 1), with
+    the CPU FP32 reference at that K (output, and its eager time on this machine's CPU). Ordered batch, model, K,
+    so a budget that ends during ``compile`` has still covered every model at batch 1."""
+    import torch
+
+    cases = []
+    for b in CLASSIFY_BATCHES[:1] if quick else CLASSIFY_BATCHES:
+        x, y, note = mnist_digits(b)
+        args = (torch.from_numpy(np.ascontiguousarray(x)),)
+        for name in dial_models(models):
+            spec = get_spec(name)
+            if not tasks.get(spec.task).logits:
+                raise ValueError(f"{name}: the iteration dial measures classifiers, not {spec.task!r}")
+            model = unroll.load(name)
+            trained, counts = served_counts(name, model) or (0, ())
+            for k in counts:
+                set_iterations(model, k)
+                with torch.no_grad():
+                    ref = model(*args).numpy()
+
+                    def run(model: Any = model, args: tuple = args) -> Any:
+                        return model(*args)
+
+                    warmup, repeats, budget = cpu_timing
+                    cpu = time_runner(run, "cpu", warmup, repeats, budget)
+                cpu["images_per_s"] = b * 1e3 / cpu["p50_ms"]
+                cases.append(Case(name, f"iters {k}, batch {b}", b, args, ref, y, spec.task, spec.card.gate,
+                                  note=note, iters=k, trained=trained, cpu=cpu))
     return cases
 
 
@@ -345,6 +414,18 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:300] if text else ''}"
 
 
+def _budget_ended(e: BaseException) -> bool:
+    """Whether ``e`` is, or wraps, the run's :class:`BudgetExceeded` (Inductor re-raises it as its own error)."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, BudgetExceeded):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return f"{BudgetExceeded.__name__}:" in str(e)
+
+
 def measure(case: Case, cand: str, model: Any, device: str, workdir: Path, warmup: int, repeats: int,
             time_s: float) -> dict:
     """Build, parity-gate and (when it passes) time one candidate on one case; never raises."""
@@ -374,7 +455,10 @@ def measure(case: Case, cand: str, model: Any, device: str, workdir: Path, warmu
     except BudgetExceeded as e:
         row.update(status="skipped", reason=str(e))
     except Exception as e:  # noqa: BLE001 (a failing candidate is a result, not a crash)
-        row.update(status="error", reason=_reason(e))
+        if _budget_ended(e):  # the alarm came inside a compile, which wrapped it (InductorError)
+            row.update(status="skipped", reason=_reason(e))
+        else:
+            row.update(status="error", reason=_reason(e))
     finally:
         set_tf32(False)
     return row
@@ -395,8 +479,10 @@ def _num(src: dict, key: str, fmt: str) -> str:
     return format(v, fmt) if isinstance(v, int | float) else "–"
 
 
-def markdown(info: dict, cases: list[Case], elapsed_s: float, budget_s: float) -> str:
-    """The results table per case (candidate, parity, p50/p99, images/s, speed-up vs eager FP32)."""
+def markdown(info: dict, cases: list[Case], elapsed_s: float, budget_s: float, dial: list[Case] | None = None,
+             dial_budget_s: float = DIAL_BUDGET_S) -> str:
+    """The results table per case (candidate, parity, p50/p99, images/s, speed-up vs eager FP32), then the
+    iteration dial's tables (when it ran)."""
     lines = ["# GPU check: PyTorch runtimes of the trained models, parity-gated, then timed", "",
              f"Device **{info['device']}**: {info.get('gpu', info.get('cpu', '?'))}"
              + (f", driver {info.get('driver')}" if info.get("driver") else "")
@@ -413,7 +499,8 @@ def markdown(info: dict, cases: list[Case], elapsed_s: float, budget_s: float) -
         tols = "; ".join(f"{p}: " + ", ".join(f"{k} {'≥' if k in AT_LEAST else '≤'} {v:g}"
                                                for k, v in tolerance_for(case, p)[0].items())
                          for p in ("fp32", "fp16"))
-        lines += [f"## {case.model}, {case.label} ({case.note})", "", f"Tolerances ({tols}).", "",
+        at = f", iters {case.iters}" if case.iters is not None else ""
+        lines += [f"## {case.model}, {case.label}{at} ({case.note})", "", f"Tolerances ({tols}).", "",
                   "| candidate | status | max abs | rel err | task metric | p50 ms | p99 ms | images/s | "
                   "speed-up | build s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for cand, row in case.rows.items():
@@ -427,7 +514,64 @@ def markdown(info: dict, cases: list[Case], elapsed_s: float, budget_s: float) -
                          f"{_num(row, 'p99_ms', '.3f')} | {_num(row, 'images_per_s', ',.0f')} | "
                          f"{_num(row, 'speedup_vs_eager', '.2f')} | {_num(row, 'build_s', '.1f')} |")
         lines.append("")
+    if dial:
+        lines += dial_markdown(info, dial, dial_budget_s)
     return "\n".join(lines)
+
+
+def cpu_dial_p50() -> tuple[dict[tuple[str, int], float], str]:
+    """The committed CPU iteration dial (``unroll bench iters``, ``iterations.json``): gateway p50 ms at batch 1 per
+    (model, K), and its machine in words; empty when that file is absent."""
+    path = RESULTS / "iterations.json"
+    try:
+        payload = json.loads(path.read_text())
+        m = payload.get("machine", {})
+        where = f"{m.get('cpu', '?')}, {m.get('logical_cores', '?')} logical cores"
+        return {(name, r["iters"]): float(r["latency_ms"]["p50"])
+                for name, model in payload["models"].items() for r in model["counts"]}, where
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}, "absent"
+
+
+def dial_markdown(info: dict, dial: list[Case], dial_budget_s: float) -> list[str]:
+    """The iteration dial's section: per model, per served K and batch, each candidate beside the CPU model."""
+    where = "CUDA events" if info["device"] == "cuda" else "the wall clock"
+    gateway, gateway_machine = cpu_dial_p50()
+    lines = ["## The iteration dial on the " + ("GPU" if info["device"] == "cuda" else info["device"].upper())
+             + " (`iters=K`)", "",
+             "Each model whose card serves several iteration counts, at every served K (the same weights unrolled "
+             "to K steps by `set_iterations`; the trained count is marked *), on the MNIST test digits of the table "
+             "above. Parity: the output against PyTorch FP32 on the CPU **at the same K** (the card's `fp32` gate; "
+             f"beyond it refused, not timed). Timing: {where} after warm-up, as above; images/s = batch / p50. "
+             f"*CPU eager*: that CPU FP32 model timed on this machine's CPU ({info.get('cpu', '?')}, "
+             f"{info.get('cpu_threads', '?')} threads; wall clock, up to {CPU_TIMING[1]} calls); ×CPU = CPU eager "
+             "p50 / this row's p50. *Gateway p50*: the committed CPU dial "
+             "([`iterations.md`](iterations.md), `unroll bench iters`: one digit PNG through the gateway and "
+             f"tritonserver on another machine ({gateway_machine}), so the request's overhead is in it), "
+             "batch 1 only. "
+             f"The dial had {dial_budget_s:.0f} s of the budget; it ran before the candidates above.", ""]
+    for model in dict.fromkeys(c.model for c in dial):
+        rows = sorted((c for c in dial if c.model == model), key=lambda c: (c.iters, c.batch))
+        lines += [f"### {model} ({rows[0].note})", "",
+                  "| iters | batch | candidate | status | rel err | top-1 agree | p50 ms | p99 ms | images/s | "
+                  "CPU eager p50 ms | CPU eager images/s | ×CPU | gateway p50 ms | build s |",
+                  "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for case in rows:
+            cpu = case.cpu or {}
+            gw = gateway.get((model, case.iters)) if case.batch == 1 else None
+            mark = "*" if case.iters == case.trained else ""
+            for cand, row in case.rows.items():
+                p = row.get("parity", {})
+                status = row["status"] if row["status"] == "ok" else f"{row['status']}: {row.get('reason', '')}"
+                vs_cpu = cpu["p50_ms"] / row["p50_ms"] if row.get("p50_ms") and cpu.get("p50_ms") else None
+                lines.append(f"| {case.iters}{mark} | {case.batch} | {cand} | {status.replace('|', '/')} | "
+                             f"{_num(p, 'rel_err', '.2e')} | {_num(p, 'top1_agreement', '.3f')} | "
+                             f"{_num(row, 'p50_ms', '.3f')} | {_num(row, 'p99_ms', '.3f')} | "
+                             f"{_num(row, 'images_per_s', ',.0f')} | {_num(cpu, 'p50_ms', '.3f')} | "
+                             f"{_num(cpu, 'images_per_s', ',.0f')} | {_num({'x': vs_cpu}, 'x', '.1f')} | "
+                             f"{_num({'x': gw}, 'x', '.2f')} | {_num(row, 'build_s', '.1f')} |")
+        lines.append("")
+    return lines
 
 
 def _finite(obj: Any) -> Any:
@@ -441,16 +585,28 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
-def write(out: Path, info: dict, cases: list[Case], elapsed_s: float, budget_s: float) -> None:
+def _case_json(c: Case) -> dict:
+    d: dict[str, Any] = {"model": c.model, "case": c.label, "batch": c.batch, "inputs": c.note}
+    if c.iters is not None:
+        d.update(iters=c.iters, trained_iters=c.trained)
+    if c.cpu is not None:
+        d["cpu_eager_fp32"] = c.cpu
+    return {**d, "rows": list(c.rows.values())}
+
+
+def write(out: Path, info: dict, cases: list[Case], elapsed_s: float, budget_s: float,
+          dial: list[Case] | None = None, dial_budget_s: float = DIAL_BUDGET_S) -> None:
     """``out/gpu_check.json`` + ``out/gpu_check.md`` (rewritten after each candidate)."""
-    for c in cases:
+    dial = dial or []
+    for c in [*cases, *dial]:
         speedups(c)
-    payload = {"machine": info, "elapsed_s": round(elapsed_s, 1), "budget_s": budget_s,
-               "cases": [{"model": c.model, "case": c.label, "batch": c.batch, "inputs": c.note,
-                          "rows": list(c.rows.values())} for c in cases]}
+    payload: dict[str, Any] = {"machine": info, "elapsed_s": round(elapsed_s, 1), "budget_s": budget_s,
+                               "cases": [_case_json(c) for c in cases]}
+    if dial:
+        payload["iterations"] = {"budget_s": dial_budget_s, "cases": [_case_json(c) for c in dial]}
     out.mkdir(parents=True, exist_ok=True)
     for path, text in ((out / f"{STEM}.json", json.dumps(_finite(payload), indent=2, allow_nan=False) + "\n"),
-                       (out / f"{STEM}.md", markdown(info, cases, elapsed_s, budget_s))):
+                       (out / f"{STEM}.md", markdown(info, cases, elapsed_s, budget_s, dial, dial_budget_s))):
         tmp = path.with_name(path.name + ".tmp")  # whole files only, should the run be killed mid-write
         tmp.write_text(text)
         tmp.replace(path)
@@ -461,11 +617,14 @@ def write(out: Path, info: dict, cases: list[Case], elapsed_s: float, budget_s: 
 
 def run_check(out: Path, device: str = "cuda", models: list[str] | None = None, candidates: list[str] | None = None,
               warmup: int = 20, repeats: int = 300, time_per_candidate_s: float = 2.0, budget_s: float = 420.0,
-              quick: bool = False, resume: bool = False) -> list[Case] | None:
+              quick: bool = False, resume: bool = False, dial_candidates: list[str] | None = None,
+              dial_budget_s: float = DIAL_BUDGET_S) -> list[Case] | None:
     """Measure every candidate on every case; ``None`` (nothing written) when ``device`` is cuda and CUDA is absent.
 
-    ``resume`` keeps the rows of an earlier run in ``out`` and measures only the rest; a row that run left
-    unfinished (its process died in native code, e.g. a segfault) becomes an error row instead of a retry.
+    The iteration dial (:func:`build_dial_cases`, ``dial_candidates``) runs first, for at most ``dial_budget_s`` of
+    the ``budget_s`` (0: not at all); then the candidates on the cases. ``resume`` keeps the rows of an earlier run in
+    ``out``, and the time it had spent, and measures only the rest; a row that run left unfinished (its process died
+    in native code, e.g. a segfault) becomes an error row instead of a retry.
     """
     if device == "cuda":
         why = cuda_unavailable()
@@ -476,18 +635,25 @@ def run_check(out: Path, device: str = "cuda", models: list[str] | None = None, 
     start = time.perf_counter()
     models = models or trained_models()
     names = candidates or list(CANDIDATES)
-    unknown = set(names) - set(CANDIDATES)
+    dial_names = list(DIAL_CANDIDATES) if dial_candidates is None else dial_candidates
+    unknown = (set(names) | set(dial_names)) - set(CANDIDATES)
     if unknown:
         raise SystemExit(f"unknown candidates {sorted(unknown)}; known: {', '.join(CANDIDATES)}")
+    dial_budget_s = min(max(dial_budget_s, 0.0), budget_s) if dial_names else 0.0
     info = machine(device)
     print(f"gpu_check: {info.get('gpu', device)}, torch {info['torch']} (CUDA {info.get('cuda_build')})", flush=True)
     set_tf32(False)
     cases = build_cases(models, quick=quick)
+    dial = build_dial_cases(models, quick=quick) if dial_budget_s > 0 else []
     if resume:
-        restore(out, cases)
+        start -= restore(out, cases, dial)
     dev_models = {m: unroll.load(m).to(device) for m in models}
     order = sorted(names, key=lambda n: (CANDIDATES[n].phase, list(CANDIDATES).index(n)))
+    dial_order = sorted(dial_names, key=lambda n: (CANDIDATES[n].phase, list(CANDIDATES).index(n)))
     deadline = start + budget_s
+
+    def save() -> None:
+        write(out, info, cases, time.perf_counter() - start, budget_s, dial, dial_budget_s)
 
     def on_alarm(signum: int, frame: object) -> None:
         raise BudgetExceeded(f"the run's time budget ({budget_s:.0f} s) ended while this candidate ran")
@@ -497,7 +663,13 @@ def run_check(out: Path, device: str = "cuda", models: list[str] | None = None, 
         previous = signal.signal(signal.SIGALRM, on_alarm)
         signal.setitimer(signal.ITIMER_REAL, max(deadline - time.perf_counter(), 0.01))
     try:
-        _run_all(order, cases, dev_models, device, out, info, start, budget_s, warmup, repeats, time_per_candidate_s)
+        with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
+            common = dict(dev_models=dev_models, device=device, save=save, start=start, workdir=Path(tmp),
+                          warmup=warmup, repeats=repeats, time_per_candidate_s=time_per_candidate_s)
+            if dial:
+                _run_all(dial_order, dial, until_s=dial_budget_s,
+                         spent=f"the iteration dial's share of the budget ({dial_budget_s:.0f} s) spent", **common)
+            _run_all(order, cases, until_s=budget_s, spent=f"time budget ({budget_s:.0f} s) spent", **common)
     except BudgetExceeded:  # the alarm came between candidates: the rows so far stand
         pass
     finally:
@@ -505,58 +677,68 @@ def run_check(out: Path, device: str = "cuda", models: list[str] | None = None, 
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
     elapsed = time.perf_counter() - start
-    write(out, info, cases, elapsed, budget_s)
+    write(out, info, cases, elapsed, budget_s, dial, dial_budget_s)
     print(f"gpu_check: wrote {out / (STEM + '.json')} and {out / (STEM + '.md')} in {elapsed:.0f} s")
     return cases
 
 
-def restore(out: Path, cases: list[Case]) -> None:
-    """Rows of the previous run in ``out`` back into ``cases``; an ``unfinished`` row is the candidate that crashed."""
+def restore(out: Path, cases: list[Case], dial: list[Case] | None = None) -> float:
+    """Rows of the previous run in ``out`` back into ``cases`` (and the iteration dial's into ``dial``); an
+    ``unfinished`` row is the candidate that crashed. Returns the seconds that run had spent (0 without one), so a
+    resumed run keeps to the one budget."""
     path = out / f"{STEM}.json"
     if not path.exists():
-        return
-    done = {(c["model"], c["case"]): c["rows"] for c in json.loads(path.read_text())["cases"]}
+        return 0.0
+    payload = json.loads(path.read_text())
     crashed: dict[str, str] = {}
-    for case in cases:
-        for row in done.get((case.model, case.label), []):
-            if row.get("status") == "unfinished":
-                row = {**row, "status": "error", "reason": "the process died while this candidate built or ran "
-                       "(a crash in native code; the run's log has the trace)"}
-                crashed[row["candidate"]] = f"{case.model} {case.label}"
-            case.rows[row["candidate"]] = row
-    for case in cases:  # a candidate that crashed the process once is not tried again on the other cases
-        for cand, where in crashed.items():
-            case.rows.setdefault(cand, {"candidate": cand, "status": "skipped",
-                                        "reason": f"it crashed the process on {where}"})
+    sections = [(cases, payload["cases"]), (dial or [], payload.get("iterations", {}).get("cases", []))]
+    for mine, theirs in sections:
+        done = {(c["model"], c["case"]): c["rows"] for c in theirs}
+        for case in mine:
+            for row in done.get((case.model, case.label), []):
+                if row.get("status") == "unfinished":
+                    row = {**row, "status": "error", "reason": "the process died while this candidate built or ran "
+                           "(a crash in native code; the run's log has the trace)"}
+                    crashed[row["candidate"]] = f"{case.model} {case.label}"
+                case.rows[row["candidate"]] = row
+    for mine, _ in sections:  # a candidate that crashed the process once is not tried again on the other cases
+        for case in mine:
+            for cand, where in crashed.items():
+                case.rows.setdefault(cand, {"candidate": cand, "status": "skipped",
+                                            "reason": f"it crashed the process on {where}"})
+    return float(payload.get("elapsed_s") or 0.0)
 
 
-def _run_all(order: list[str], cases: list[Case], dev_models: dict, device: str, out: Path, info: dict,
-             start: float, budget_s: float, warmup: int, repeats: int, time_per_candidate_s: float) -> None:
-    """Every candidate on every case, phase by phase; results rewritten after each (and marked before it)."""
+def _run_all(order: list[str], cases: list[Case], dev_models: dict, device: str, save: Callable[[], None],
+             start: float, until_s: float, spent: str, workdir: Path, warmup: int, repeats: int,
+             time_per_candidate_s: float) -> None:
+    """Every candidate on every case, phase by phase, while ``until_s`` seconds since ``start`` last (past them a
+    row says ``spent``); results rewritten after each (and marked before it). A case with an iteration count
+    sets the model's solver layers to it first."""
     import torch
 
-    with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
-        for cand in order:
-            for case in cases:
-                if cand in case.rows:  # restored from the run this one resumes
-                    continue
-                left = budget_s - (time.perf_counter() - start)
-                need = AUTOTUNE_RESERVE_S if cand == "compile-max-autotune" else 0.0
-                if left <= need:
-                    case.rows[cand] = {"candidate": cand, "status": "skipped",
-                                       "reason": f"time budget ({budget_s:.0f} s) spent"}
-                else:
-                    case.rows[cand] = {"candidate": cand, "status": "unfinished",
-                                       "reason": "the run was stopped while this candidate built or ran"}
-                    write(out, info, cases, time.perf_counter() - start, budget_s)
-                    case.rows[cand] = measure(case, cand, dev_models[case.model], device, Path(tmp), warmup,
-                                              repeats, time_per_candidate_s)
-                row = case.rows[cand]
-                print(f"  {case.model:14s} {case.label:9s} {cand:22s} {row['status']:8s} "
-                      + (f"p50 {row['p50_ms']:.3f} ms" if "p50_ms" in row else row.get("reason", "")), flush=True)
-                write(out, info, cases, time.perf_counter() - start, budget_s)
-        if device == "cuda":
-            torch.cuda.synchronize()
+    for cand in order:
+        for case in cases:
+            if cand in case.rows:  # restored from the run this one resumes
+                continue
+            left = until_s - (time.perf_counter() - start)
+            need = AUTOTUNE_RESERVE_S if cand == "compile-max-autotune" else 0.0
+            if left <= need:
+                case.rows[cand] = {"candidate": cand, "status": "skipped", "reason": spent}
+            else:
+                case.rows[cand] = {"candidate": cand, "status": "unfinished",
+                                   "reason": "the run was stopped while this candidate built or ran"}
+                save()
+                model = dev_models[case.model]
+                if case.iters is not None:
+                    set_iterations(model, case.iters)
+                case.rows[cand] = measure(case, cand, model, device, workdir, warmup, repeats, time_per_candidate_s)
+            row = case.rows[cand]
+            print(f"  {case.model:14s} {case.label:18s} {cand:22s} {row['status']:8s} "
+                  + (f"p50 {row['p50_ms']:.3f} ms" if "p50_ms" in row else row.get("reason", "")), flush=True)
+            save()
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -566,6 +748,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="cuda (skips with the reason when absent); cpu: a dry run of the same code")
     p.add_argument("--models", default=None, help="comma-separated registered models (default: those with weights)")
     p.add_argument("--candidates", default=",".join(CANDIDATES), help="comma-separated, of: " + ", ".join(CANDIDATES))
+    p.add_argument("--dial-candidates", default=",".join(DIAL_CANDIDATES),
+                   help="the iteration dial's candidates, comma-separated (empty: no dial)")
+    p.add_argument("--dial-budget-s", type=float, default=DIAL_BUDGET_S,
+                   help="seconds of --budget-s for the iteration dial, which runs first (0: no dial)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--repeats", type=int, default=300, help="timed calls per candidate (at most)")
     p.add_argument("--time-per-candidate", type=float, default=2.0, help="seconds of timed calls per candidate")
@@ -574,7 +760,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="keep the rows already in --out; measure the rest")
     a = p.parse_args(argv)
     run_check(a.out, a.device, [m for m in (a.models or "").split(",") if m], [c for c in a.candidates.split(",") if c],
-              a.warmup, a.repeats, a.time_per_candidate, a.budget_s, a.quick, a.resume)
+              a.warmup, a.repeats, a.time_per_candidate, a.budget_s, a.quick, a.resume,
+              [c for c in a.dial_candidates.split(",") if c], a.dial_budget_s)
     return 0
 
 
