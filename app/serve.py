@@ -34,6 +34,7 @@ from unroll.serving.gateway.server import uvicorn_options
 from unroll.serving.gateway.triton_client import TRITON_API_KEY_ENV
 from unroll.serving.gateway.workers import Stopper, check_workers, default_workers, run_workers
 from unroll.serving.supervisor import TritonSupervisor
+from unroll.serving.tracing_env import triton_trace_args
 from unroll.serving.triton import new_api_key, start
 from unroll.tasks import denoising
 
@@ -318,7 +319,7 @@ def _start_triton(run: _Run, models: list[str], onnx_dir: Path, repo: Path, targ
     def launch() -> TritonHandle:
         return start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host="127.0.0.1",
                      log_file=log_file, api_key=triton_key, any_thread=True, model_control=control,
-                     extra_args=load_args)
+                     extra_args=[*load_args, *triton_trace_args()])  # OTEL_* on: Triton's spans too
 
     _log_supervisor()
     run.supervisor = TritonSupervisor(launch, on_give_up=run.give_up)

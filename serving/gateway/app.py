@@ -18,8 +18,8 @@ from fastapi import APIRouter, FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from unroll import tasks
-from unroll.serving import malloc
-from unroll.serving.gateway import classify, denoise, errors, info, ops
+from unroll.serving import malloc, tracing_env
+from unroll.serving.gateway import classify, denoise, errors, info, ops, tracing
 from unroll.serving.gateway.metrics import Metrics, MetricsMiddleware
 from unroll.serving.gateway.openapi import API_VERSION, DESCRIPTION, TAGS, install_docs
 from unroll.serving.gateway.rate_limit import RateLimitHeaders
@@ -53,6 +53,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tracing.setup()  # per process (each worker): on only when the OTEL_* variables say so
         gateway = Gateway.create(settings, metrics)
         app.state.gateway = gateway
         log.info("gateway: Triton %s at %s; models discovered from it on first use", settings.triton_protocol,
@@ -62,6 +63,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             await gateway.backend.close()
+            tracing.shutdown()
 
     # redirect_slashes=False: `/v1/classify/` is a JSON 404 naming the route meant, not a 307 with an empty body
     # (a redirected POST re-sends the upload). docs_url/redoc_url=None: install_docs serves them without a CDN.
@@ -71,6 +73,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app, settings.retry_after_s)  # every UnrollError, Triton's failures included, in one handler
     app.add_middleware(RateLimitHeaders)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    if tracing_env.enabled():  # the server span, inside the request id (its attribute); absent when off
+        app.add_middleware(tracing.TracingMiddleware)
     app.add_middleware(RequestIdMiddleware)  # outside the metrics: its log lines name the request too
     for task in tasks.routed():  # one /v1 route per task that has one, answered as the route says
         app.include_router(ROUTES[task.route.answer](task))

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from unroll.serving.gateway import tracing
 from unroll.serving.gateway.triton_client import TritonBackend, TritonRejected
 
 log = logging.getLogger("unroll.gateway")
@@ -39,6 +40,7 @@ class _Call:
     inputs: dict[str, np.ndarray]
     items: int
     future: asyncio.Future
+    trace: Any = None  # the span context of its wait, while tracing is on (tracing.batch_wait)
 
 
 @dataclass
@@ -90,7 +92,7 @@ class Batcher:
             loop = asyncio.get_running_loop()  # calls arriving in this loop iteration (or within delay_s) join it
             group.timer = (loop.call_later(self.delay_s, self._due, key) if self.delay_s > 0
                            else loop.call_soon(self._due, key))
-        return await call.future
+        return await tracing.batch_wait(call)  # call.future (a span over the wait when tracing is on)
 
     def _due(self, key: Key) -> None:
         group = self._groups.get(key)
@@ -141,7 +143,8 @@ class Batcher:
         names = list(batch[0].inputs)
         joined = {n: np.concatenate([c.inputs[n] for c in batch]) for n in names}
         try:
-            res = await self._backend.infer(group.model, joined, group.outputs, group.class_count)
+            with tracing.batch(batch):  # the batch's span: child of its first request's wait, linked to the others'
+                res = await self._backend.infer(group.model, joined, group.outputs, group.class_count)
         except TritonRejected:  # some item is at fault: each request alone, so only the faulty one fails
             await asyncio.gather(*(self._alone(group, c) for c in batch))
             return
@@ -156,7 +159,8 @@ class Batcher:
 
     async def _alone(self, group: _Group, call: _Call) -> None:
         try:
-            res = await self._backend.infer(group.model, call.inputs, group.outputs, group.class_count)
+            with tracing.batch([call]):
+                res = await self._backend.infer(group.model, call.inputs, group.outputs, group.class_count)
         except Exception as e:
             _settle(call.future, error=e)
         else:

@@ -27,6 +27,7 @@ from starlette.concurrency import run_in_threadpool
 
 from unroll import tasks
 from unroll.card import InputCard, ModelCard
+from unroll.serving.gateway import tracing
 from unroll.serving.gateway.body import check_declared_length
 from unroll.serving.gateway.catalog import Entry
 from unroll.serving.gateway.errors import ApiError
@@ -151,11 +152,13 @@ async def classify(
     assert card is not None and info is not None
     settings = gw.settings
     check_declared_length(request, settings.max_body_bytes)
-    data = await gw.read_image(request)  # before the slot: a slow upload never holds an inference slot
+    with tracing.span("receive"):
+        data = await gw.read_image(request)  # before the slot: a slow upload never holds an inference slot
     hw = info.profile.hw(card.input.name) if info.profile is not None else None
     if rule is None and wire.IMAGE_BYTES in info.inputs:  # the model decodes: the upload's bytes go as they are
-        async with gw.admission.slot():
-            prepare.check_header(data, settings.max_pixels, settings.max_aspect_ratio, hw, entry.name)
+        async with tracing.queued(gw.admission.slot()):
+            with tracing.span("decode"):  # the header's checks; the model decodes
+                prepare.check_header(data, settings.max_pixels, settings.max_aspect_ratio, hw, entry.name)
             inputs = {wire.IMAGE_BYTES: image_row(data, info),
                       wire.INVERT: per_item(wire.code_of(wire.INVERT_CODES, inv), np.int32, info)}
             if card.lam is not None:
@@ -166,10 +169,11 @@ async def classify(
         inverted = bool(wire.read_info(res[wire.IMAGE_INFO][0])["inverted"])
     else:
         res, inverted, lam_v = await _decoded(gw, entry, data, inv, lam_v, hw, rule, n_classes)
-    if n_classes is None:  # a class axis only known once the model answers: logits, bounded now
-        preds = _from_logits(np.asarray(res[card.output], np.float32)[0], top_k, card, entry.name)
-    else:
-        preds = _classes(res[card.output][0], top_k)
+    with tracing.span("encode"):
+        if n_classes is None:  # a class axis only known once the model answers: logits, bounded now
+            preds = _from_logits(np.asarray(res[card.output], np.float32)[0], top_k, card, entry.name)
+        else:
+            preds = _classes(res[card.output][0], top_k)
     latency = round((time.perf_counter() - t0) * 1000.0, 2)
     # The documented ClassifyResponse, built as a plain dict (no per-request model validation and dump).
     body: dict = {"model": model, "predictions": preds, "latency_ms": latency}
@@ -193,13 +197,14 @@ async def _decoded(gw: Gateway, entry: Entry, data: bytes, inv: images.Invert, l
         img = images.decode(data, settings.max_pixels, settings.max_aspect_ratio)
         return img, images.classifier_input(img, card.input, inv, hw, entry.name)
 
-    async with gw.admission.slot():
+    async with tracing.queued(gw.admission.slot()):
         # A small image (a digit, a thumbnail) is decoded and fitted on the event loop: cheaper than the hop to a
         # worker thread and back (measured, benchmarks/gateway_profile.py); anything larger goes to the threadpool.
-        if images.is_small(data, card.input):
-            img, fitted = fit()
-        else:
-            img, fitted = await run_in_threadpool(fit)
+        with tracing.span("decode"):
+            if images.is_small(data, card.input):
+                img, fitted = fit()
+            else:
+                img, fitted = await run_in_threadpool(fit)
         inputs = {card.input.name: fitted.x}
         if rule is not None:
             lam_v = await _auto_lam(gw, rule, img, fitted, card.input)

@@ -30,6 +30,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from unroll.serving.gateway import tracing
 from unroll.serving.gateway.body import check_declared_length
 from unroll.serving.gateway.catalog import Entry
 from unroll.serving.gateway.errors import ApiError
@@ -101,14 +102,16 @@ async def _answer(request: Request, gw: Gateway, entry: Entry, sigma: float | No
                                               f"{', '.join(wire.OUTPUT_FORMATS.values())}")
     settings = gw.settings
     check_declared_length(request, settings.max_body_bytes)
-    data = await gw.read_image(request)  # before the slot: a slow upload never holds an inference slot
+    with tracing.span("receive"):
+        data = await gw.read_image(request)  # before the slot: a slow upload never holds an inference slot
     given = SigmaEstimate(float(sigma) / 255.0) if sigma is not None and card.sigma is not None else None
-    async with gw.admission.slot():
+    async with tracing.queued(gw.admission.slot()):
         hw = info.profile.hw(card.input.name) if info.profile is not None else None
         if hw is not None and card.tiling is not None:  # larger images are cut to the profile: only its minimum
             hw = (hw[0], (2 ** 31, 2 ** 31))
-        w, h = prepare.check_header(data, settings.max_pixels, settings.max_aspect_ratio, hw, entry.name,
-                                    card.input.min_size)
+        with tracing.span("decode"):  # the header's checks (the pixels are decoded by the model, or in _decoded)
+            w, h = prepare.check_header(data, settings.max_pixels, settings.max_aspect_ratio, hw, entry.name,
+                                        card.input.min_size)
         # An image whose windows (per channel) fit in one execution goes to a model that decodes as its bytes: the
         # model tiles it as the gateway would. A larger one is cut into windows here, each call its own Triton
         # request, so that it shares the model instance with other requests a batch of windows at a time instead of
@@ -121,8 +124,9 @@ async def _answer(request: Request, gw: Gateway, entry: Entry, sigma: float | No
                 inputs[card.sigma.input] = per_item(given.value * 255.0 / card.sigma.scale, np.float32, info)
             async with forward_errors():
                 res = await gw.backend.infer(entry.name, inputs, [wire.ENCODED, wire.IMAGE_INFO])
-            meta = wire.read_info(res[wire.IMAGE_INFO][0])
-            body = wire.encoded_file(res[wire.ENCODED][0], meta)
+            with tracing.span("encode"):  # the model encoded it: the file is cut from its answer
+                meta = wire.read_info(res[wire.IMAGE_INFO][0])
+                body = wire.encoded_file(res[wire.ENCODED][0], meta)
             used = given
             if card.sigma is not None and given is None:  # estimated by the model, with the rules that fired
                 rules = tuple(r for r in (meta.get("sigma_rule") or "").split(",") if r)
@@ -150,10 +154,11 @@ async def _decoded(gw: Gateway, entry: Entry, data: bytes, given: SigmaEstimate 
     encoded result and the σ used."""
     card, info, settings = entry.card, entry.info, gw.settings
     assert card is not None and info is not None
-    planes, used = await run_in_threadpool(
-        prepare.denoiser_planes, data, settings.max_pixels, None if given is None else given.value * 255.0,
-        card.input.min_size, settings.max_aspect_ratio, hw, entry.name,
-        card.sigma.max if card.sigma is not None else None)
+    with tracing.span("decode"):
+        planes, used = await run_in_threadpool(
+            prepare.denoiser_planes, data, settings.max_pixels, None if given is None else given.value * 255.0,
+            card.input.min_size, settings.max_aspect_ratio, hw, entry.name,
+            card.sigma.max if card.sigma is not None else None)
     batch = images.to_graph(prepare.to_batch(planes.data, card.input), card.input)
     if card.sigma is not None:
         assert used is not None
@@ -171,4 +176,5 @@ async def _decoded(gw: Gateway, entry: Entry, data: bytes, given: SigmaEstimate 
 
     out = await run_image_graph(entry, batch, sig, infer)  # whole, or in windows (card.tiling)
     del batch
-    return await run_in_threadpool(prepare.encode_result, out, planes, card.input, fmt), used
+    with tracing.span("encode"):
+        return await run_in_threadpool(prepare.encode_result, out, planes, card.input, fmt), used

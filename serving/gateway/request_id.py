@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import uuid
+from collections.abc import Callable
 from contextvars import ContextVar
 
 import orjson
@@ -26,6 +27,14 @@ _VALID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 LOG_FORMAT_ENV = "UNROLL_LOG_FORMAT"
 
 _current: ContextVar[str | None] = ContextVar("unroll_request_id", default=None)
+
+
+def _no_trace_id() -> str | None:
+    return None
+
+
+#: The current trace id for log records; :mod:`.tracing` sets it while tracing is on (off: always ``None``).
+trace_id: Callable[[], str | None] = _no_trace_id
 
 
 def current() -> str | None:
@@ -67,19 +76,26 @@ class RequestIdMiddleware:
 
 
 class RequestIdFilter(logging.Filter):
-    """Adds ``request_id`` (``-`` outside a request) to every record that passes through its handler."""
+    """Adds ``request_id`` (``-`` outside a request) to every record that passes through its handler, and
+    ``trace_id`` while tracing is on and the record is written inside a span."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.request_id = _current.get() or "-"
+        tid = trace_id()
+        if tid is not None:
+            record.trace_id = tid
         return True
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, request_id (and the exception, if any)."""
+    """One JSON object per line: time, level, logger, message, request_id (and the trace id while tracing is on, and
+    the exception, if any)."""
 
     def format(self, record: logging.LogRecord) -> str:
         out = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
                "message": record.getMessage(), "request_id": getattr(record, "request_id", None)}
+        if hasattr(record, "trace_id"):
+            out["trace_id"] = record.trace_id
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return orjson.dumps(out).decode()

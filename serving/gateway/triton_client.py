@@ -27,7 +27,7 @@ import numpy as np
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from unroll.errors import ServingError
-from unroll.serving.gateway import request_id
+from unroll.serving.gateway import request_id, tracing
 from unroll.serving.profile import PROFILE_KEY, ProfileError, ServedProfile
 
 log = logging.getLogger("unroll.gateway")
@@ -209,6 +209,7 @@ class TritonBackend:
         return await self._call(f"config of {name}", self._client.get_model_config(name, headers=self._headers),
                                 self.timeout_s)
 
+    @tracing.client_span  # the Triton call's span when tracing is on (its context goes in the headers)
     async def infer(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str],
                     class_count: int | None = None) -> dict[str, np.ndarray]:
         """One inference; ``class_count`` asks Triton's classification extension for the first output."""
@@ -231,7 +232,8 @@ class TritonBackend:
         outcome = "error"
         try:
             res = await self._call(f"inference on {model}", self._client.infer(
-                model, reqs, outputs=outs, headers=self._headers, request_id=request_id.current() or ""),
+                model, reqs, outputs=outs, headers=tracing.inject(self._headers),
+                request_id=request_id.current() or ""),
                 self.timeout_s)
             outcome = "ok"
         except TritonTimeout:
