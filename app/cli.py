@@ -39,6 +39,7 @@ from unroll.app.bench_cli import (
     bench_serve,
     bench_soak,
 )
+from unroll.app.deploy_cli import deploy
 from unroll.app.doctor import doctor_command
 from unroll.app.errors import fail, handles_errors, report
 from unroll.app.optimize_cli import optimize
@@ -498,6 +499,7 @@ def _register_subsystem_commands() -> None:
     app.command("optimize")(optimize)
     app.command("triton")(triton)
     app.command("serve")(serve_command)
+    app.command("deploy")(deploy)
     app.command("doctor")(doctor_command)
     bench_app.command("serve")(bench_serve)
     bench_app.command("models")(bench_models)

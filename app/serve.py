@@ -297,6 +297,15 @@ class _Run:
             self.server.should_exit = True
 
 
+def write_key_file(path: Path, key: str) -> None:
+    """``key`` in ``path``, readable by its owner only (created so: never world-readable, even for a moment)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+
+
 def _start_triton(run: _Run, models: list[str], onnx_dir: Path, repo: Path, target: str, rebuild: bool,
                   ports: tuple[int, int, int], protocol: str) -> str:
     """Bring the graphs and the repository up to date, then start the bundled tritonserver under a supervisor
@@ -315,6 +324,7 @@ def _start_triton(run: _Run, models: list[str], onnx_dir: Path, repo: Path, targ
     _say(f"start tritonserver on 127.0.0.1:{http_port} (log: {log_file}, rotated at each start)")
     triton_key = new_api_key()  # this run's: Triton's APIs but health need it; only the gateway has it
     os.environ[TRITON_API_KEY_ENV] = triton_key
+    write_key_file(onnx_dir.parent / artifacts.TRITON_KEY.name, triton_key)  # and the operator, for `unroll deploy`
 
     def launch() -> TritonHandle:
         return start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host="127.0.0.1",

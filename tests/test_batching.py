@@ -71,8 +71,8 @@ async def _fire(base: str, reqs: list[tuple[bytes, str]]) -> list[httpx.Response
 
 def _triton_calls(metrics: str) -> float:
     """Triton inference calls the gateway made for the model (its round-trip histogram's count)."""
-    m = re.search(rf'^unroll_gateway_triton_request_duration_seconds_count{{model="{MODEL}",outcome="ok"}} (\S+)$',
-                  metrics, re.M)
+    m = re.search(rf'^unroll_gateway_triton_request_duration_seconds_count'
+                  rf'{{model="{MODEL}",outcome="ok",version="\d*"}} (\S+)$', metrics, re.M)
     return float(m.group(1)) if m else 0.0
 
 

@@ -2,7 +2,8 @@
 
 The shape test reads the JSON alone: a dashboard Grafana imports (panels with PromQL targets, unique ids, a
 Prometheus datasource variable that every panel and query uses). The scrape test starts a real tritonserver and the
-real gateway on ``sdnet-mnist``, sends one good and one bad classify request (so a 200 and a 400 are counted), scrapes
+real gateway on ``sdnet-mnist``, sends one good and one bad classify request (so a 200 and a 400 are counted) and a
+head too large for the HTTP layer (so a refusal is counted), scrapes
 the gateway's ``/metrics`` and Triton's metrics port, and checks every metric name in every query (and in the
 template variables) against the sample names of the two scrapes, with their types: counters and histogram series
 only inside ``rate``/``increase``, gauges never, buckets only under ``histogram_quantile`` by ``le``, and every label
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from pathlib import Path
 
 import httpx
@@ -210,6 +212,10 @@ def test_every_metric_the_dashboard_queries_is_exported(demo_onnx_dir: Path, tmp
         good = client.post(url, content=png(digit), headers={"Content-Type": "image/png"})
         bad = client.post(url, content=b"not an image", headers={"Content-Type": "image/png"})
         assert (good.status_code, bad.status_code) == (200, 400), (good.text, bad.text)
+        port = int(base.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as raw:  # refused by the HTTP layer: 431, counted
+            raw.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n")
+            assert raw.recv(64).startswith(b"HTTP/1.1 431")
         gateway_text = client.get("/metrics").text
         triton_text = httpx.get(triton.metrics_url, timeout=10).text
 

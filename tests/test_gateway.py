@@ -641,8 +641,8 @@ def test_metrics(gw: Gateway, digit_png: bytes) -> None:
     assert 'unroll_gateway_requests_total{method="GET",route="unmatched",status="404"}' in text
     assert 'unroll_gateway_request_duration_seconds_bucket{le="0.05",method="POST",route="/v1/classify"}' in text
     assert "unroll_gateway_requests_in_flight 1.0" in text  # this very request
-    assert 'unroll_gateway_triton_request_duration_seconds_count{model="sdnet-mnist",outcome="ok"}' in text
-    assert 'unroll_gateway_triton_request_duration_seconds_count{model="csc-denoiser",outcome="ok"}' in text
+    assert 'unroll_gateway_triton_request_duration_seconds_count{model="sdnet-mnist",outcome="ok",version="1"}' in text
+    assert 'unroll_gateway_triton_request_duration_seconds_count{model="csc-denoiser",outcome="ok",version="1"}' in text
 
 
 # --- API key, concurrency limit, timeout (the gRPC gateway) --------------------------------------------------

@@ -36,6 +36,8 @@ IMAGE_DIR = BUILD_DIR / "image"  #: the container build context's generated part
 REPOSITORY_DIR = Path("model_repository")  #: the Triton model repository ``unroll repo`` writes
 GPU_REPOSITORY_DIR = Path("model_repository_gpu")  #: the GPU repository staged for the NGC image
 TRITON_LOG = BUILD_DIR / "logs" / "tritonserver.log"  #: ``unroll triton``'s log
+#: The key of the Triton ``unroll serve`` runs (owner-only file, a new key each start), for ``unroll deploy``
+TRITON_KEY = BUILD_DIR / "triton.key"
 PRECISIONS = ("fp32", "fp16", "int8")
 #: Written beside each model's ``config.pbtxt``: what the directory was written from (Triton ignores it).
 REPOSITORY_SOURCE_FILE = "built_from.json"

@@ -9,6 +9,7 @@ lazily, so the gateway may start before Triton.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -59,9 +60,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         log.info("gateway: Triton %s at %s; models discovered from it on first use", settings.triton_protocol,
                  settings.triton_url)
         await run_in_threadpool(_warm_sigma_estimator)
+        refresher = asyncio.create_task(gateway.catalog.keep_fresh(settings.catalog_refresh_s))
         try:
             yield
         finally:
+            refresher.cancel()
             await gateway.backend.close()
             tracing.shutdown()
 

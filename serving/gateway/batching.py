@@ -51,6 +51,7 @@ class _Group:
     outputs: list[str]
     class_count: int | None
     limit: int
+    version: str = ""
     waiting: list[_Call] = field(default_factory=list)
     in_flight: int = 0
     timer: asyncio.Handle | None = None
@@ -72,18 +73,18 @@ class Batcher:
         return getattr(self._backend, name)
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str],
-                    class_count: int | None = None) -> dict[str, np.ndarray]:
+                    class_count: int | None = None, version: str = "") -> dict[str, np.ndarray]:
         """As :meth:`TritonBackend.infer`; the call may travel to Triton inside a larger batch."""
         limit = self._limit_of(model)
         items = len(next(iter(inputs.values())))
         if limit <= 1 or items >= limit:
             self._observe(model, items)
-            return await self._backend.infer(model, inputs, outputs, class_count)
-        key = (model, tuple(outputs), class_count,
+            return await self._backend.infer(model, inputs, outputs, class_count, version)
+        key = (model, version, tuple(outputs), class_count,
                tuple((name, a.shape[1:], a.dtype.str) for name, a in sorted(inputs.items())))
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = _Group(model, list(outputs), class_count, limit)
+            group = self._groups[key] = _Group(model, list(outputs), class_count, limit, version)
         call = _Call(inputs, items, asyncio.get_running_loop().create_future())
         group.waiting.append(call)
         if sum(c.items for c in group.waiting) >= limit:
@@ -144,7 +145,7 @@ class Batcher:
         joined = {n: np.concatenate([c.inputs[n] for c in batch]) for n in names}
         try:
             with tracing.batch(batch):  # the batch's span: child of its first request's wait, linked to the others'
-                res = await self._backend.infer(group.model, joined, group.outputs, group.class_count)
+                res = await self._backend.infer(group.model, joined, group.outputs, group.class_count, group.version)
         except TritonRejected:  # some item is at fault: each request alone, so only the faulty one fails
             await asyncio.gather(*(self._alone(group, c) for c in batch))
             return
@@ -160,7 +161,8 @@ class Batcher:
     async def _alone(self, group: _Group, call: _Call) -> None:
         try:
             with tracing.batch([call]):
-                res = await self._backend.infer(group.model, call.inputs, group.outputs, group.class_count)
+                res = await self._backend.infer(group.model, call.inputs, group.outputs, group.class_count,
+                                                group.version)
         except Exception as e:
             _settle(call.future, error=e)
         else:

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 
 from unroll import tasks
 from unroll.card import CARD_KEY, CardError, ModelCard
+from unroll.errors import UnrollError
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.settings import ENV_PREFIX, Settings
 from unroll.serving.gateway.triton_client import ModelInfo, TritonBackend, TritonError, model_info
+from unroll.serving.versions import TRAFFIC_KEY, parse_traffic
 
 log = logging.getLogger("unroll.gateway")
 
@@ -27,6 +30,22 @@ MIN_REFRESH_S = 1.0
 #: State of a model Triton lists without a state: in its repository but not asked to load (explicit model control,
 #: ``unroll serve --models`` loads only the named models). Settled, unlike ``LOADING``: no reason to look again.
 NOT_LOADED = "NOT_LOADED"
+#: Version states worth listing: loaded, or on the way in or out (Triton keeps unloaded versions in its index).
+LIVE_STATES = ("READY", "LOADING", "UNLOADING")
+
+
+@dataclass(frozen=True)
+class Version:
+    """One version of a model as Triton lists it, with its share of the model's traffic."""
+
+    version: str
+    state: str
+    #: Relative weight from the config's traffic split (:data:`unroll.serving.versions.TRAFFIC_KEY`); ``None``
+    #: when the config has none (then the newest ready version takes everything).
+    weight: float | None = None
+
+    def public(self) -> dict[str, str | float | None]:
+        return {"version": self.version, "state": self.state, "traffic": self.weight}
 
 
 @dataclass(frozen=True)
@@ -34,12 +53,28 @@ class Entry:
     """One model in Triton's repository, as the gateway sees it."""
 
     name: str
-    #: Triton's state (``READY`` when loaded).
+    #: Triton's state (``READY`` when a version is loaded).
     state: str
     card: ModelCard | None = None
     info: ModelInfo | None = None
     #: Why ``/v1`` does not serve it; ``None`` when it is served.
     reason: str | None = None
+    #: The versions Triton lists for it, oldest first.
+    versions: tuple[Version, ...] = ()
+
+    def pick_version(self, exclude: str | None = None) -> str:
+        """The version this request goes to: drawn by the traffic split among the ready versions (a canary); with
+        no split, the newest ready one; ``""`` (Triton's choice) when Triton listed no version. ``exclude``: a
+        version Triton just refused (unloaded since this entry was read)."""
+        ready = [v for v in self.versions if v.state == "READY" and v.version != exclude]
+        weighted = [v for v in ready if v.weight]
+        if weighted:
+            if len(weighted) == 1:
+                return weighted[0].version
+            return random.choices([v.version for v in weighted], [v.weight or 0.0 for v in weighted])[0]
+        if any(v.weight is not None for v in self.versions) and exclude is None:  # no ready version in the split
+            return max(self.versions, key=lambda v: v.weight or 0.0).version
+        return ready[-1].version if ready else ""
 
     @property
     def served(self) -> bool:
@@ -59,9 +94,17 @@ class Snapshot:
     taken_at: float = 0.0
     #: Triton's unavailable count when this was taken (see :attr:`TritonBackend.unavailable_count`).
     generation: int = -1
+    #: Triton's repository index it was built from (see :func:`index_key`).
+    index: tuple[tuple[str, str, str], ...] = ()
 
     def served(self, task: str) -> tuple[str, ...]:
         return self.by_task.get(task, ())
+
+    @property
+    def split(self) -> bool:
+        """Some model splits its traffic between versions (a canary): its weights can change with no sign in the
+        repository index, so a refresh must read the configs again."""
+        return any(v.weight is not None for e in self.entries.values() for v in e.versions)
 
     @property
     def complete(self) -> bool:
@@ -81,18 +124,42 @@ class Catalog:
         self.backend, self.settings = backend, settings
         self._snapshot: Snapshot | None = None
         self._lock = asyncio.Lock()
+        self._dirty = False
 
     async def snapshot(self, refresh: bool = False) -> Snapshot:
         """The current catalog; rebuilt first when stale (or ``refresh``), at most once per :data:`MIN_REFRESH_S`."""
         snap = self._snapshot
-        if snap is not None and not refresh and not self._stale(snap):
+        if snap is not None and not refresh and not self._dirty and not self._stale(snap):
             return snap
         async with self._lock:
             snap = self._snapshot
-            if snap is None or self.backend.unavailable_count != snap.generation or (
+            if snap is None or self._dirty or self.backend.unavailable_count != snap.generation or (
                     (refresh or not snap.complete) and time.monotonic() - snap.taken_at >= MIN_REFRESH_S):
+                self._dirty = False
                 snap = self._snapshot = await self._discover()
             return snap
+
+    def invalidate(self) -> None:
+        """Re-read Triton at the next request: what it serves changed under us (a version was unloaded)."""
+        self._dirty = True
+
+    async def keep_fresh(self, period_s: float) -> None:
+        """Look at Triton every ``period_s`` until cancelled (the app's lifespan runs it), so versions loaded,
+        unloaded or re-weighted by ``unroll deploy`` reach the routes without a request paying for the look.
+
+        One call (the repository index) when nothing changed; the whole catalog is read again when the index
+        differs (a version loaded or unloaded, a model's state) or while a model splits its traffic."""
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                index = await self.backend.repository_index()
+                snap = self._snapshot
+                if snap is not None and not snap.split and index_key(index) == snap.index:
+                    continue
+                async with self._lock:
+                    self._snapshot = await self._discover(index)
+            except TritonError as e:  # Triton down: requests see it and say so; try again next period
+                log.debug("gateway: catalog refresh failed: %s", e)
 
     def batch_limit(self, name: str) -> int:
         """The most items one call to ``name`` may carry, from the current snapshot (1 while it is unknown)."""
@@ -136,18 +203,26 @@ class Catalog:
 
     # ------------------------------------------------------------------ discovery
 
-    async def _discover(self) -> Snapshot:
+    async def _discover(self, index: list[dict[str, str]] | None = None) -> Snapshot:
         generation = self.backend.unavailable_count
-        index = await self.backend.repository_index()
-        entries = await asyncio.gather(*(self._entry(m) for m in index if m["name"]))
+        if index is None:
+            index = await self.backend.repository_index()
+        rows: dict[str, list[dict[str, str]]] = {}
+        for m in index:  # one row per version of a loaded model
+            if m["name"]:
+                rows.setdefault(m["name"], []).append(m)
+        entries = await asyncio.gather(*(self._entry(r) for r in rows.values()))
         by_name = {e.name: e for e in sorted(entries, key=lambda e: e.name)}
         by_name = self._apply_settings(by_name)
         by_task = {task: self._served(by_name, task) for task in routed_tasks()}
-        snap = Snapshot(by_name, by_task, time.monotonic(), generation)
+        snap = Snapshot(by_name, by_task, time.monotonic(), generation, index_key(index))
         log.info("gateway: Triton serves %s", "; ".join(f"{t}: {', '.join(n) or 'none'}" for t, n in by_task.items()))
         return snap
 
-    async def _entry(self, m: dict[str, str]) -> Entry:
+    async def _entry(self, rows: list[dict[str, str]]) -> Entry:
+        versions = sorted((r for r in rows if r["version"].isdigit() and r["state"] in LIVE_STATES),
+                          key=lambda r: int(r["version"]))
+        m = next((r for r in versions if r["state"] == "READY"), (versions or rows)[0])  # ready if a version is
         name, state = m["name"], m["state"] or NOT_LOADED
         if state == NOT_LOADED:
             return Entry(name, state, reason="in Triton's repository but not loaded (not among the models it was "
@@ -166,9 +241,13 @@ class Catalog:
                                                         f"[{CARD_KEY!r}]); write the repository with `unroll repo`")
         try:
             card = ModelCard.from_json(raw, f"Triton config of {name}")
-        except CardError as e:
+            traffic = parse_traffic(((cfg.get("parameters") or {}).get(TRAFFIC_KEY) or {}).get("string_value", ""),
+                                    name)
+        except (CardError, UnrollError) as e:
             return Entry(name, state, info=info, reason=str(e))
-        return Entry(name, state, card, info, _why_not_routed(card, info))
+        listed = tuple(Version(r["version"], r["state"] or NOT_LOADED,
+                               traffic.get(int(r["version"]), 0.0) if traffic else None) for r in versions)
+        return Entry(name, state, card, info, _why_not_routed(card, info), listed)
 
     def _apply_settings(self, entries: dict[str, Entry]) -> dict[str, Entry]:
         """Narrow each task to the models the operator configured (if any); configured but unusable names are
@@ -194,6 +273,11 @@ class Catalog:
         names = [n for n, e in entries.items() if e.served and e.task == task]  # sorted by name
         order = {n: i for i, n in enumerate(self.settings.configured(task))}
         return tuple(sorted(names, key=lambda n: (order.get(n, len(order)), n)))
+
+
+def index_key(index: list[dict[str, str]]) -> tuple[tuple[str, str, str], ...]:
+    """What of Triton's repository index a catalog depends on: each row's model, version and state."""
+    return tuple(sorted((m["name"], m["version"], m["state"]) for m in index))
 
 
 def _why_not_routed(card: ModelCard, info: ModelInfo) -> str | None:

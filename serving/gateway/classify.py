@@ -164,7 +164,7 @@ async def classify(
             if card.lam is not None:
                 inputs[card.lam.input] = per_item(lam_v, np.float32, info)
             async with forward_errors():
-                res = await gw.backend.infer(entry.name, inputs, [card.output, wire.IMAGE_INFO],
+                res = await gw.infer(entry, inputs, [card.output, wire.IMAGE_INFO],
                                              class_count=n_classes)
         inverted = bool(wire.read_info(res[wire.IMAGE_INFO][0])["inverted"])
     else:
@@ -210,7 +210,7 @@ async def _decoded(gw: Gateway, entry: Entry, data: bytes, inv: images.Invert, l
             lam_v = await _auto_lam(gw, rule, img, fitted, card.input)
         if card.lam is not None:
             inputs[card.lam.input] = fit_shape(np.array([lam_v], np.float32), info.inputs[card.lam.input])
-        res = await gw.backend.infer(entry.name, inputs, [card.output], class_count=n_classes)
+        res = await gw.infer(entry, inputs, [card.output], class_count=n_classes)
     return res, fitted.inverted, lam_v
 
 
@@ -244,7 +244,7 @@ async def _auto_lam(gw: Gateway, rule: Entry, img: Image.Image, fitted: images.F
     same = "true" if fitted.inverted else "false"
     rx = fitted.x if rule.card.input == fitted_for else (
         await run_in_threadpool(images.classifier_input, img, rule.card.input, same)).x
-    out = await gw.backend.infer(rule.name, {rule.card.input.name: rx}, [rule.card.output])
+    out = await gw.infer(rule, {rule.card.input.name: rx}, [rule.card.output])
     lam = float(np.asarray(out[rule.card.output], dtype=np.float32).reshape(-1)[0])
     if not math.isfinite(lam):
         raise TritonRejected(f"the λ rule {rule.name} returned {lam}")

@@ -123,7 +123,7 @@ async def _answer(request: Request, gw: Gateway, entry: Entry, sigma: float | No
             if given is not None:
                 inputs[card.sigma.input] = per_item(given.value * 255.0 / card.sigma.scale, np.float32, info)
             async with forward_errors():
-                res = await gw.backend.infer(entry.name, inputs, [wire.ENCODED, wire.IMAGE_INFO])
+                res = await gw.infer(entry, inputs, [wire.ENCODED, wire.IMAGE_INFO])
             with tracing.span("encode"):  # the model encoded it: the file is cut from its answer
                 meta = wire.read_info(res[wire.IMAGE_INFO][0])
                 body = wire.encoded_file(res[wire.ENCODED][0], meta)
@@ -166,13 +166,13 @@ async def _decoded(gw: Gateway, entry: Entry, data: bytes, given: SigmaEstimate 
                         info.inputs[card.sigma.input])
 
         async def infer(x: np.ndarray, level: np.ndarray) -> np.ndarray:
-            res = await gw.backend.infer(entry.name, {card.input.name: x, card.sigma.input: level}, [card.output])
+            res = await gw.infer(entry, {card.input.name: x, card.sigma.input: level}, [card.output])
             return res[card.output]
     else:  # the image is the graph's only input
         sig = np.zeros(len(batch), np.float32)
 
         async def infer(x: np.ndarray, _: np.ndarray) -> np.ndarray:
-            return (await gw.backend.infer(entry.name, {card.input.name: x}, [card.output]))[card.output]
+            return (await gw.infer(entry, {card.input.name: x}, [card.output]))[card.output]
 
     out = await run_image_graph(entry, batch, sig, infer)  # whole, or in windows (card.tiling)
     del batch

@@ -36,6 +36,7 @@ def _served(e: Entry, task: str, default: bool, ready: bool) -> dict[str, Any]:
     entry.update(tasks.get(task).listing(card, tuple(info.outputs[card.output].shape)))  # params, per task
     if card.iters is not None:  # any route: the counts served (serving/gateway/iterations.py)
         entry["params"]["iters"] = " | ".join(map(str, card.iters.counts)) + f" (trained: {card.iters.default})"
+    entry["versions"] = [v.public() for v in e.versions]  # loaded versions and their traffic split (a canary)
     entry.update(info.public())
     entry["card"] = card.model_dump(mode="json")
     return entry

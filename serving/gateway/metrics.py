@@ -93,14 +93,15 @@ class Metrics:
             PlatformCollector(registry=self.registry)
             GCCollector(registry=self.registry)
         self.triton = Histogram("unroll_gateway_triton_request_duration_seconds",
-                                "Round trip of one Triton inference call, by model and outcome",
-                                ["model", "outcome"], buckets=LATENCY_BUCKETS, registry=reg)
+                                "Round trip of one Triton inference call, by model, model version (empty: "
+                                "Triton's choice) and outcome", ["model", "version", "outcome"],
+                                buckets=LATENCY_BUCKETS, registry=reg)
         self.batch = Histogram("unroll_gateway_batch_items", "Items per Triton inference call the gateway made "
                                "(requests coalesced by the HTTP-tier batcher), by model", ["model"],
                                buckets=BATCH_BUCKETS, registry=reg)
 
-    def observe_triton(self, model: str, outcome: str, seconds: float) -> None:
-        self.triton.labels(model, outcome).observe(seconds)
+    def observe_triton(self, model: str, version: str, outcome: str, seconds: float) -> None:
+        self.triton.labels(model, version, outcome).observe(seconds)
 
     def observe_batch(self, model: str, items: int) -> None:
         self.batch.labels(model).observe(items)

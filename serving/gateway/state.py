@@ -10,25 +10,29 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated
 
+import numpy as np
 from fastapi import APIRouter, Depends, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from unroll import tasks
 from unroll.serving.gateway.batching import Batcher
 from unroll.serving.gateway.body import check_declared_length, read_image_bytes
-from unroll.serving.gateway.catalog import Catalog
+from unroll.serving.gateway.catalog import Catalog, Entry
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.http_settings import HttpSettings
 from unroll.serving.gateway.metrics import Metrics
 from unroll.serving.gateway.openapi import COMMON_ERRORS
 from unroll.serving.gateway.rate_limit import Buckets, RateLimit
 from unroll.serving.gateway.settings import Settings
-from unroll.serving.gateway.triton_client import TritonBackend
+from unroll.serving.gateway.triton_client import TritonBackend, TritonUnavailable
+
+log = logging.getLogger("unroll.gateway")
 
 
 class Admission:
@@ -117,6 +121,24 @@ class Gateway:
                    Admission(settings.max_concurrency, settings.max_queue, settings.busy_retry_after_s, metrics),
                    http, Uploads(http.max_uploads, settings.busy_retry_after_s, metrics),
                    Buckets(RateLimit.parse(settings.rate_limit)) if settings.rate_limit else None)
+
+    async def infer(self, entry: Entry, inputs: dict[str, np.ndarray], outputs: list[str],
+                    class_count: int | None = None) -> dict[str, np.ndarray]:
+        """One inference on ``entry``'s model, on the version its traffic split draws (:meth:`Entry.pick_version`).
+
+        A version Triton has unloaded since the catalog was read (``unroll deploy`` moved traffic off it and waited
+        ``catalog_refresh_s``; a gateway that lagged behind) is answered once more by another ready version, and the
+        catalog is re-read, so a rollout loses no request."""
+        version = entry.pick_version()
+        try:
+            return await self.backend.infer(entry.name, inputs, outputs, class_count, version)
+        except TritonUnavailable as e:
+            other = entry.pick_version(exclude=version) if version and f"version {version}" in str(e) else ""
+            if not other:
+                raise
+            log.info("gateway: %s version %s is gone; answered by version %s", entry.name, version, other)
+            self.catalog.invalidate()
+        return await self.backend.infer(entry.name, inputs, outputs, class_count, other)
 
     async def read_image(self, request: Request) -> bytes:
         """The request's image bytes (see :mod:`.body`), read under an upload permit and *outside* any inference

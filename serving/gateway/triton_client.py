@@ -114,13 +114,13 @@ class TritonBackend:
     """Async Triton client with deadlines, error translation and round-trip metrics."""
 
     def __init__(self, url: str, protocol: str, timeout_s: float,
-                 observe: Callable[[str, str, float], None] | None = None, api_key: str | None = None) -> None:
+                 observe: Callable[[str, str, str, float], None] | None = None, api_key: str | None = None) -> None:
         self.url, self.protocol, self.timeout_s = url, protocol, timeout_s
         key = api_key if api_key is not None else os.environ.get(TRITON_API_KEY_ENV) or None
         #: Sent with every call (Triton ignores a header it does not restrict on).
         header = TRITON_GRPC_KEY_HEADER if protocol == "grpc" else TRITON_KEY_HEADER
         self._headers: dict[str, str] | None = {header: key} if key else None
-        self._observe = observe or (lambda model, outcome, seconds: None)
+        self._observe = observe or (lambda model, version, outcome, seconds: None)
         #: How many calls found Triton unavailable: the model catalog re-discovers when this moves, since
         #: the server may come back with another repository.
         self.unavailable_count = 0
@@ -211,8 +211,9 @@ class TritonBackend:
 
     @tracing.client_span  # the Triton call's span when tracing is on (its context goes in the headers)
     async def infer(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str],
-                    class_count: int | None = None) -> dict[str, np.ndarray]:
-        """One inference; ``class_count`` asks Triton's classification extension for the first output."""
+                    class_count: int | None = None, version: str = "") -> dict[str, np.ndarray]:
+        """One inference; ``class_count`` asks Triton's classification extension for the first output; ``version``
+        names the model version (``""``: Triton's choice, the newest loaded)."""
         mod = self._mod
         reqs = []
         for name, arr in inputs.items():
@@ -232,7 +233,7 @@ class TritonBackend:
         outcome = "error"
         try:
             res = await self._call(f"inference on {model}", self._client.infer(
-                model, reqs, outputs=outs, headers=tracing.inject(self._headers),
+                model, reqs, model_version=version, outputs=outs, headers=tracing.inject(self._headers),
                 request_id=request_id.current() or ""),
                 self.timeout_s)
             outcome = "ok"
@@ -243,7 +244,7 @@ class TritonBackend:
             outcome = "unavailable"
             raise
         finally:
-            self._observe(model, outcome, time.perf_counter() - t0)
+            self._observe(model, version, outcome, time.perf_counter() - t0)
         try:
             return {name: res.as_numpy(name) for name in outputs}
         except Exception as e:  # a malformed response is Triton's fault, not the client's
