@@ -55,6 +55,9 @@ MAX_REL_ERR = 1e-5
 #: :func:`float64_floor`: how much worse than PyTorch's own FP32 error ONNX Runtime may be, and the largest such
 #: floor accepted at all (a model whose FP32 output is off by more than 0.1 % is refused, whatever the graph).
 FLOOR_FACTOR, MAX_FLOOR = 2.0, 1e-3
+#: :func:`float64_floor`: PyTorch FP32 runs on inputs moved by one FP32 rounding (relative ``FP32_EPS``), with these
+#: seeds: how far the model's own FP32 output moves when its input is rounded differently (its conditioning there).
+FP32_EPS, ULP_SEEDS = float(np.finfo(np.float32).eps), 8
 SHRINK_CHAIN_OPS = ("Sign", "Abs", "Where", "Greater", "Less")
 
 
@@ -285,17 +288,25 @@ def float64_floor(module: nn.Module, case: example_inputs.Case, ins: list[str], 
     """Judge ONNX Runtime against exact arithmetic when it misses PyTorch: an ill-conditioned model (VARS's
     discontinuous shrinkage, a random init's growing residual stream) differs from *itself* in FP32 by more than
     the fixed tolerance, and which FP32 rounding (the fused or the textbook form) lands closer is luck. The graph
-    passes when its error to the float64 PyTorch output is within ``FLOOR_FACTOR`` × the larger FP32 error of the
-    two PyTorch forms (+ the fixed tolerance), and that floor is below ``MAX_FLOOR``: no worse than the framework
-    it came from, never a wrong graph (those miss by orders of magnitude more). ``double``: ``module`` in float64
-    (copied here when not given)."""
+    passes when its error to the float64 PyTorch output is within ``FLOOR_FACTOR`` × the largest FP32 error of
+    PyTorch — its two forms, and the same model on inputs moved by one FP32 rounding (``ULP_SEEDS`` draws): at a
+    sample near a discontinuity one rounding decides the side, for PyTorch as for any runtime — (+ the fixed
+    tolerance), and that floor is below ``MAX_FLOOR``: no worse than the framework it came from, never a wrong graph
+    (those miss by orders of magnitude more). ``double``: ``module`` in float64 (copied here when not given)."""
     with torch.no_grad(), textbook_mode():
         textbook = module(*(case.inputs[k] for k in ins)).numpy()
     if double is None:
         double = copy.deepcopy(module).double()
     with torch.no_grad():
         exact = double(*(case.inputs[k].double() for k in ins)).numpy()
-    errs = {"pytorch_fp32_rel_err": _rel(ref, exact), "pytorch_textbook_fp32_rel_err": _rel(textbook, exact)}
+        moved = []
+        for seed in range(ULP_SEEDS):
+            g = torch.Generator().manual_seed(seed)
+            xs = [x * (1 + FP32_EPS * torch.randn(x.shape, generator=g)) if x.is_floating_point() else x
+                  for x in (case.inputs[k] for k in ins)]
+            moved.append(_rel(module(*xs).numpy(), exact))
+    errs = {"pytorch_fp32_rel_err": _rel(ref, exact), "pytorch_textbook_fp32_rel_err": _rel(textbook, exact),
+            "pytorch_fp32_input_rounded_rel_err": max(moved)}
     floor, onnx_err = max(errs.values()), _rel(got, exact)
     ok = floor <= MAX_FLOOR and onnx_err <= FLOOR_FACTOR * floor + MAX_REL_ERR
     return {"float64": {**errs, "onnx_rel_err": onnx_err}, "ok": bool(ok)}

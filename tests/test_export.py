@@ -1,7 +1,9 @@
 """Export: static fused ONNX graphs, verified against PyTorch with ONNX Runtime on real inputs."""
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -214,3 +216,19 @@ def test_float64_floor_accepts_the_models_own_fp32_rounding_never_a_wrong_graph(
     near = ref + noise * np.abs(ref).mean() * exact["float64"]["pytorch_fp32_rel_err"]
     assert float64_floor(module, case, ["x"], near, ref)["ok"]
     assert not float64_floor(module, case, ["x"], ref * 1.001, ref)["ok"]
+    assert 0 < exact["float64"]["pytorch_fp32_input_rounded_rel_err"] < 1e-4  # the model moved by one input rounding
+
+
+def test_a_vars_model_near_its_shrinkage_jump_exports(tmp_path: Path) -> None:
+    """The trained VARS digit model and its iteration siblings export: where one FP32 rounding of the input already
+    moves PyTorch's own output across the shrinkage's jump, ONNX Runtime landing there too is no wrong graph (seen on
+    one CPU for ``iters=1``, real batch 4: 2.8e-5 from float64, as PyTorch with an input rounded differently)."""
+    from unroll.export.onnx_export import export_model
+
+    export_model("vars-vit-mnist", tmp_path, naive=False)
+    for report in tmp_path.glob("*.report.json"):
+        for row in json.loads(report.read_text())["parity"]["cases"]:
+            judged = row.get("float64")
+            if judged is not None:  # missed the fixed tolerance: judged against PyTorch's own FP32 floors
+                floor = max(v for k, v in judged.items() if k.startswith("pytorch_"))
+                assert judged["onnx_rel_err"] <= 2 * floor + 1e-5, (report.name, row)

@@ -31,7 +31,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from unroll.benchmarks.common import trained_models
+from unroll.app.serve import default_models
 from unroll.benchmarks.soak import start_serve, stop_serve
 from unroll.serving import triton
 from unroll.serving.triton import (
@@ -125,7 +125,7 @@ def serve(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     """``unroll serve`` of the demo models on spare ports, run from a temporary folder (its build/ goes there)."""
     root = tmp_path_factory.mktemp("serve").resolve()
     shutil.copytree(demo_onnx_dir, root / "onnx", copy_function=shutil.copy2)
-    started = start_serve(root, trained_models(), log=lambda m: None)  # what `unroll serve` serves by default
+    started = start_serve(root, default_models(), log=lambda m: None)  # what `unroll serve` serves by default
     s = Serve(started.proc, started.base, started.repo, root, started.triton_ports, output=started.output)
     try:
         s.record_regions()
