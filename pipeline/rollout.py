@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,6 +35,7 @@ import numpy as np
 
 from unroll.card import CARD_KEY, ModelCard, from_onnx
 from unroll.errors import RepositoryError, ServingError
+from unroll.serving.gateway.triton_client import fit_shape, model_info
 from unroll.serving.repository_check import validate_model
 from unroll.serving.versions import ModelDir
 
@@ -91,9 +93,12 @@ class TritonControl:
         """(Re)load ``name`` as its directory now says; raises :class:`DeployError` with Triton's reason."""
         self.call(f"loading {name}", lambda: self.client.load_model(name, headers=self.headers))
 
+    def index(self) -> list[dict[str, Any]]:
+        """Triton's repository index: one row per model version (``name``, ``version``, ``state``)."""
+        return self.call("its repository index", lambda: self.client.get_model_repository_index(headers=self.headers))
+
     def ready_versions(self, name: str) -> list[int]:
-        index = self.call("its repository index",
-                          lambda: self.client.get_model_repository_index(headers=self.headers))
+        index = self.index()
         return sorted(int(m["version"]) for m in index
                       if m.get("name") == name and m.get("state") == "READY" and str(m.get("version", "")).isdigit())
 
@@ -101,9 +106,7 @@ class TritonControl:
         """Until Triton lists none of ``versions`` as loaded or unloading (their in-flight requests are done)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            index = self.call("its repository index",
-                              lambda: self.client.get_model_repository_index(headers=self.headers))
-            left = [m["version"] for m in index if m.get("name") == name and str(m.get("version")) in
+            left = [m["version"] for m in self.index() if m.get("name") == name and str(m.get("version")) in
                     {str(v) for v in versions} and m.get("state") in ("READY", "UNLOADING")]
             if not left:
                 return
@@ -121,17 +124,15 @@ class TritonControl:
 
         meta = self.call(f"the metadata of {name} version {version}",
                          lambda: self.client.get_model_metadata(name, str(version), headers=self.headers))
-        shapes = {i["name"]: i["shape"] for i in meta["inputs"]}
+        info = model_info(name, meta, self.config(name))
         output = self.card(name).output
 
         def run(feeds: dict[str, np.ndarray]) -> np.ndarray:
             inputs = []
             for n, a in feeds.items():
-                a = np.ascontiguousarray(a)
-                if a.ndim == 1 and len(shapes.get(n, ())) == 2:  # a [B] tensor Triton takes as [B, 1]
-                    a = a.reshape(-1, 1)
-                if a.ndim == 1 and len(a) == 1 and len(shapes.get(n, ())) == 2:
-                    a = a.reshape(1, 1)
+                if n not in info.inputs:
+                    raise DeployError(f"{name} version {version} has no input {n!r} (inputs: {list(info.inputs)})")
+                a = fit_shape(np.ascontiguousarray(a), info.inputs[n])  # a [B] tensor Triton takes as [B, 1]
                 i = th.InferInput(n, list(a.shape), np_to_triton_dtype(a.dtype))
                 i.set_data_from_numpy(a, binary_data=True)
                 inputs.append(i)
@@ -184,8 +185,9 @@ def _deploy(md: ModelDir, graph: Path, triton: TritonControl, version: int | Non
     if len(live) > 1:
         raise DeployError(f"{name}: a canary is in progress (versions {', '.join(map(str, live))}); end it with "
                           f"`unroll deploy {name} --promote` or `--rollback` first")
-    if triton.ready_versions(name) != live:
-        raise DeployError(f"{name}: Triton serves version(s) {triton.ready_versions(name) or 'none'}, its directory "
+    serving = triton.ready_versions(name)
+    if serving != live:
+        raise DeployError(f"{name}: Triton serves version(s) {serving or 'none'}, its directory "
                           f"in {repo} says {live}: is --repo the repository of the Triton at {triton.url}?")
     served_card = triton.card(name)
     _check_card(name, served_card, graph)
@@ -210,7 +212,7 @@ def _deploy(md: ModelDir, graph: Path, triton: TritonControl, version: int | Non
         out.gate = check(name, graph, served_card, triton, live[-1], new, samples)
         if out.gate["failures"]:
             raise DeployError(f"{name} version {new} failed its gate: " + "; ".join(out.gate["failures"]))
-    except (DeployError, RepositoryError, OSError, ValueError) as e:
+    except (ServingError, RepositoryError, OSError, ValueError) as e:
         step(f"roll back: version {new} removed, {name} serves version {live[-1]} as before")
         _restore(md, triton, live, before, new)
         raise DeployError(str(e)) from None
@@ -263,7 +265,7 @@ def check(name: str, graph: Path, card: ModelCard, triton: TritonControl, live: 
 
     max_batch = int(triton.config(name).get("max_batch_size", 0)) or 1
     cases = _first(gates.gate_cases(card, split=card.data.gate, max_batch=max_batch, max_hw=GATE_MAX_HW), samples)
-    graph_run = _onnx_runner(graph, card.output)
+    graph_run = gates.onnxruntime_run(graph, card.output, threads=1)
     candidate = triton.runner(name, new)
     tol = gates.tolerances(card, "fp32")
     parity = gates.evaluate(card, cases, graph_run, candidate, tol)
@@ -312,13 +314,13 @@ def _restore(md: ModelDir, triton: TritonControl, live: list[int], before: dict[
         triton.load(name := md.name)
     finally:
         _remove(md, new)
-    if triton.ready_versions(name) != live:
-        raise DeployError(f"{name}: rolled back, but Triton now serves {triton.ready_versions(name)}, not {live}")
+    serving = triton.ready_versions(name)
+    if serving != live:
+        raise DeployError(f"{name}: rolled back, but Triton now serves {serving}, not {live}")
 
 
 def _remove(md: ModelDir, version: int) -> None:
-    import shutil
-
+    """Version ``version``'s files, staged or half-staged, gone (it was never served)."""
     shutil.rmtree(md.path / str(version), ignore_errors=True)
     shutil.rmtree(md.path / f".{version}.tmp", ignore_errors=True)
 
@@ -345,16 +347,6 @@ def _first(cases: list, samples: int) -> list:
         out.append(c)
         n += len(c)
     return out
-
-
-def _onnx_runner(graph: Path, output: str) -> Callable[[dict[str, np.ndarray]], np.ndarray]:
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1
-    sess = ort.InferenceSession(str(graph), opts, providers=["CPUExecutionProvider"])
-    names = {i.name for i in sess.get_inputs()}
-    return lambda feeds: sess.run([output], {k: v for k, v in feeds.items() if k in names})[0]
 
 
 def _plain(metrics: dict) -> dict:

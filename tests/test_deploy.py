@@ -95,6 +95,13 @@ class Load:
                     self.errors.append(repr(e))
                 n += 2
 
+    def wait_for(self, answered: int, timeout_s: float = 120) -> None:
+        """Until ``answered`` requests have come back (sleeping: the servers need the cores)."""
+        deadline = time.monotonic() + timeout_s
+        while sum(self.statuses.values()) < answered and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sum(self.statuses.values()) >= answered, self.statuses
+
     def __enter__(self) -> Load:
         for t in self._threads:
             t.start()
@@ -146,9 +153,7 @@ def test_swap_under_load_loses_nothing(served: Served) -> None:
                             "--samples", "64", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300)
         assert r.returncode == 0, r.stderr + r.stdout
         out = json.loads(r.stdout)
-        n = sum(load.statuses.values())
-        while sum(load.statuses.values()) < n + 20:  # requests after the swap too
-            pass
+        load.wait_for(sum(load.statuses.values()) + 20)  # requests after the swap too
     assert load.statuses["lost"] == 0 and set(load.statuses) == {200}, (load.statuses, load.errors[:3])
     assert out["version"] == 2 and out["was"] == [1] and out["traffic"] == {"2": 100.0}
     assert out["gate"]["failures"] == [] and out["gate"]["samples"] >= 64
@@ -171,8 +176,7 @@ def test_canary_splits_traffic_then_rolls_back(served: Served) -> None:
         {str(live): ("READY", 50.0), str(live + 1): ("READY", 50.0)}
     before = calls_by_version(served.base)
     with Load(served.base) as load:
-        while sum(load.statuses.values()) < 60:
-            pass
+        load.wait_for(60)
     assert set(load.statuses) == {200}, load.errors[:3]
     after = calls_by_version(served.base)
     grew = {v: after.get(v, 0) - before.get(v, 0) for v in (str(live), str(live + 1))}
