@@ -580,6 +580,8 @@ def _error_cases(digit_png: bytes) -> list[tuple[str, str, dict, int, str]]:
         ("POST /v1/denoise", "?sigma=abc", {"content": digit_png, **raw}, 422, "invalid_parameter"),
         ("POST /v1/classify", "?top_k=0", {"content": digit_png, **raw}, 422, "invalid_parameter"),
         ("POST /v1/classify", "?top_k=11", {"content": digit_png, **raw}, 422, "invalid_parameter"),
+        *[("POST /v1/classify", f"?top_k={k}", {"content": digit_png, **raw}, 422, "invalid_parameter")
+          for k in ("2%20", "%2B2", "%D9%A2", "2_0")],  # a count is ASCII digits only
         ("POST /v1/classify", "?lam=nan", {"content": digit_png, **raw}, 422, "invalid_parameter"),
         ("POST /v1/classify", "?lam=-1", {"content": digit_png, **raw}, 422, "invalid_parameter"),
         ("POST /v1/classify", "?lam=inf", {"content": digit_png, **raw}, 422, "invalid_parameter"),

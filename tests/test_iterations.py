@@ -114,6 +114,8 @@ def test_gateway_routes_each_count_to_its_graph(gateway) -> None:
     ("iters=3", "serves 1, 2, 4, 8 iterations (trained: 2; got 3)"),
     ("iters=0", "at least 1"),
     ("iters=two", "whole number"),
+    ("iters=2%20", "digits 0-9 only"), ("iters=%2B2", "digits 0-9 only"), ("iters=%D9%A2", "digits 0-9 only"),
+    ("iters=2_0", "digits 0-9 only"),
 ])
 def test_gateway_refuses_a_count_the_card_does_not_list(gateway, query: str, message: str) -> None:
     body, _ = _digit(0)

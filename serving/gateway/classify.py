@@ -34,6 +34,7 @@ from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.image_graph import forward_errors, image_row, per_item
 from unroll.serving.gateway.iterations import ItersQuery, iteration_graph
 from unroll.serving.gateway.openapi import IMAGE_BODY, errors
+from unroll.serving.gateway.query import WholeNumber
 from unroll.serving.gateway.state import Gateway, GatewayDep, route_task, v1_router
 from unroll.serving.gateway.triton_client import TritonRejected, fit_shape
 from unroll.serving.imaging import images, prepare, wire
@@ -124,7 +125,7 @@ async def classify(
     request: Request,
     gw: GatewayDep,
     entry: ClassifierDep,
-    top_k: Annotated[int, Query(ge=1, description="How many labels to return (1…number of classes)",
+    top_k: Annotated[WholeNumber, Query(ge=1, description="How many labels to return (1…number of classes)",
                                 examples=[3])] = 5,
     lam: Annotated[str | None, Query(description="λ of the model's sparse-coding front end, for models whose card "
                                                  "declares one: a number within the card's bounds, or `auto` to "

@@ -13,6 +13,7 @@ from fastapi import Query
 
 from unroll.serving.gateway.catalog import Entry
 from unroll.serving.gateway.errors import ApiError
+from unroll.serving.gateway.query import ascii_digits
 from unroll.serving.gateway.state import Gateway
 
 #: The ``iters`` query parameter of the inference routes.
@@ -27,10 +28,10 @@ def parse_iters(raw: str | None) -> int | None:
     if raw is None:
         return None
     try:
-        k = int(raw.strip())
+        k = int(ascii_digits(raw))
     except ValueError:
-        raise ApiError(422, "invalid_parameter",
-                       f"iters: expected a whole number of iterations (got {raw!r})") from None
+        raise ApiError(422, "invalid_parameter", f"iters: expected a whole number of iterations written with the "
+                                                 f"digits 0-9 only (got {raw!r})") from None
     if k < 1:
         raise ApiError(422, "invalid_parameter", f"iters: at least 1 (got {k})")
     return k
