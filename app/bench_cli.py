@@ -232,24 +232,26 @@ def bench_quality(
 
 @handles_errors
 def bench_soak(
-    requests: Annotated[int, typer.Option(help="Mixed requests in all (tritonserver is killed halfway)")] = 10_000,
+    requests: Annotated[int, typer.Option(help="Mixed requests in all, spread over the rounds (more when a restart "
+                                                "is slow: a round ends once traffic has recovered)")] = 10_000,
     concurrency: Annotated[int, typer.Option(help="Clients in closed loop")] = 32,
+    rounds: Annotated[int, typer.Option(help="Kills per phase (each phase kills, waits for recovery, again)")] = 3,
     out: OutOpt = RESULTS,
 ) -> None:
-    """Traffic through a real `unroll serve` while parts of Triton are killed (SIGKILL).
+    """Traffic through a real `unroll serve` while parts of Triton are killed (SIGKILL), several times.
 
-    Phase 1: the denoiser's Python-backend process is killed under 512×512 denoise load. Phase 2: mixed
-    traffic with tritonserver killed halfway. Passes when no request is lost (each one succeeded or got the
-    documented 503), phase 1's 503s ended within 3 s of its kill, traffic went on after each restart, and no
-    process or /dev/shm region of any Triton server is left. Writes soak.json and soak.md (and the README's
-    soak paragraph when writing the committed results); exits 1 when the run did not pass.
+    Phase 1: the denoiser's Python-backend process is killed under 512×512 denoise load (once per round). Phase 2:
+    mixed traffic with tritonserver killed halfway through each round. Passes when no request is lost (each one
+    succeeded or got the documented 503), phase 1's 503s ended within 3 s of each kill, traffic went on after each
+    restart, and no process or /dev/shm region of any Triton server is left. Writes soak.json and soak.md (and the
+    README's soak paragraph when writing the committed results); exits 1 when the run did not pass.
     """
     from unroll.benchmarks import soak
 
-    if requests < 100 or concurrency < 1:
-        raise typer.BadParameter("--requests must be ≥ 100 and --concurrency ≥ 1")
+    if requests < 100 or concurrency < 1 or rounds < 1:
+        raise typer.BadParameter("--requests must be ≥ 100, --concurrency ≥ 1 and --rounds ≥ 1")
     with err.status("soak") as status:
-        payload = soak.run(requests, concurrency, out, progress=lambda m: status.update(m))
+        payload = soak.run(requests, concurrency, out, progress=lambda m: status.update(m), rounds=rounds)
     _wrote(out, ["soak"])
     err.print(soak.markdown(payload))
     if not payload["passed"]:

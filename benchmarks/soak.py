@@ -40,6 +40,10 @@ REQUEST_TIMEOUT_S = 60.0
 #: A client's pause after a 503 before its next request (the gateway advises Retry-After: 5 s; a short pause
 #: keeps the soak going through the outage instead of burning the remaining requests in a second).
 BACKOFF_ON_503_S = 0.25
+#: Requests that must succeed after a round's last failure before the next round (or the end).
+AFTER_RECOVERY = 100
+#: A round that has not recovered this long after its kill ends anyway (and the soak fails).
+ROUND_TIMEOUT_S = 60.0
 #: Share of the traffic per kind (the rest is /v1/models).
 MIX = {"classify": 0.55, "classify-auto": 0.15, "denoise": 0.25}
 
@@ -99,11 +103,13 @@ def _still_there(pids: set[int], grace_s: float) -> dict[str, str]:
 
 
 
-def start_serve(root: Path, models: list[str], log: Callable[[str], None]) -> ServeProcess:
-    """``python -m unroll.app.serve`` from ``root`` (its build/ and repository go there) on spare ports."""
+def start_serve(root: Path, models: list[str], log: Callable[[str], None],
+                settings: dict[str, str] | None = None) -> ServeProcess:
+    """``python -m unroll.app.serve`` from ``root`` (its build/ and repository go there) on spare ports; ``settings``:
+    ``UNROLL_*`` variables for it (none are inherited)."""
     port, http, grpc, metrics = free_ports(4)
     repo = root / artifacts.REPOSITORY_DIR.name
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UNROLL_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UNROLL_")} | (settings or {})
     env["PYTHONUNBUFFERED"] = "1"
     cmd = [sys.executable, "-m", "unroll.app.serve", "--models", ",".join(models), "--port", str(port),
            "--triton-http-port", str(http), "--triton-grpc-port", str(grpc), "--triton-metrics-port", str(metrics),
@@ -153,28 +159,30 @@ def _payloads(classifier: str, denoiser: str, n: int) -> dict[str, list[tuple[st
             "denoise": [(f"/v1/denoise?model={denoiser}&sigma=25", c) for c in crops]}
 
 
-async def _traffic(s: ServeProcess, payloads: dict, requests: int, concurrency: int, kill_at: int,
-                   log: Callable[[str], None]) -> tuple[list[dict], float | None]:
+async def _traffic(s: ServeProcess, payloads: dict, requests: int, concurrency: int, rounds: int,
+                   log: Callable[[str], None]) -> tuple[list[dict], list[dict]]:
+    """Mixed traffic with ``tritonserver`` killed once per round: every response, and each round's kill.
+
+    A round issues ``requests // rounds`` requests at least; its kill comes halfway, and the round ends once
+    :data:`AFTER_RECOVERY` requests started after its last failure have succeeded (so a slow restart lengthens the
+    round instead of leaving nothing to show recovery), or :data:`ROUND_TIMEOUT_S` after the kill."""
     import httpx
 
+    per_round = max(requests // rounds, 2)
     rng = np.random.default_rng(0)
-    kinds = rng.choice(list(MIX) + ["models"], size=requests, p=[*MIX.values(), 1 - sum(MIX.values())])
+    mix = list(MIX) + ["models"]
+    weights = [*MIX.values(), 1 - sum(MIX.values())]
     results: list[dict] = []
+    kills: list[dict] = []
     next_i = 0
-    killed_at: float | None = None
+    done = asyncio.Event()
 
     async def worker(client: httpx.AsyncClient) -> None:
-        nonlocal next_i, killed_at
-        while next_i < requests:
+        nonlocal next_i
+        while not done.is_set():
             i = next_i
             next_i += 1
-            if i == kill_at:
-                pid = s.triton_pid()
-                s.record()
-                os.kill(pid, signal.SIGKILL)
-                killed_at = time.perf_counter()
-                log(f"request {i}: kill -9 tritonserver (pid {pid})")
-            kind = str(kinds[i])
+            kind = str(rng.choice(mix, p=weights))
             t0 = time.perf_counter()
             try:
                 if kind == "models":
@@ -182,10 +190,7 @@ async def _traffic(s: ServeProcess, payloads: dict, requests: int, concurrency: 
                 else:
                     path, body = payloads[kind][i % len(payloads[kind])]
                     r = await client.post(path, content=body, headers={"Content-Type": "image/png"})
-                status, code = r.status_code, (r.json().get("error", {}).get("code") if r.status_code >= 400 and
-                                              r.headers.get("content-type", "").startswith("application/json")
-                                              else None)
-                retry_after = r.headers.get("retry-after")
+                status, code, retry_after = soak_stub.outcome(r)
             except httpx.HTTPError as e:
                 status, code, retry_after = None, type(e).__name__, None
             results.append({"i": i, "kind": kind, "status": status, "code": code, "retry_after": retry_after,
@@ -193,29 +198,74 @@ async def _traffic(s: ServeProcess, payloads: dict, requests: int, concurrency: 
             if status == 503:
                 await asyncio.sleep(BACKOFF_ON_503_S)
 
+    def recovered(since: float) -> bool:
+        last_failure = max((r["end"] for r in results if r["start"] >= since and not _succeeded(r)), default=since)
+        return sum(1 for r in results if r["start"] > last_failure and _succeeded(r)) >= AFTER_RECOVERY
+
+    async def conductor() -> None:
+        for k in range(rounds):
+            first, started = next_i, time.perf_counter()
+            while next_i - first < per_round // 2:
+                await asyncio.sleep(0.01)
+            pid = s.triton_pid()
+            s.record()
+            os.kill(pid, signal.SIGKILL)
+            at = time.perf_counter()
+            kills.append({"round": k, "started": started, "at": at, "at_request": next_i, "pid": pid})
+            log(f"round {k + 1}/{rounds}, request {next_i}: kill -9 tritonserver (pid {pid})")
+            while time.perf_counter() - at < ROUND_TIMEOUT_S and not (next_i - first >= per_round
+                                                                    and recovered(started)):
+                await asyncio.sleep(0.05)
+            kills[-1]["backoff_s"] = soak_stub.restart_backoff_s("".join(s.output))
+            s.record()  # the restarted server too
+        done.set()
+
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=s.base, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-    return sorted(results, key=lambda r: r["i"]), killed_at
+        await asyncio.gather(conductor(), *(worker(client) for _ in range(concurrency)))
+    return sorted(results, key=lambda r: r["i"]), kills
+
+
+def _succeeded(r: dict) -> bool:
+    return r["status"] is not None and r["status"] < 400
+
+
+def round_summary(results: list[dict], kill: dict, until: float | None) -> dict:
+    """One round's account: its requests are those started from the round's start until the next round's."""
+    mine = [r for r in results if r["start"] >= kill["started"] and (until is None or r["start"] < until)]
+    failed = [r for r in mine if not _succeeded(r)]
+    unavailable = [r for r in failed if r["status"] == 503]
+    lost = [r for r in failed if r["status"] != 503]
+    recovered_at = max((r["end"] for r in failed), default=kill["at"])
+    after = [r for r in mine if r["start"] > recovered_at]
+    return {"round": kill["round"] + 1, "kill_at_request": kill["at_request"], "requests": len(mine),
+            "ok": len(mine) - len(failed), "unavailable_503": len(unavailable),
+            "unavailable_with_retry_after": sum(1 for r in unavailable if r["retry_after"]),
+            "lost": len(lost), "lost_examples": [{k: r[k] for k in ("i", "kind", "status", "code")} for r in lost[:10]],
+            "recovery_s": round(recovered_at - kill["at"], 2), "restart_backoff_s": kill.get("backoff_s", 0.0),
+            "requests_after_recovery": len(after)}
 
 
 def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = Path("benchmarks/results"),
-        progress: Callable[[str], None] | None = None, stub_phase: bool = True) -> dict:
+        progress: Callable[[str], None] | None = None, stub_phase: bool = True, rounds: int = 1) -> dict:
     """The soak; returns the payload (and writes ``soak.json`` / ``soak.md`` into ``out_dir`` unless None).
 
-    ``stub_phase``: run phase 1 (the denoiser's backend process killed) before the mixed traffic."""
+    ``stub_phase``: run phase 1 (the denoiser's backend process killed) before the mixed traffic; ``rounds``: how many
+    times each phase kills (phase 2: ``requests`` spread over the rounds, see :func:`_traffic`)."""
     log = progress or (lambda m: None)
     classifier, denoiser = demo_model(tasks.CLASSIFICATION), demo_model(tasks.DENOISING)
     root = Path(tempfile.mkdtemp(prefix="unroll-soak-")).resolve()
     t_start = time.perf_counter()
     s = start_serve(root, [classifier, denoiser], log)
-    stub = None
+    stubs: list[dict] = []
     try:
         if stub_phase:
-            stub = soak_stub.run_phase(s, denoiser, log)
+            for k in range(rounds):
+                log(f"phase 1, round {k + 1}/{rounds}")
+                stubs.append(soak_stub.run_phase(s, denoiser, log))
         payloads = _payloads(classifier, denoiser, 1000)
-        log(f"{requests} requests at concurrency {concurrency}")
-        results, killed_at = asyncio.run(_traffic(s, payloads, requests, concurrency, requests // 2, log))
+        log(f"{requests} requests at concurrency {concurrency}, tritonserver killed {rounds} time(s)")
+        results, kills = asyncio.run(_traffic(s, payloads, requests, concurrency, rounds, log))
         s.record()  # the restarted server too
         serve_log = "".join(s.output)
     finally:
@@ -225,35 +275,37 @@ def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = Pa
     orphans = processes_with(str(root))
     shutil.rmtree(root, ignore_errors=True)
 
-    ok = [r for r in results if r["status"] is not None and r["status"] < 400]
-    failed = [r for r in results if r not in ok]
+    ends = [k["started"] for k in kills[1:]] + [None]
+    per_round = [round_summary(results, k, until) for k, until in zip(kills, ends, strict=True)]
+    ok = [r for r in results if _succeeded(r)]
+    failed = [r for r in results if not _succeeded(r)]
     unavailable = [r for r in failed if r["status"] == 503]
     lost = [r for r in failed if r["status"] != 503]
-    # recovered once the last failure has been answered: everything started later succeeded (by definition),
-    # so what proves recovery is how much traffic that was
-    recovered_at = max((r["end"] for r in failed), default=killed_at)
-    after_recovery = [r for r in results if recovered_at is not None and r["start"] > recovered_at]
     payload = {
         "machine": machine_info(threads=2),
-        "requests": requests, "concurrency": concurrency, "mix": {**MIX, "models": round(1 - sum(MIX.values()), 2)},
+        "requests": len(results), "concurrency": concurrency,
+        "mix": {**MIX, "models": round(1 - sum(MIX.values()), 2)},
         "models": {tasks.CLASSIFICATION: classifier, tasks.DENOISING: denoiser},
-        "kill": {"at_request": requests // 2, "signal": "SIGKILL", "target": "tritonserver"},
+        "kill": {"rounds": rounds, "signal": "SIGKILL", "target": "tritonserver",
+                 "at_requests": [k["at_request"] for k in kills]},
         "status_counts": dict(Counter(str(r["status"]) for r in results)),
         "error_codes": dict(Counter(r["code"] for r in results if r["code"])),
         "ok": len(ok), "unavailable_503": len(unavailable),
         "unavailable_with_retry_after": sum(1 for r in unavailable if r["retry_after"]),
         "lost": len(lost), "lost_examples": [{k: r[k] for k in ("i", "kind", "status", "code")} for r in lost[:10]],
-        "recovery_s": None if killed_at is None else round(recovered_at - killed_at, 2),
-        "requests_after_recovery": len(after_recovery),
+        "rounds": per_round,
+        # the slowest round's recovery and the fewest requests any round served after it
+        "recovery_s": max((r["recovery_s"] for r in per_round), default=None),
+        "requests_after_recovery": min((r["requests_after_recovery"] for r in per_round), default=0),
         "backoff_on_503_s": BACKOFF_ON_503_S,
         "left_processes": left, "orphans": {str(p): " ".join(a)[:200] for p, a in orphans.items()},
         "leaked_shm": leaked, "shm_regions_seen": len(s.regions),
         "restart_logged": "restart" in serve_log,
         "seconds": round(time.perf_counter() - t_start, 1),
-        "stub_kill": stub,
+        "stub_kills": stubs,
     }
-    payload["passed"] = (killed_at is not None and not lost and len(after_recovery) >= requests // 10
-                         and not left and not leaked and not orphans and (stub is None or stub["passed"]))
+    payload["passed"] = (len(kills) == rounds and not lost and payload["requests_after_recovery"] >= AFTER_RECOVERY
+                         and not left and not leaked and not orphans and all(p["passed"] for p in stubs))
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "soak.json").write_text(json.dumps(payload, indent=2) + "\n")
@@ -266,31 +318,39 @@ def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = Pa
 def markdown(p: dict) -> str:
     m = p["machine"]
     rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(p["status_counts"].items()))
-    stub = p.get("stub_kill")
+    stubs = p.get("stub_kills") or []
+    kill = p["kill"]
+    rounds = "\n".join(f"| {r['round']} | {r['kill_at_request']:,} | {r['ok']:,} | {r['unavailable_503']:,} | "
+                       f"**{r['lost']}** | {r['recovery_s']} | {r['restart_backoff_s']:g} | "
+                       f"{r['requests_after_recovery']:,} |" for r in p["rounds"])
+    title = (f"{p['requests']:,} mixed requests at concurrency {p['concurrency']}, tritonserver killed (SIGKILL) "
+             f"{kill['rounds']} time(s)")
     return "\n".join([
-        "# Soak: parts of Triton killed under load" if stub else
-        f"# Soak: {p['requests']:,} mixed requests at concurrency {p['concurrency']}, tritonserver killed "
-        f"(SIGKILL) at request {p['kill']['at_request']:,}",
+        "# Soak: parts of Triton killed under load" if stubs else f"# Soak: {title}",
         "",
         f"{m.get('cpu', '?')}, {m.get('logical_cores', '?')} cores; `unroll bench soak` ({p['seconds']} s), one "
         "`unroll serve` throughout.",
         "",
-        *(soak_stub.markdown(stub) if stub else []),
-        *([f"## Phase 2: {p['requests']:,} mixed requests at concurrency {p['concurrency']}, tritonserver killed "
-           f"(SIGKILL) at request {p['kill']['at_request']:,}", ""] if stub else []),
+        *[line for k, stub in enumerate(stubs) for line in soak_stub.markdown(stub, k + 1, len(stubs))],
+        *([f"## Phase 2: {title}", ""] if stubs else []),
         f"Models: {p['models'][tasks.CLASSIFICATION]} (trained λ and lam=auto), {p['models'][tasks.DENOISING]} (64×64 "
-        "crops, σ=25), and /v1/models.",
+        "crops, σ=25), and /v1/models. Each round kills tritonserver halfway through its requests and lasts until "
+        f"{AFTER_RECOVERY} requests started after its last failure have succeeded.",
         "",
         "| status | requests |", "|---|---|", rows, "",
+        "| round | killed at request | succeeded | 503 | lost | last 503 after the kill (s) | of which the "
+        "supervisor's backoff (s) | succeeded after it |",
+        "|---|---|---|---|---|---|---|---|", rounds, "",
         f"- succeeded: {p['ok']:,}; answered 503 (Triton unavailable): {p['unavailable_503']:,} "
         f"({p['unavailable_with_retry_after']:,} with Retry-After)",
         f"- **lost** (neither success nor 503: other 5xx, timeouts, dropped connections): **{p['lost']}**",
-        f"- last 503 answered {p['recovery_s']} s after the kill; every one of the {p['requests_after_recovery']:,} "
-        f"requests started after it succeeded (clients pause {p['backoff_on_503_s']} s after a 503)",
+        f"- the slowest round answered its last 503 {p['recovery_s']} s after its kill; every request started after a "
+        f"round's last 503 succeeded (at least {p['requests_after_recovery']:,} per round; clients pause "
+        f"{p['backoff_on_503_s']} s after a 503)",
         f"- after stopping: processes of any Triton server left: {len(p['left_processes'])}; orphans under the run's "
         f"folder: {len(p['orphans'])}; leaked /dev/shm regions: {len(p['leaked_shm'])} of "
         f"{p['shm_regions_seen']} seen (every server of the run)",
-        f"- **{'passed' if p['passed'] else 'FAILED'}**" + (" (both phases)" if stub else ""),
+        f"- **{'passed' if p['passed'] else 'FAILED'}**" + (" (both phases)" if stubs else ""),
         "",
     ])
 
@@ -302,21 +362,26 @@ README_BEGIN, README_END = "<!-- soak: generated from benchmarks/results/soak.js
 def readme_paragraph(p: dict) -> str:
     """The README's summary of a soak payload (numbers from the results, never typed by hand)."""
     text = ""
-    stub = p.get("stub_kill")
-    if stub:
+    stubs = p.get("stub_kills") or []
+    if stubs:
+        first = stubs[0]
         text += (f"**Soak** ([`soak.md`](benchmarks/results/soak.md), `unroll bench soak`), one real `unroll serve`. "
-                 f"Phase 1: {stub['clients']} clients denoising {stub['image']} images, the denoiser's "
-                 f"Python-backend stub killed (SIGKILL): {stub['ok']:,} succeeded, {stub['unavailable_503']:,} got 503 "
-                 f"with `Retry-After`, **{stub['lost']} lost**; the last 503 came **{stub['unavailable_s']} s** after "
-                 f"the kill (target ≤ {stub['target_503_s']:g} s)"
-                 + (", tritonserver replaced by the supervisor" if stub["triton_replaced"] else "") + ". Phase 2: ")
+                 f"Phase 1, {len(stubs)} time(s): {first['clients']} clients denoising {first['image']} images, the "
+                 f"denoiser's Python-backend stub killed (SIGKILL): {sum(x['ok'] for x in stubs):,} succeeded, "
+                 f"{sum(x['unavailable_503'] for x in stubs):,} got 503 with `Retry-After`, "
+                 f"**{sum(x['lost'] for x in stubs)} lost**; the last 503 came at most "
+                 f"**{max(x['unavailable_net_s'] for x in stubs)} s** after a kill, not counting the supervisor's "
+                 f"crash-loop backoff of up to {max(x['restart_backoff_s'] for x in stubs):g} s between rounds "
+                 f"(target ≤ {first['target_503_s']:g} s)"
+                 + (", tritonserver replaced by the supervisor" if all(x["triton_replaced"] for x in stubs) else "")
+                 + ". Phase 2: ")
     else:
         text += "**Soak** ([`soak.md`](benchmarks/results/soak.md), `unroll bench soak`): "
     text += (f"{p['requests']:,} mixed requests (classify with the trained λ and with `lam=auto`, denoise 64×64 "
-             f"crops, `/v1/models`) at concurrency {p['concurrency']}, `tritonserver` killed (SIGKILL) at request "
-             f"{p['kill']['at_request']:,}: {p['ok']:,} succeeded, {p['unavailable_503']:,} got 503 with "
-             f"`Retry-After`, **{p['lost']} lost**; the last 503 came {p['recovery_s']} s after the kill and all "
-             f"{p['requests_after_recovery']:,} requests started after it succeeded (clients pause "
+             f"crops, `/v1/models`) at concurrency {p['concurrency']}, `tritonserver` killed (SIGKILL) "
+             f"{p['kill']['rounds']} time(s): {p['ok']:,} succeeded, {p['unavailable_503']:,} got 503 with "
+             f"`Retry-After`, **{p['lost']} lost**; the last 503 came at most {p['recovery_s']} s after a kill "
+             f"(backoff included) and every request started after it succeeded (clients pause "
              f"{p['backoff_on_503_s']} s after a 503). After stopping, "
              + ("no process and no `/dev/shm` region of any of its Triton servers was left."
                 if not (p["left_processes"] or p["orphans"] or p["leaked_shm"]) else

@@ -1,6 +1,7 @@
 """A small soak (the committed one is `unroll bench soak`, 10,000 requests): real `unroll serve`, phase 1 kills the
 denoiser's Python-backend stub under 512×512 denoise load (issue 22: Triton crashed), phase 2 sends mixed traffic at
-concurrency 32 and kills tritonserver halfway; nothing lost, traffic recovers, nothing left behind."""
+concurrency 32 and kills tritonserver halfway through each round; three rounds of each, nothing lost in any, traffic
+recovers each time, nothing left behind."""
 
 from __future__ import annotations
 
@@ -13,39 +14,49 @@ from unroll.benchmarks import soak, soak_stub
 SHARED_MACHINE_MARGIN = 1.5
 
 
+#: Kills per phase in the test: the lost request of issue 42 showed once in a thousand; each round is a new chance.
+ROUNDS = 3
+
+
 @pytest.mark.triton
 @pytest.mark.slow
-def test_soak_with_a_killed_backend_process_and_a_killed_triton_loses_nothing_and_leaves_nothing() -> None:
-    p = soak.run(requests=1_000, concurrency=32, out_dir=None)
-    summary = {k: p[k] for k in ("status_counts", "error_codes", "lost_examples", "recovery_s",
-                                 "requests_after_recovery", "left_processes", "orphans", "leaked_shm")}
-    stub = p["stub_kill"]
-    assert stub is not None and stub["kill"]["done"], stub
-    # phase 1: the dead backend process costs 503s (with Retry-After) for a short while, never a lost request
-    assert stub["lost"] == 0, stub
-    assert stub["unavailable_503"] == stub["unavailable_with_retry_after"], stub
-    assert stub["unavailable_s"] <= SHARED_MACHINE_MARGIN * soak_stub.TARGET_503_S, stub
-    assert stub["requests_after_recovery"] >= soak_stub.SERVED_AFTER, stub
-    assert stub["triton_replaced"] and stub["stub_loss_logged"], stub  # the supervisor acted, not luck
-    # phase 2: tritonserver killed
+def test_soak_with_killed_backend_processes_and_killed_tritons_loses_nothing_and_leaves_nothing() -> None:
+    p = soak.run(requests=3_000, concurrency=32, out_dir=None, rounds=ROUNDS)
+    summary = {k: p[k] for k in ("status_counts", "error_codes", "lost_examples", "rounds", "left_processes",
+                                 "orphans", "leaked_shm")}
+    stubs = p["stub_kills"]
+    assert len(stubs) == ROUNDS, stubs
+    for stub in stubs:  # phase 1: each dead backend process costs 503s (Retry-After) for a while, never a request
+        assert stub["kill"]["done"] and stub["lost"] == 0, stub
+        assert stub["unavailable_503"] == stub["unavailable_with_retry_after"], stub
+        assert stub["unavailable_net_s"] <= SHARED_MACHINE_MARGIN * soak_stub.TARGET_503_S, stub
+        assert stub["requests_after_recovery"] >= soak_stub.SERVED_AFTER, stub
+        assert stub["triton_replaced"] and stub["stub_loss_logged"], stub  # the supervisor acted, not luck
+    # phase 2: tritonserver killed once per round, nothing lost in any
+    assert len(p["rounds"]) == ROUNDS and all(r["lost"] == 0 for r in p["rounds"]), summary
     assert p["lost"] == 0, summary
     assert p["unavailable_503"] == p["unavailable_with_retry_after"], summary  # every 503 says when to retry
-    assert p["requests_after_recovery"] >= 100 and p["recovery_s"] < 15, summary
+    assert all(r["requests_after_recovery"] >= soak.AFTER_RECOVERY and r["recovery_s"] - r["restart_backoff_s"] < 15
+               for r in p["rounds"]), summary
     assert not p["left_processes"] and not p["orphans"] and not p["leaked_shm"], summary
     assert p["restart_logged"] and p["shm_regions_seen"] > 0, summary
 
 
-def test_committed_soak_results_show_phase_1_met_its_target() -> None:
-    """The committed run (benchmarks/results/soak.json, what the README quotes) passed both phases."""
+def test_committed_soak_results_show_both_phases_met_their_targets() -> None:
+    """The committed run (benchmarks/results/soak.json, what the README quotes) passed both phases in every round."""
     import json
 
     from unroll.benchmarks.common import RESULTS
 
     p = json.loads((RESULTS / "soak.json").read_text())
-    stub = p.get("stub_kill")
-    assert stub is not None, "soak.json predates the backend-process phase: rerun `unroll bench soak`"
-    assert stub["lost"] == 0 and stub["unavailable_s"] <= stub["target_503_s"] == soak_stub.TARGET_503_S, stub
-    assert stub["passed"] and p["passed"], {k: p[k] for k in ("lost", "recovery_s", "left_processes", "leaked_shm")}
+    stubs = p.get("stub_kills")
+    assert stubs, "soak.json predates the rounds of the backend-process phase: rerun `unroll bench soak`"
+    assert len(stubs) == len(p["rounds"]) == p["kill"]["rounds"] >= 3, p["kill"]
+    for stub in stubs:
+        assert stub["lost"] == 0 and stub["unavailable_net_s"] <= stub["target_503_s"] == soak_stub.TARGET_503_S, stub
+    assert all(r["lost"] == 0 for r in p["rounds"]) and p["lost"] == 0, p["rounds"]
+    assert all(s["passed"] for s in stubs) and p["passed"], {k: p[k] for k in ("lost", "recovery_s",
+                                                                                "left_processes", "leaked_shm")}
 
 
 def test_readme_soak_paragraph_is_the_one_generated_from_the_committed_results() -> None:

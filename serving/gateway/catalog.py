@@ -139,6 +139,11 @@ class Catalog:
                 snap = self._snapshot = await self._discover()
             return snap
 
+    @property
+    def last_known(self) -> Snapshot | None:
+        """The catalog as last read from Triton (``None`` before the first read), whatever Triton's state now."""
+        return self._snapshot
+
     def invalidate(self) -> None:
         """Re-read Triton at the next request: what it serves changed under us (a version was unloaded)."""
         self._dirty = True

@@ -50,9 +50,11 @@ class HttpSettings(BaseSettings):
     max_connections: int = Field(1024, ge=1)
     """Client connections open at once, per gateway process; one more is answered 503 ``too_many_connections``
     (JSON) and closed at once, before it sends anything."""
-    keep_alive_s: float = Field(5.0, gt=0, allow_inf_nan=False)
-    """How long an idle kept-alive connection stays open between requests (and how long a body the app answered
-    without reading may still take to arrive)."""
+    keep_alive_s: float = Field(75.0, gt=0, allow_inf_nan=False)
+    """How long an idle kept-alive connection stays open between requests. Longer than the idle expiry of the
+    clients and proxies in front (httpx 5 s, aiohttp 15 s, load balancers 60 s): the side that closes an idle
+    connection first must be the client, else a request sent as the server closes is lost on the wire (RFC 9112
+    §9.3.1). An idle connection holds no body and no slot; ``max_connections`` bounds them."""
     access_log: bool = False
     """One JSON line per request on stdout (``method``, ``path``, ``status``, ``ms``, ``client``, ``bytes``,
     ``request_id``); off by

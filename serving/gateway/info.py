@@ -1,15 +1,18 @@
 """``GET /v1/models``: what this gateway serves (with each model's card and Triton's tensors), and what it does
-not serve, with the reason (no card, a λ rule, a solver block, not loaded, not configured)."""
+not serve, with the reason (no card, a λ rule, a solver block, not loaded, not configured). While Triton cannot be
+read, the last catalog read, marked stale: a client listing models always gets an answer."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from unroll import tasks
 from unroll.serving.gateway.catalog import Entry, routed_tasks
 from unroll.serving.gateway.openapi import API_VERSION, errors
 from unroll.serving.gateway.state import GatewayDep, v1_router
+from unroll.serving.gateway.triton_client import TritonError
 
 router = v1_router()
 
@@ -17,15 +20,31 @@ router = v1_router()
 @router.get("/models", tags=["info"], summary="What this gateway serves (cards, Triton's tensors) and what it does "
                                               "not, with the reason", responses=errors(503, 504))
 async def models(gw: GatewayDep) -> dict[str, Any]:
-    snap = await gw.catalog.snapshot()
+    """The catalog read from Triton now; while Triton cannot be read, the last one read, marked so (``triton.ready``
+    false, its ``error`` and the catalog's age), with every model not ready; 503 when Triton was never read."""
     t = gw.settings.ready_timeout_s
+    triton: dict[str, Any] = {"protocol": gw.settings.triton_protocol, "ready": True}
+    last = gw.catalog.last_known
+    try:  # with a catalog to fall back on, a slow Triton is waited for ready_timeout_s (the read goes on meanwhile)
+        fresh = asyncio.ensure_future(gw.catalog.snapshot())
+        fresh.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure nobody waits for is not logged
+        snap = await (asyncio.wait_for(asyncio.shield(fresh), t) if last is not None else fresh)
+    except (TritonError, TimeoutError) as e:
+        if last is None:
+            raise
+        snap = last
+        triton.update(ready=False, error=str(e) or f"Triton did not list its models within {t:g} s",
+                      catalog_age_s=round(time.monotonic() - last.taken_at, 1))
     served = [(task, i, snap.entries[name]) for task in routed_tasks() for i, name in enumerate(snap.served(task))]
-    ready = await asyncio.gather(*(gw.backend.model_ready(e.name, t) for _, _, e in served))
+    ready = [False] * len(served)
+    if triton["ready"]:
+        up, *ready = await asyncio.gather(gw.backend.server_ready(t), *(gw.backend.model_ready(e.name, t)
+                                                                         for _, _, e in served))
+        triton["ready"] = up
     out = [_served(e, task, default=i == 0, ready=ok) for (task, i, e), ok in zip(served, ready, strict=True)]
     others = [{"name": e.name, "task": e.task, "state": e.state, "reason": e.reason}
               for e in snap.entries.values() if not e.served]
-    return {"api_version": API_VERSION, "triton": {"protocol": gw.settings.triton_protocol, "ready": True},
-            "models": out, "not_served": others}
+    return {"api_version": API_VERSION, "triton": triton, "models": out, "not_served": others}
 
 
 def _served(e: Entry, task: str, default: bool, ready: bool) -> dict[str, Any]:

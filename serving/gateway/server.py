@@ -20,8 +20,10 @@ Each refusal is counted in ``unroll_gateway_http_refused_total{status, code}`` (
 An HTTP/1.0 client that asks for keep-alive gets it (uvicorn would close), so HTTP/1.0 load generators such as
 ``ab -k`` measure the server, not a TCP handshake per request.
 
-A request body the app answered without reading may then be sent for ``keep_alive_s`` at most (the drain timer),
-not forever. The body's own limits (idle gap, upload deadline, uploads at once) hold at the ASGI level
+A request body the app answered without reading may then be sent for ``body_idle_timeout_s`` at most (the drain
+timer), not forever. A kept-alive connection whose idle time ends in the same event-loop turn as its next request
+arrives is not closed under that request (:meth:`GatewayProtocol.timeout_keep_alive_handler`). The body's own
+limits (idle gap, upload deadline, uploads at once) hold at the ASGI level
 (:mod:`.body`, :class:`~.state.Uploads`). With ``access_log`` on, one JSON line per request goes to stdout
 (:class:`AccessLog`, installed only then: nothing is spent on it when off). :func:`uvicorn_options` gives the
 ``uvicorn.run`` / ``uvicorn.Config`` arguments: this protocol, the uvloop event loop, uvicorn's own access log off.
@@ -30,9 +32,11 @@ not forever. The body's own limits (idle gap, upload deadline, uploads at once) 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import http
 import logging
 import sys
+import termios
 import time
 from typing import Any, ClassVar
 
@@ -176,8 +180,8 @@ class GatewayProtocol(HttpToolsProtocol):
             if r is not None:
                 self._refuse(r)
         elif self._in_body and self.cycle.response_complete and self._drain_timer is None:
-            # answered; the rest of an unread body gets keep_alive_s, not forever
-            self._drain_timer = self.loop.call_later(self.limits.keep_alive_s, self.transport.close)
+            # answered; the rest of an unread body may still trickle in for one idle gap, not forever
+            self._drain_timer = self.loop.call_later(self.limits.body_idle_timeout_s, self.transport.close)
 
     # Parser callbacks: a Refusal raised here stops the parser; data_received answers it.
 
@@ -249,6 +253,16 @@ class GatewayProtocol(HttpToolsProtocol):
                 write_access(method, getattr(self, "url", b"")[:256].decode("latin-1") or None, r.status, None,
                              self.client, len(error_body(r.code, r.message)))
 
+    def timeout_keep_alive_handler(self) -> None:
+        """Close an idle kept-alive connection, unless its next request is already waiting in the socket.
+
+        uvloop runs due timers before it reads: a request that arrived while the loop was busy, in the turn the idle
+        time ran out, would be cut off unanswered (the client sees the connection close, not an answer: a lost
+        request). Bytes waiting are read in this turn instead, and the timer is armed again after their answer."""
+        if not self.transport.is_closing() and _bytes_waiting(self.transport) > 0:
+            return
+        super().timeout_keep_alive_handler()
+
     def _stop_drain(self) -> None:
         if self._drain_timer is not None:
             self._drain_timer.cancel()
@@ -271,6 +285,16 @@ class GatewayProtocol(HttpToolsProtocol):
             self._refuse(Refusal(408, "request_timeout", "request headers not complete within "
                                                          f"{self.limits.header_timeout_s:g} s"))
         self.transport.close()
+
+
+def _bytes_waiting(transport: asyncio.Transport) -> int:
+    """Bytes received on ``transport``'s socket and not yet read (Linux ``FIONREAD``; 0 when it cannot be asked)."""
+    sock = transport.get_extra_info("socket")
+    try:
+        buf = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except (AttributeError, OSError, ValueError):
+        return 0
+    return int.from_bytes(buf, sys.byteorder, signed=True)
 
 
 def _peer(client: tuple[str, int] | None) -> str:
