@@ -48,7 +48,7 @@ from unroll.app.triton_cli import repo, triton
 from unroll.app.trt_cli import build
 from unroll.errors import ExportError, QuantizeError, UnrollError
 from unroll.registry import REGISTRY, get_spec, list_models
-from unroll.train import TrainRun, parse_options, recipe_module
+from unroll.train import SLICE_KEY, TrainRun, parse_options, recipe_module, record_evaluation
 
 app = typer.Typer(help="Deploy and serve vision models whose layers are fixed-iteration optimization solvers.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -163,7 +163,8 @@ def evaluate(
     """Recompute a model's metrics from its committed weights with its recipe and print them.
 
     The recipe's evaluation options follow NAME (`--recipe-help` lists them). With --write, the fields it
-    recomputed replace those in the committed record's `metrics`, so every number there comes from code.
+    recomputed replace those in the committed record's `metrics`, so every number there comes from code; with
+    `--slice` (the recipe's fixed slice), its numbers replace the record's `slice_metrics` instead.
     """
     module, options = _recipe(name, [] if recipe_help else ctx.args, "EVAL_OPTIONS")
     if recipe_help:
@@ -182,9 +183,9 @@ def evaluate(
     for line in result.lines:
         console.print(escape(line))
     if write:
-        record["metrics"] = {**record.get("metrics", {}), **result.metrics}
-        spec.info_path.write_text(json.dumps(record, indent=2) + "\n")
-        console.print(f"wrote {', '.join(result.metrics)} into {spec.info_path}")
+        spec.info_path.write_text(json.dumps(record_evaluation(record, result), indent=2) + "\n")
+        where = f"{SLICE_KEY} ({result.slice})" if result.slice is not None else "metrics"
+        console.print(f"wrote {', '.join(result.metrics)} into {spec.info_path}'s {where}")
 
 
 def _print_export(result, prefix: str = "") -> None:

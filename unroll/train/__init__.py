@@ -4,7 +4,9 @@ A model names its recipe where it is registered (``recipe="unroll.train.<module>
 model. A recipe module defines ``TRAIN_OPTIONS`` / ``EVAL_OPTIONS`` (:class:`Option` tuples), ``train(run, **options)
 -> (model, record)`` (seeded, from scratch) and ``evaluate(name, model, record, progress, **options) ->
 Evaluation``, which recomputes the record's metrics so that every number in ``unroll/weights/NAME.json`` comes from
-code. No stage after training imports this package.
+code. Every recipe's ``EVAL_OPTIONS`` has ``slice`` (:func:`slice_option`): the same evaluation on a fixed, small
+part of its data, whose numbers ``unroll eval NAME --slice --write`` records apart (:data:`SLICE_KEY`), so that a
+test can check in seconds what the whole evaluation checks in minutes. No stage after training imports this package.
 """
 
 from __future__ import annotations
@@ -76,6 +78,12 @@ class Option:
         return f"{spelling}: {self.help} [default: {self.default}]"
 
 
+def slice_option(description: str) -> Option:
+    """The ``--slice`` evaluation option every recipe has, with its slice described."""
+    return Option("slice", False, f"evaluate on a fixed slice only ({description}); its numbers are recorded apart, "
+                                  f"in NAME.json's {SLICE_KEY}")
+
+
 @dataclass(frozen=True)
 class TrainRun:
     """Settings every recipe takes (the CLI's own options), and the progress bar factory."""
@@ -103,6 +111,21 @@ class Evaluation:
     metrics: dict[str, Any]
     lines: list[str] = field(default_factory=list)
     tables: list[Table] = field(default_factory=list)
+    #: The fixed slice evaluated (its description) when ``evaluate`` ran with ``slice=True``; ``None``: all the data.
+    slice: str | None = None
+
+
+#: The record's key for the metrics measured on the recipe's fixed slice: ``{"slice": description, "metrics": {...}}``
+#: (``unroll eval NAME --slice --write`` writes it; the full evaluation's numbers stay in ``metrics``).
+SLICE_KEY = "slice_metrics"
+
+
+def record_evaluation(record: dict, result: Evaluation) -> dict:
+    """``record`` with ``result`` written in: a full evaluation's fields replace those in ``metrics``; a slice's
+    numbers replace :data:`SLICE_KEY`."""
+    if result.slice is not None:
+        return {**record, SLICE_KEY: {"slice": result.slice, "metrics": result.metrics}}
+    return {**record, "metrics": {**record.get("metrics", {}), **result.metrics}}
 
 
 def recipe_module(name: str) -> ModuleType:

@@ -21,7 +21,7 @@ from unroll import data
 from unroll.baselines import bm3d_psnr
 from unroll.metrics import psnr
 from unroll.models.denoiser import CSCDenoiser
-from unroll.train import Evaluation, Option, ProgressFactory, Table, TrainRun, counted
+from unroll.train import Evaluation, Option, ProgressFactory, RecipeError, Table, TrainRun, counted, slice_option
 
 EVAL_SIGMAS = (15.0, 25.0, 50.0)
 
@@ -135,17 +135,34 @@ def denoise_array(model: torch.nn.Module, noisy: np.ndarray, sigma255: float) ->
     return model(x, torch.tensor([sigma255 / 255.0])).numpy()[0, 0]
 
 
+#: The fixed slice of ``unroll eval NAME --slice``: every image of every set at every σ, cut to its central
+#: window of at most this side after the whole image's seeded noise is added (the window is what is denoised).
+SLICE_WINDOW = 96
+SLICE_DESCRIPTION = (f"the central {SLICE_WINDOW}x{SLICE_WINDOW} window (or less) of every image of every set at "
+                     "every sigma, cut from the whole image with its seeded noise")
+
+
+def _centre(img: np.ndarray, side: int) -> np.ndarray:
+    h, w = img.shape[-2:]
+    y, x = (h - min(h, side)) // 2, (w - min(w, side)) // 2
+    return img[..., y:y + min(h, side), x:x + min(w, side)]
+
+
 def psnr_table(model: torch.nn.Module, sigmas: tuple[float, ...] = EVAL_SIGMAS,
                images: dict[str, np.ndarray] | None = None,
-               tick: Callable[[], None] = lambda: None) -> dict[str, dict[str, float]]:
+               tick: Callable[[], None] = lambda: None, window: int | None = None) -> dict[str, dict[str, float]]:
     """Per-σ PSNR on the held-out images (same seeded noise as every other method); ``tick()`` after each
-    (σ, image) denoised, ``len(sigmas) × len(images)`` in all."""
+    (σ, image) denoised, ``len(sigmas) × len(images)`` in all. ``window`` (:data:`SLICE_WINDOW`) denoises and
+    measures only each image's central window of that side, cut after the whole image's noise is added."""
     images = images if images is not None else data.denoise_test_set()
     out: dict[str, dict[str, float]] = {}
     for s in sigmas:
         per = {}
         for n, img in images.items():
-            per[n] = psnr(img, denoise_array(model, data.add_noise(img, s, data.noise_seed(n, s)), s))
+            noisy = data.add_noise(img, s, data.noise_seed(n, s))
+            if window is not None:
+                img, noisy = _centre(img, window), _centre(noisy, window)
+            per[n] = psnr(img, denoise_array(model, noisy, s))
             tick()
         out[f"{s:g}"] = {"mean": float(np.mean(list(per.values()))), **per}
     return out
@@ -166,7 +183,8 @@ TRAIN_OPTIONS = (
     Option("device", "cpu", "cpu or cuda"),
     Option("batch", 128, "patches per step"),
 )
-EVAL_OPTIONS = (Option("bm3d", False, "also run BM3D on the same noisy test images (minutes on a CPU)"),)
+EVAL_OPTIONS = (Option("bm3d", False, "also run BM3D on the same noisy test images (minutes on a CPU)"),
+                slice_option(SLICE_DESCRIPTION))
 #: A test image where the denoiser trails BM3D by more than this (dB, at any σ) is listed by ``--bm3d``.
 BM3D_SHORTFALL_DB = 0.5
 
@@ -191,22 +209,26 @@ def train(run: TrainRun, minutes: float = 8.0, device: str = "cpu", batch: int =
 
 
 def evaluate(name: str, model: torch.nn.Module, record: dict, progress: ProgressFactory,
-             bm3d: bool = False) -> Evaluation:
+             bm3d: bool = False, slice: bool = False) -> Evaluation:
     """Mean and per-image PSNR on the test images (``metrics.psnr``, ``psnr_per_image``, ``protocol``), and on the
     validation and stress sets (``metrics.validation`` / ``metrics.stress``: ``psnr``, ``psnr_per_image``);
     with ``bm3d`` also BM3D's on the same noisy test images (``bm3d_psnr``, ``bm3d_psnr_per_image``) and the test
-    images where the model trails it by more than :data:`BM3D_SHORTFALL_DB` (``bm3d_shortfall``)."""
+    images where the model trails it by more than :data:`BM3D_SHORTFALL_DB` (``bm3d_shortfall``). With ``slice``
+    the same (BM3D aside) on each image's central window (:data:`SLICE_WINDOW`) only."""
+    if slice and bm3d:
+        raise RecipeError("--bm3d measures the whole test images: not with --slice")
+    window = SLICE_WINDOW if slice else None
     images = data.denoise_test_set()
     n = len(EVAL_SIGMAS) * len(images)
     with counted(progress, f"denoising the held-out images ({name})", n) as tick:
-        ours = psnr_table(model, EVAL_SIGMAS, images, tick)
+        ours = psnr_table(model, EVAL_SIGMAS, images, tick, window)
     metrics: dict = {"psnr": _means(ours), "psnr_per_image": _per_image(ours),
                      "protocol": PROTOCOL.format(n=len(images), device="CPU")}
     others = {}
     for role, ds in (("validation", "denoise-validation"), ("stress", "denoise-stress")):
         role_images = data.dataset(ds).load()
         with counted(progress, f"denoising the {role} images ({name})", len(EVAL_SIGMAS) * len(role_images)) as tick:
-            t = psnr_table(model, EVAL_SIGMAS, role_images, tick)
+            t = psnr_table(model, EVAL_SIGMAS, role_images, tick, window)
         others[role] = t
         metrics[role] = {"data": ds, "psnr": _means(t), "psnr_per_image": _per_image(t)}
     ref, source = record.get("metrics", {}).get("bm3d_psnr", {}), "from the committed record (--bm3d recomputes)"
@@ -217,6 +239,8 @@ def evaluate(name: str, model: torch.nn.Module, record: dict, progress: Progress
         metrics["bm3d_psnr"], metrics["bm3d_psnr_per_image"] = _means(theirs), _per_image(theirs)
         ref, source = metrics["bm3d_psnr"], "measured now"
     theirs_per = metrics.get("bm3d_psnr_per_image") or record.get("metrics", {}).get("bm3d_psnr_per_image", {})
+    if slice:  # the record's BM3D numbers are the whole images'
+        ref, theirs_per, source = {}, {}, "not on the slice (whole images only)"
     if bm3d:
         metrics["bm3d_shortfall"] = {
             img: {s: round(metrics["psnr_per_image"][s][img] - theirs_per[s][img], 3) for s in theirs_per}
@@ -244,7 +268,7 @@ def evaluate(name: str, model: torch.nn.Module, record: dict, progress: Progress
         lines.append(f"test images trailing BM3D by more than {BM3D_SHORTFALL_DB} dB at some σ: " + (
             "; ".join(f"{img} (" + ", ".join(f"σ={s}: {d:+.2f}" for s, d in v.items()) + ")"
                       for img, v in short.items()) or "none"))
-    return Evaluation(metrics=metrics, tables=tables, lines=lines)
+    return Evaluation(metrics=metrics, tables=tables, lines=lines, slice=SLICE_DESCRIPTION if slice else None)
 
 
 def _means(table: dict[str, dict[str, float]]) -> dict[str, float]:

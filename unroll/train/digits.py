@@ -22,7 +22,7 @@ from unroll.models.dic_vit import refresh_dic
 from unroll.models.digits import parameter_count
 from unroll.registry import get_spec
 from unroll.solvers.iterations import iteration_count, set_iterations
-from unroll.train import Evaluation, Option, ProgressFactory, Table, TrainRun, counted
+from unroll.train import Evaluation, Option, ProgressFactory, Table, TrainRun, counted, slice_option
 from unroll.train.mnist import fit_digits
 
 EPOCHS, LR = 30, 4e-3
@@ -41,8 +41,19 @@ SELECTION = ("weights of the epoch with the best validation accuracy (ties: the 
              "and learning rate were chosen on validation accuracy (pilot); the test digits are reported only")
 
 
-def _roles() -> dict[str, tuple[torch.Tensor, object]]:
-    return {r: (torch.from_numpy(x), y) for r, (x, y) in data.mnist_roles().items() if r != "train"}
+#: The fixed slice of ``unroll eval NAME --slice``: the first digits of the validation and of the test split.
+SLICE = {"validation": 100, "test": 100}
+SLICE_DESCRIPTION = f"the first {SLICE['validation']} validation and {SLICE['test']} test digits, every iteration count"
+
+
+def _roles(first: dict[str, int] | None = None) -> dict[str, tuple[torch.Tensor, object]]:
+    """The validation and test digits (``first``: only the first of each, e.g. :data:`SLICE`)."""
+    out = {}
+    for role, (x, y) in data.mnist_roles().items():
+        if role != "train":
+            n = len(y) if first is None else first[role]
+            out[role] = (torch.from_numpy(x[:n]), y[:n])
+    return out
 
 
 def _ready(model: torch.nn.Module) -> torch.nn.Module:
@@ -58,7 +69,7 @@ TRAIN_OPTIONS = (Option("epochs", EPOCHS,
                  Option("lr", LR, "peak learning rate of the one-cycle schedule"),
                  Option("threads", THREADS, "PyTorch threads while training: the same number gives the same weights "
                                             "on any machine (float sums split across threads round differently)"))
-EVAL_OPTIONS: tuple[Option, ...] = ()
+EVAL_OPTIONS = (slice_option(SLICE_DESCRIPTION),)
 
 
 def train(run: TrainRun, epochs: int = EPOCHS, lr: float = LR, threads: int = THREADS) -> tuple[torch.nn.Module, dict]:
@@ -107,10 +118,12 @@ def _counts(name: str, model: torch.nn.Module) -> tuple[int | None, tuple[int, .
     return trained, tuple(sorted({*iters.served, trained}))
 
 
-def evaluate(name: str, model: torch.nn.Module, record: dict, progress: ProgressFactory) -> Evaluation:
+def evaluate(name: str, model: torch.nn.Module, record: dict, progress: ProgressFactory,
+             slice: bool = False) -> Evaluation:
     """Validation and test accuracy (``metrics.validation_accuracy``, ``metrics.test_accuracy``) and, for a model
-    whose card serves several iteration counts, both at each count (``metrics.iterations``)."""
-    roles = _roles()
+    whose card serves several iteration counts, both at each count (``metrics.iterations``); with ``slice`` the same
+    on :data:`SLICE` only."""
+    roles = _roles(SLICE if slice else None)
     _ready(model)
     trained, counts = _counts(name, model)
     others = [k for k in counts if k != trained]
@@ -142,4 +155,4 @@ def evaluate(name: str, model: torch.nn.Module, record: dict, progress: Progress
                     [[f"{r['iters']}{' (trained)' if r['iters'] == trained else ''}",
                       f"{r['validation_accuracy'] * 100:.1f} %", f"{r['test_accuracy'] * 100:.1f} %"] for r in rows])
               ] if rows else []
-    return Evaluation(metrics=m, lines=lines, tables=tables)
+    return Evaluation(metrics=m, lines=lines, tables=tables, slice=SLICE_DESCRIPTION if slice else None)

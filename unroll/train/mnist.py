@@ -21,7 +21,7 @@ from torch import nn
 from unroll import data
 from unroll.evaluation import LAM_GRID, accuracy, auto_lam
 from unroll.models.mnist import MNISTSDNet
-from unroll.train import Evaluation, Option, ProgressFactory, Table, TrainRun, counted
+from unroll.train import Evaluation, Option, ProgressFactory, Table, TrainRun, counted, slice_option
 
 NOISE_SIGMAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
 
@@ -134,16 +134,27 @@ def eval_passes(sigmas: tuple[float, ...] = NOISE_SIGMAS, lams: tuple[float, ...
     return 1 + len(sigmas) * (2 * len(lams) + 2)
 
 
+#: The fixed slice of ``unroll eval NAME --slice``: the first digits of the test and of the validation split,
+#: with the noise of the whole evaluation (drawn for the whole split, then cut), every σ and every λ.
+SLICE = {"test": 100, "validation": 50}
+SLICE_DESCRIPTION = (f"the first {SLICE['test']} test and {SLICE['validation']} validation digits, with the whole "
+                     "evaluation's noise, every sigma and lambda")
+
+
 @torch.inference_mode()
 def _evaluate(model: MNISTSDNet, tick: Callable[[], None] = lambda: None,
-              sigmas: tuple[float, ...] = NOISE_SIGMAS, lams: tuple[float, ...] = LAM_GRID) -> dict:
+              sigmas: tuple[float, ...] = NOISE_SIGMAS, lams: tuple[float, ...] = LAM_GRID,
+              first: dict[str, int] | None = None) -> dict:
     """Test accuracy, and accuracy under Gaussian noise at the training λ, at the λ of the sweep chosen on the
     validation digits, at the oracle λ (the sweep's best *on the test digits*: an upper bound, not a result),
     and at auto λ. ``tick()`` is called after each accuracy pass (:func:`eval_passes` in all); ``sigmas`` and
-    ``lams`` narrow the study (the committed metrics use the defaults)."""
+    ``lams`` narrow the study (the committed metrics use the defaults); ``first`` (e.g. :data:`SLICE`) keeps the
+    first digits of each split, their noise drawn as for the whole split."""
     roles = data.mnist_roles()
-    xte, yte = roles["test"]
-    xva, yva = roles["validation"]
+    xte_all, yte = roles["test"]
+    xva_all, yva = roles["validation"]
+    n_te, n_va = (len(yte), len(yva)) if first is None else (first["test"], first["validation"])
+    xte, yte, xva, yva = xte_all[:n_te], yte[:n_te], xva_all[:n_va], yva[:n_va]
 
     def measured(*args) -> float:
         acc = accuracy(model, *args)
@@ -153,10 +164,10 @@ def _evaluate(model: MNISTSDNet, tick: Callable[[], None] = lambda: None,
     clean = measured(torch.from_numpy(xte), yte)
     table = []
     for s in sigmas:
-        xn = _noisy(xte, s, seed=2000 + int(s * 100))
+        xn = _noisy(xte_all, s, seed=2000 + int(s * 100))[:n_te]
         sweep = {lam: measured(xn, yte, lam) for lam in lams}
         oracle = max(sweep, key=sweep.get)
-        xv = _noisy(xva, s, seed=3000 + int(s * 100))
+        xv = _noisy(xva_all, s, seed=3000 + int(s * 100))[:n_va]
         val_sweep = {lam: measured(xv, yva, lam) for lam in lams}
         chosen = max(val_sweep, key=val_sweep.get)
         auto = auto_lam(model, xn)
@@ -174,7 +185,7 @@ def _evaluate(model: MNISTSDNet, tick: Callable[[], None] = lambda: None,
 
 TRAIN_OPTIONS = (Option("epochs", 30,
                         f"training epochs over the {data.MNIST_TRAIN - data.MNIST_VALIDATION:,} training digits"),)
-EVAL_OPTIONS: tuple[Option, ...] = ()
+EVAL_OPTIONS = (slice_option(SLICE_DESCRIPTION),)
 
 
 def train(run: TrainRun, epochs: int = 30) -> tuple[MNISTSDNet, dict]:
@@ -190,11 +201,14 @@ def train(run: TrainRun, epochs: int = 30) -> tuple[MNISTSDNet, dict]:
     return model, record
 
 
-def evaluate(name: str, model: MNISTSDNet, record: dict, progress: ProgressFactory) -> Evaluation:
-    """Test accuracy and the robustness table (``metrics.test_accuracy``, ``metrics.robustness``)."""
-    n_test = 5000 - data.MNIST_TRAIN
-    with counted(progress, f"evaluating {name}", eval_passes()) as tick:  # one unit per accuracy pass
-        m = _evaluate(model, tick)
+def evaluate(name: str, model: MNISTSDNet, record: dict, progress: ProgressFactory,
+             slice: bool = False) -> Evaluation:
+    """Test accuracy and the robustness table (``metrics.test_accuracy``, ``metrics.robustness``); with ``slice``
+    the same on :data:`SLICE` only."""
+    first = SLICE if slice else None
+    with counted(progress, f"evaluating {name}" + (" (slice)" if slice else ""), eval_passes()) as tick:
+        m = _evaluate(model, tick, first=first)  # one unit per accuracy pass
+    n_test, n_val = m["split"]["test"], m["split"]["validation"]
     rows = [[f"{r['sigma']:.1f}", f"{r['acc_train_lam'] * 100:.1f} %", f"{r['val_lam']:g}",
              f"{r['acc_val_lam'] * 100:.1f} %", f"{r['acc_auto_lam'] * 100:.1f} %", f"{r['mean_auto_lam']:.2f}",
              f"{r['oracle_lam']:g}", f"{r['acc_oracle_lam'] * 100:.1f} %"]
@@ -203,6 +217,7 @@ def evaluate(name: str, model: MNISTSDNet, record: dict, progress: ProgressFacto
                   ["noise σ", "acc @ train λ", "λ chosen on validation", "acc @ that λ", "acc @ auto λ", "mean auto λ",
                    "oracle λ (picked on test)", "acc @ oracle λ"], rows)
     return Evaluation(metrics=m, tables=[table],
+                      slice=SLICE_DESCRIPTION if slice else None,
                       lines=[f"test accuracy: {m['test_accuracy'] * 100:.2f} % ({n_test:,} held-out digits)",
-                             f"λ chosen per σ on {data.MNIST_VALIDATION} noisy validation digits; the oracle λ is the "
+                             f"λ chosen per σ on {n_val} noisy validation digits; the oracle λ is the "
                              "sweep's best on the test digits themselves (an upper bound, not a result)"])
