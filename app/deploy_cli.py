@@ -17,9 +17,12 @@ import typer
 from unroll import artifacts
 from unroll.app.errors import fail, handles_errors
 from unroll.serving.gateway.triton_client import TRITON_API_KEY_ENV
+from unroll.serving.running import read_state
 
 #: Where ``unroll deploy`` finds Triton's HTTP endpoint when ``--triton-url`` is not given.
 TRITON_HTTP_URL_ENV = "UNROLL_TRITON_HTTP_URL"
+#: Where it looks last: the port `unroll serve` gives Triton by default.
+DEFAULT_TRITON_HTTP = "127.0.0.1:8000"
 
 
 def triton_key(key: str | None, key_file: Path) -> str | None:
@@ -29,6 +32,18 @@ def triton_key(key: str | None, key_file: Path) -> str | None:
     if key_file.is_file():
         return key_file.read_text().strip() or None
     return None
+
+
+def find_triton(given: str | None, state_file: Path) -> tuple[str, str]:
+    """Triton's HTTP address and how it was found: ``--triton-url`` (or its variable), else the running
+    ``unroll serve``'s state file, else the default port."""
+    if given:
+        return given, f"--triton-url/{TRITON_HTTP_URL_ENV}"
+    state = read_state(state_file)
+    if state is not None:
+        return state.triton_http, f"{state_file} (unroll serve, pid {state.pid})"
+    why = "stale: its unroll serve is gone" if state_file.is_file() else "missing: no unroll serve runs from here"
+    return DEFAULT_TRITON_HTTP, f"the default port ({state_file} {why})"
 
 
 @handles_errors
@@ -46,10 +61,11 @@ def deploy(
                                                             "the old one drains and is unloaded")] = False,
     rollback: Annotated[bool, typer.Option("--rollback", help="End a canary: the old version takes all traffic "
                                                               "back, the canary is unloaded and removed")] = False,
-    triton_url: Annotated[str, typer.Option(
+    triton_url: Annotated[str | None, typer.Option(
         envvar=TRITON_HTTP_URL_ENV, show_envvar=True,
-        help="Triton's HTTP address (HOST:PORT); its model control must be explicit, as `unroll serve` starts it")]
-    = "127.0.0.1:8000",
+        help="Triton's HTTP address (HOST:PORT); its model control must be explicit, as `unroll serve` starts it. "
+             f"Default: the Triton of the `unroll serve` running from this folder ({artifacts.SERVE_STATE}, whatever "
+             f"ports it was given), else {DEFAULT_TRITON_HTTP}")] = None,
     triton_key_file: Annotated[Path, typer.Option(
         help=f"Where the key of the Triton `unroll serve` started is (when {TRITON_API_KEY_ENV} is unset)")]
     = artifacts.TRITON_KEY,
@@ -75,7 +91,9 @@ def deploy(
         raise fail("--promote and --rollback end a canary in opposite ways: give one")
     if (promote or rollback) and (graph is not None or version is not None or canary is not None):
         raise fail("--promote/--rollback take no --graph, --version or --canary")
-    triton = rollout.TritonControl(triton_url, triton_key(os.environ.get(TRITON_API_KEY_ENV), triton_key_file))
+    url, found_by = find_triton(triton_url, onnx_dir.parent / artifacts.SERVE_STATE.name)
+    triton = rollout.TritonControl(url, triton_key(os.environ.get(TRITON_API_KEY_ENV), triton_key_file),
+                                   found_by=found_by)
     say = (lambda msg: None) if as_json else (lambda msg: typer.echo(f"==> {msg}"))
     if promote:
         out = rollout.promote(name, repo, triton, drain_s, say)

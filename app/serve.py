@@ -33,6 +33,7 @@ from unroll.serving.gateway.http_settings import ACCESS_LOG_ENV
 from unroll.serving.gateway.server import uvicorn_options
 from unroll.serving.gateway.triton_client import TRITON_API_KEY_ENV
 from unroll.serving.gateway.workers import Stopper, check_workers, default_workers, run_workers
+from unroll.serving.running import ServeState, remove_state
 from unroll.serving.supervisor import TritonSupervisor
 from unroll.serving.tracing_env import triton_trace_args
 from unroll.serving.triton import new_api_key, start
@@ -274,6 +275,8 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
     except KeyboardInterrupt:
         _say("stopping")
     finally:
+        if run.state is not None:
+            remove_state(run.state)
         if run.supervisor is not None:
             run.supervisor.stop()
             _say("tritonserver stopped")
@@ -287,6 +290,8 @@ class _Run:
     supervisor: TritonSupervisor | None = None
     server: Any = None  # the one-process uvicorn.Server, or the Stopper of the worker processes
     gave_up: list[str] = field(default_factory=list)
+    #: The file that tells `unroll deploy` where this run's Triton is (written once Triton is up).
+    state: Path | None = None
 
     def give_up(self, why: str) -> None:
         """Triton failed for good: remember why and stop the gateway (or keep it from starting)."""
@@ -334,6 +339,9 @@ def _start_triton(run: _Run, models: list[str], onnx_dir: Path, repo: Path, targ
     _log_supervisor()
     run.supervisor = TritonSupervisor(launch, on_give_up=run.give_up)
     triton = run.supervisor.start()
+    run.state = onnx_dir.parent / artifacts.SERVE_STATE.name  # where `unroll deploy` finds this Triton
+    ServeState(os.getpid(), triton.url, triton.grpc_url, f"127.0.0.1:{metrics_port}", str(repo.resolve())) \
+        .write(run.state)
     return triton.url if protocol == "http" else triton.grpc_url
 
 

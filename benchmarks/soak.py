@@ -28,9 +28,10 @@ from pathlib import Path
 import numpy as np
 
 from unroll import artifacts, data, tasks
-from unroll.benchmarks import soak_stub
+from unroll.benchmarks import soak_ops, soak_stub
 from unroll.benchmarks.common import RESULTS, demo_model, machine_info, png_bytes, write_readme_block
 from unroll.registry import get_spec
+from unroll.serving.gateway.settings import Settings
 from unroll.serving.triton import SHM_DIR, free_ports, group_members, processes_with, shm_regions
 
 READY_TIMEOUT_S = 300.0
@@ -55,6 +56,8 @@ class ServeProcess:
     proc: subprocess.Popen
     base: str
     repo: Path
+    #: Its graphs (``--onnx-dir``); the Triton key and the state for ``unroll deploy`` are in its parent.
+    onnx_dir: Path
     #: Triton's HTTP, gRPC and metrics ports.
     triton_ports: tuple[int, int, int]
     output: list[str] = field(default_factory=list)
@@ -104,18 +107,19 @@ def _still_there(pids: set[int], grace_s: float) -> dict[str, str]:
 
 
 def start_serve(root: Path, models: list[str], log: Callable[[str], None],
-                settings: dict[str, str] | None = None) -> ServeProcess:
+                settings: dict[str, str] | None = None, onnx_dir: Path | None = None) -> ServeProcess:
     """``python -m unroll.app.serve`` from ``root`` (its build/ and repository go there) on spare ports; ``settings``:
-    ``UNROLL_*`` variables for it (none are inherited)."""
+    ``UNROLL_*`` variables for it (none are inherited); ``onnx_dir``: its graphs (default ``root/onnx``; its parent
+    gets the Triton key and the state file ``unroll deploy`` reads)."""
     port, http, grpc, metrics = free_ports(4)
     repo = root / artifacts.REPOSITORY_DIR.name
     env = {k: v for k, v in os.environ.items() if not k.startswith("UNROLL_")} | (settings or {})
     env["PYTHONUNBUFFERED"] = "1"
     cmd = [sys.executable, "-m", "unroll.app.serve", "--models", ",".join(models), "--port", str(port),
            "--triton-http-port", str(http), "--triton-grpc-port", str(grpc), "--triton-metrics-port", str(metrics),
-           "--repo", str(repo), "--onnx-dir", str(root / "onnx"), "--log-level", "warning"]
+           "--repo", str(repo), "--onnx-dir", str(onnx_dir or root / "onnx"), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    s = ServeProcess(proc, f"http://127.0.0.1:{port}", repo, (http, grpc, metrics))
+    s = ServeProcess(proc, f"http://127.0.0.1:{port}", repo, onnx_dir or root / "onnx", (http, grpc, metrics))
     ready = threading.Event()
 
     def pump() -> None:
@@ -247,11 +251,13 @@ def round_summary(results: list[dict], kill: dict, until: float | None) -> dict:
 
 
 def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = Path("benchmarks/results"),
-        progress: Callable[[str], None] | None = None, stub_phase: bool = True, rounds: int = 1) -> dict:
+        progress: Callable[[str], None] | None = None, stub_phase: bool = True, rounds: int = 1,
+        ops: bool = True) -> dict:
     """The soak; returns the payload (and writes ``soak.json`` / ``soak.md`` into ``out_dir`` unless None).
 
     ``stub_phase``: run phase 1 (the denoiser's backend process killed) before the mixed traffic; ``rounds``: how many
-    times each phase kills (phase 2: ``requests`` spread over the rounds, see :func:`_traffic`)."""
+    times each phase kills (phase 2: ``requests`` spread over the rounds, see :func:`_traffic`); ``ops``: then
+    phases 3 and 4 (:mod:`.soak_ops`: Triton stopped, a model update)."""
     log = progress or (lambda m: None)
     classifier, denoiser = demo_model(tasks.CLASSIFICATION), demo_model(tasks.DENOISING)
     root = Path(tempfile.mkdtemp(prefix="unroll-soak-")).resolve()
@@ -267,6 +273,12 @@ def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = Pa
         log(f"{requests} requests at concurrency {concurrency}, tritonserver killed {rounds} time(s)")
         results, kills = asyncio.run(_traffic(s, payloads, requests, concurrency, rounds, log))
         s.record()  # the restarted server too
+        stall = deploy = None
+        if ops:
+            path, digit = payloads["classify"][0]
+            stall = soak_ops.stall_phase(s, path, digit, Settings().triton_stall_s, log)
+            deploy = soak_ops.deploy_phase(s, classifier, log)
+            s.record()
         serve_log = "".join(s.output)
     finally:
         stop_serve(s)
@@ -303,9 +315,11 @@ def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = Pa
         "restart_logged": "restart" in serve_log,
         "seconds": round(time.perf_counter() - t_start, 1),
         "stub_kills": stubs,
+        "stall": stall, "deploy": deploy,
     }
     payload["passed"] = (len(kills) == rounds and not lost and payload["requests_after_recovery"] >= AFTER_RECOVERY
-                         and not left and not leaked and not orphans and all(p["passed"] for p in stubs))
+                         and not left and not leaked and not orphans and all(p["passed"] for p in stubs)
+                         and all(p["passed"] for p in (stall, deploy) if p is not None))
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "soak.json").write_text(json.dumps(payload, indent=2) + "\n")
@@ -350,7 +364,9 @@ def markdown(p: dict) -> str:
         f"- after stopping: processes of any Triton server left: {len(p['left_processes'])}; orphans under the run's "
         f"folder: {len(p['orphans'])}; leaked /dev/shm regions: {len(p['leaked_shm'])} of "
         f"{p['shm_regions_seen']} seen (every server of the run)",
-        f"- **{'passed' if p['passed'] else 'FAILED'}**" + (" (both phases)" if stubs else ""),
+        "",
+        *soak_ops.markdown(p.get("stall"), p.get("deploy")),
+        f"- **{'passed' if p['passed'] else 'FAILED'}**" + (" (every phase)" if stubs else ""),
         "",
     ])
 
@@ -372,7 +388,8 @@ def readme_paragraph(p: dict) -> str:
                  f"**{sum(x['lost'] for x in stubs)} lost**; the last 503 came at most "
                  f"**{max(x['unavailable_net_s'] for x in stubs)} s** after a kill, not counting the supervisor's "
                  f"crash-loop backoff of up to {max(x['restart_backoff_s'] for x in stubs):g} s between rounds "
-                 f"(target ≤ {first['target_503_s']:g} s)"
+                 f"(target ≤ {first['target_503_s']:g} s, met in {sum(x['passed'] for x in stubs)} of {len(stubs)} "
+                 "rounds)"
                  + (", tritonserver replaced by the supervisor" if all(x["triton_replaced"] for x in stubs) else "")
                  + ". Phase 2: ")
     else:
@@ -382,11 +399,30 @@ def readme_paragraph(p: dict) -> str:
              f"{p['kill']['rounds']} time(s): {p['ok']:,} succeeded, {p['unavailable_503']:,} got 503 with "
              f"`Retry-After`, **{p['lost']} lost**; the last 503 came at most {p['recovery_s']} s after a kill "
              f"(backoff included) and every request started after it succeeded (clients pause "
-             f"{p['backoff_on_503_s']} s after a 503). After stopping, "
+             f"{p['backoff_on_503_s']} s after a 503). "
+             + _ops_sentence(p) + "After stopping, "
              + ("no process and no `/dev/shm` region of any of its Triton servers was left."
                 if not (p["left_processes"] or p["orphans"] or p["leaked_shm"]) else
                 f"{len(p['left_processes'])} processes and {len(p['leaked_shm'])} `/dev/shm` regions were left."))
     return textwrap.fill(text, width=116, break_long_words=False, break_on_hyphens=False)
+
+
+def _ops_sentence(p: dict) -> str:
+    """Phases 3 and 4 in a sentence of the README's paragraph (empty when the run had none)."""
+    stall, deploy = p.get("stall"), p.get("deploy")
+    text = ""
+    if stall:
+        text += (f"Phase 3: `tritonserver` stopped (SIGSTOP) for {stall['stall_s']:g} s: **{stall['lost']} lost**, "
+                 f"no request waited more than {stall['longest_wait_s']} s for its 503 (target ≤ "
+                 f"{stall['target_s']:g} s), "
+                 + ("the server was not replaced" if not stall["triton_replaced"] else "the server was replaced")
+                 + ". ")
+    if deploy:
+        text += (f"Phase 4: `unroll deploy` of the classifier under load ({deploy['deploy_s']} s): "
+                 f"{deploy['ok']:,} succeeded, **{deploy['lost']} lost**, {deploy['unavailable_503']} got 503, "
+                 + ("the same tritonserver throughout" if not deploy["triton_replaced"] else "tritonserver replaced")
+                 + ". ")
+    return text
 
 
 def write_readme_paragraph(p: dict, readme: Path) -> bool:

@@ -45,6 +45,8 @@ QUALITY_METRICS = ("accuracy_loss", "psnr_loss_db", "psnr_loss_db_worst")
 DEFAULT_GATE_SAMPLES = 256
 #: Denoisers' gate images are centre-cropped to this (the check is about the weights, not the image size).
 GATE_MAX_HW = (96, 96)
+#: The advisory lock of a deployment in progress, in the model's directory (Triton ignores dot files).
+LOCK_FILE = ".deploy.lock"
 #: Card fields that may differ between versions of one served model (provenance, not behaviour).
 CARD_PROVENANCE = ("description", "origin", "origin_file")
 
@@ -60,6 +62,8 @@ class TritonControl:
     url: str
     key: str | None = None
     timeout_s: float = 120.0
+    #: How ``url`` was found (named when Triton cannot be reached).
+    found_by: str = "--triton-url"
     _client: Any = field(default=None, repr=False)
 
     @property
@@ -86,8 +90,9 @@ class TritonControl:
         except InferenceServerException as e:
             raise DeployError(f"Triton refused {what}: {e.message() or e}") from None
         except OSError as e:
-            raise DeployError(f"cannot reach Triton at {self.url} for {what} ({type(e).__name__}: {e}); is "
-                              "`unroll serve` running, and is --triton-url its HTTP port?") from None
+            raise DeployError(f"cannot reach Triton at {self.url} (from {self.found_by}) for {what} "
+                              f"({type(e).__name__}: {e}); is `unroll serve` running from this folder, or is "
+                              "--triton-url its Triton's HTTP port?") from None
 
     def load(self, name: str) -> None:
         """(Re)load ``name`` as its directory now says; raises :class:`DeployError` with Triton's reason."""
@@ -174,7 +179,7 @@ def deploy(name: str, graph: Path, repo: Path, triton: TritonControl, version: i
     if canary is not None and not 0 < canary < 100:
         raise DeployError(f"--canary is a percentage of traffic between 0 and 100 (exclusive), not {canary:g}")
     md = ModelDir(Path(repo) / name)
-    with _exclusive(md):
+    with _exclusive(md, triton, say):
         return _deploy(md, graph, triton, version, canary, drain_s, samples, say)
 
 
@@ -231,7 +236,7 @@ def promote(name: str, repo: Path, triton: TritonControl, drain_s: float = 5.0,
             say: Callable[[str], None] = print) -> Outcome:
     """End a canary: its newest version takes all traffic; the older one drains and is unloaded."""
     md = ModelDir(Path(repo) / name)
-    with _exclusive(md):
+    with _exclusive(md, triton, say):
         live = md.served()
         if len(live) < 2:
             raise DeployError(f"{name}: no canary to promote (it serves version {live[-1]} alone)")
@@ -245,7 +250,7 @@ def rollback(name: str, repo: Path, triton: TritonControl, drain_s: float = 5.0,
     """End a canary the other way: the older version takes all traffic back; the canary drains, is unloaded and its
     files are removed."""
     md = ModelDir(Path(repo) / name)
-    with _exclusive(md):
+    with _exclusive(md, triton, say):
         live = md.served()
         if len(live) < 2:
             raise DeployError(f"{name}: no canary to roll back (it serves version {live[-1]} alone)")
@@ -294,17 +299,53 @@ def _move_all(md: ModelDir, triton: TritonControl, name: str, keep: int, drop: l
 
 
 @contextmanager
-def _exclusive(md: ModelDir) -> Iterator[None]:
-    """One deployment of a model at a time (an advisory lock in its directory); another is refused at once."""
+def _exclusive(md: ModelDir, triton: TritonControl, say: Callable[[str], None]) -> Iterator[None]:
+    """One deployment of a model at a time (an advisory lock in its directory, released by the kernel however the
+    holder ends; another is refused at once), starting from a consistent model (:func:`_finish_interrupted`)."""
     if not md.path.is_dir():
         raise DeployError(f"{md.name}: no model directory {md.path} (is --repo the served repository?)")
-    with open(md.path / ".deploy.lock", "w") as f:
+    lock = md.path / LOCK_FILE
+    with open(lock, "w") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise DeployError(f"{md.name}: another `unroll deploy` of it is running; wait for it to finish") \
                 from None
-        yield
+        try:
+            _finish_interrupted(md, triton, say)
+            yield
+        finally:
+            lock.unlink(missing_ok=True)  # still ours: a second deploy is refused while we hold it, never waits
+
+
+def _finish_interrupted(md: ModelDir, triton: TritonControl, say: Callable[[str], None]) -> None:
+    """Bring back a model an earlier deployment left half-way (killed, or its machine restarted).
+
+    Only a deployment in progress gives a version weight 0 beside one with all the traffic: a version staged and
+    not yet gated, or one being drained. Either way that version goes (unloaded, and its files removed when it is
+    newer than the one kept: it never took traffic for good); version directories newer than every served version
+    and not in the policy are a staging that never reached the policy."""
+    live, traffic = md.served(), md.traffic()
+    idle = [v for v in live if traffic and traffic.get(v, 0.0) == 0.0]
+    keep = [v for v in live if v not in idle]
+    if idle and keep:
+        say(f"an earlier deployment of {md.name} did not finish (version(s) {', '.join(map(str, idle))} had no "
+            f"traffic): {md.name} serves version(s) {', '.join(map(str, keep))} again")
+        md.write_policy(keep, {v: traffic[v] for v in keep} if len(keep) > 1 else {keep[0]: 100.0})
+        triton.load(md.name)
+        triton.wait_unloaded(md.name, idle)
+        for v in idle:
+            if v > max(keep):
+                md.remove(v)
+    newest = max(md.served())
+    for v in md.versions_on_disk():
+        if v > newest:
+            say(f"{md.name}: removed version {v}'s files, staged by a deployment that did not finish")
+            _remove(md, v)
+    serving = triton.ready_versions(md.name)
+    if serving and serving != md.served():  # e.g. a Triton restarted with a policy written since: follow the folder
+        say(f"{md.name}: Triton serves version(s) {serving}, its directory says {md.served()}: reloading it")
+        triton.load(md.name)  # (if --repo is not that Triton's repository, the deployment is refused next)
 
 
 def _restore(md: ModelDir, triton: TritonControl, live: list[int], before: dict[int, float], new: int) -> None:

@@ -38,6 +38,8 @@ class ProcStat:
     pgrp: int
     #: user + system CPU seconds used so far (fields 14 and 15, in clock ticks)
     cpu_s: float
+    #: when it started, in seconds since boot (field 22; compare with ``time.clock_gettime(CLOCK_BOOTTIME)``)
+    started_s: float = 0.0
 
     @property
     def gone(self) -> bool:
@@ -50,7 +52,7 @@ def read_stat(pid: int) -> ProcStat | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
         fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ... (field 3 on)
         return ProcStat(pid, fields[0], int(fields[1]), int(fields[2]),
-                        (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS)
+                        (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS, int(fields[19]) / _CLOCK_TICKS)
     except (OSError, ValueError, IndexError):
         return None
 
@@ -85,6 +87,17 @@ class ExitWatch:
                 continue
             self._fds[pid] = fd
             self._poll.register(fd, select.POLLIN)
+
+    def forget(self, pids: Iterable[int]) -> None:
+        """Stop watching ``pids`` (exited ones the caller has dealt with), so :meth:`wait` blocks again."""
+        for pid in pids:
+            fd = self._fds.pop(pid, None)
+            if fd is not None:
+                self._poll.unregister(fd)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._polled.discard(pid)
+            self._exited.discard(pid)
 
     @property
     def pids(self) -> set[int]:

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from unroll.serving.process_watch import ExitWatch
+from unroll.serving.process_watch import ExitWatch, read_stat
 from unroll.serving.triton import STOP_GRACE_S, TritonHandle, TritonStartError, group_members, reap_children
 
 log = logging.getLogger("unroll.serve")
@@ -33,6 +33,8 @@ STUB_BINARY = "triton_python_backend_stub"
 #: Grace (SIGTERM → SIGKILL) when stopping a server that crashed or hung, and when one lost a stub (none: its
 #: in-flight work cannot finish cleanly, and every moment it lives is a moment more of 503s).
 CRASHED_GRACE_S, STUB_LOST_GRACE_S = 5.0, 0.0
+#: A stub started this long before another of the same instance exited was there first: a reload, not a restart.
+RELOAD_MARGIN_S = 0.2
 
 
 def stub_name(argv: list[str]) -> str:
@@ -41,6 +43,39 @@ def stub_name(argv: list[str]) -> str:
     model = next((Path(a).parent.parent.name for a in argv[1:] if a.endswith(".py")), None)
     instance = next((a for a in argv[2:] if model and a.startswith(f"{model}_")), None)
     return instance or model or " ".join(argv)[:80]
+
+
+def stub_version(argv: list[str]) -> tuple[str, str] | None:
+    """The model and version a Python-backend stub serves, from its ``<repo>/<model>/<version>/model.py``."""
+    path = next((Path(a) for a in argv[1:] if a.endswith(".py")), None)
+    return (path.parent.parent.name, path.parent.name) if path is not None else None
+
+
+def planned_exit(argv: list[str], pid: int, index: list[dict[str, str]] | None, members: dict[int, list[str]],
+                 exited_by_s: float) -> bool:
+    """Whether a stub that exited (``pid``, ``argv``) was ended by Triton on purpose, not lost.
+
+    Planned: its model version is no longer loaded (``index``: Triton's repository index; unloading or gone), or
+    Triton had already started another stub for the same instance before this one exited (a reload, e.g. `unroll
+    deploy` changing the traffic split: new instances load and warm up, then the old ones end). A stub Triton starts
+    *after* a death (its in-place restart, unsafe in 2.45) does not count: it started after ``exited_by_s``, less
+    :data:`RELOAD_MARGIN_S`. Unknown (no index: Triton does not answer) is not planned."""
+    where = stub_version(argv)
+    if where is None or index is None:
+        return False
+    model, version = where
+    states = {r["state"] for r in index if r["name"] == model and r["version"] == version}
+    if "READY" not in states:
+        return True
+    name = stub_name(argv)
+    for other, other_argv in members.items():
+        if other == pid or not other_argv or not other_argv[0].endswith(STUB_BINARY):
+            continue
+        if stub_name(other_argv) == name and stub_version(other_argv) == where:
+            stat = read_stat(other)
+            if stat is not None and not stat.gone and stat.started_s < exited_by_s - RELOAD_MARGIN_S:
+                return True
+    return False
 
 
 def become_subreaper() -> bool:
@@ -190,7 +225,7 @@ class TritonSupervisor:
         """Block until the server exits (reaped here), loses a stub, or stays unready too long: why, and the grace
         to stop it with; ``None`` once asked to stop."""
         unready_since: float | None = None
-        stubs: dict[int, str] = {}
+        stubs: dict[int, list[str]] = {}  # pid → argv
         next_probe = time.monotonic()
         with ExitWatch() as watch:
             watch.add([handle.pid])
@@ -201,7 +236,9 @@ class TritonSupervisor:
                     return describe_exit(code), CRASHED_GRACE_S
                 lost = sorted(p for p in exited if p in stubs)
                 if lost:
-                    names = ", ".join(f"{stubs[p]} (pid {p})" for p in lost)
+                    lost = self._crashed(handle, stubs, lost, watch)
+                if lost:
+                    names = ", ".join(f"{stub_name(stubs[p])} (pid {p})" for p in lost)
                     return (f"lost its Python-backend stub {names}; replacing the server (Triton 2.45's in-place "
                             "stub restart uses the dead stub's unmapped shared memory)", STUB_LOST_GRACE_S)
                 if time.monotonic() < next_probe:
@@ -210,7 +247,7 @@ class TritonSupervisor:
                 self._reap_leftovers(keep=handle.pid)
                 handle.snapshot()
                 if self.restart_on_stub_exit:
-                    fresh = {p: stub_name(a) for p, a in group_members(handle.pid).items()
+                    fresh = {p: a for p, a in group_members(handle.pid).items()
                              if p != handle.pid and p not in watch.pids and a and a[0].endswith(STUB_BINARY)}
                     stubs.update(fresh)
                     watch.add(fresh)
@@ -222,6 +259,20 @@ class TritonSupervisor:
                 if now - unready_since >= self.unready_restart_s:
                     return f"has not been ready for {now - unready_since:.0f} s", CRASHED_GRACE_S
         return None
+
+    def _crashed(self, handle: TritonHandle, stubs: dict[int, list[str]], exited: list[int],
+                 watch: ExitWatch) -> list[int]:
+        """Of the stubs that ``exited``, those lost (:func:`planned_exit` says which Triton ended on purpose: an
+        unload or reload, after which nothing is replaced); the planned ones are forgotten."""
+        exited_by = time.clock_gettime(time.CLOCK_BOOTTIME)
+        index, members = handle.index(), group_members(handle.pid)
+        planned = [p for p in exited if planned_exit(stubs[p], p, index, members, exited_by)]
+        for p in planned:
+            log.info("tritonserver ended the Python-backend stub %s (pid %d) on purpose (its model was unloaded or "
+                     "reloaded); nothing to replace", stub_name(stubs[p]), p)
+            stubs.pop(p)
+        watch.forget(planned)
+        return [p for p in exited if p not in planned]
 
     def _reap_leftovers(self, keep: int) -> None:
         """Reap (we are their subreaper) what stopped servers left that has exited since; forget what is gone.

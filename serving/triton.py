@@ -288,6 +288,10 @@ class TritonHandle:
         """Triton answers ready (every model loaded) and is the server we launched."""
         return _ready(_client_host(self.host), self.http_port, self.server_id, self.headers)
 
+    def index(self, timeout_s: float = 2.0) -> list[dict[str, str]] | None:
+        """Its repository index (:func:`repository_index`), ``None`` when it does not answer within ``timeout_s``."""
+        return repository_index(_client_host(self.host), self.http_port, self.headers, timeout_s)
+
     @property
     def pid(self) -> int:
         return self._proc.pid
@@ -428,14 +432,24 @@ def _ready(host: str, port: int, server_id: str, headers: dict[str, str] | None 
         return False
 
 
-def _model_states(host: str, port: int, headers: dict[str, str] | None = None) -> str:
-    """``name STATE (reason)`` for every model not READY yet, from the repository index API."""
+def repository_index(host: str, port: int, headers: dict[str, str] | None = None,
+                     timeout_s: float = 2.0) -> list[dict[str, str]] | None:
+    """Triton's repository index (one row per model version: ``name``, ``version``, ``state``, ``reason``), or
+    ``None`` when it does not answer in time."""
     try:
         req = urllib.request.Request(f"http://{host}:{port}/v2/repository/index", data=b"{}", method="POST",
                                      headers=headers or {})
-        with urllib.request.urlopen(req, timeout=2.0) as r:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
             index = json.loads(r.read())
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
+        return None
+    return [{k: str(m.get(k, "")) for k in ("name", "version", "state", "reason")} for m in index]
+
+
+def _model_states(host: str, port: int, headers: dict[str, str] | None = None) -> str:
+    """``name STATE (reason)`` for every model not READY yet, from the repository index API."""
+    index = repository_index(host, port, headers)
+    if index is None:
         return ""
     return ", ".join(f"{m['name']} {m.get('state', '?')}" + (f" ({m['reason']})" if m.get("reason") else "")
                      for m in index if m.get("state") != "READY")

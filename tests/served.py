@@ -7,6 +7,7 @@ gateway's answer with PyTorch's probabilities.
 from __future__ import annotations
 
 import io
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -56,3 +57,17 @@ def check_topk(body: dict, probs: np.ndarray, top_k: int, labels: tuple[str, ...
         if p["index"] != order[rank]:  # only a near-tie may swap places
             assert abs(probs[p["index"]] - probs[order[rank]]) < 1e-5, (rank, p, order[:top_k])
         assert p["label"] == (labels[p["index"]] if labels else str(p["index"]))
+
+
+def recv_until_closed(s: socket.socket) -> bytes:
+    """Every byte a server sends on ``s`` until it closes the connection (a reset ends it too)."""
+    data = b""
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data

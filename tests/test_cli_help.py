@@ -46,6 +46,21 @@ def test_every_command_is_checked() -> None:
     assert {("serve",), ("export",), ("bench", "soak"), ("doctor",)} <= paths, sorted(paths)
 
 
+def test_the_readme_cli_table_names_every_command() -> None:
+    """Each top-level command has its row in the README's CLI table, and each ``unroll bench`` task is in the bench
+    row: the table cannot forget a command (it forgot ``bench iters`` once)."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## The CLI"):readme.index("Every command has a `--help`")]
+    rows = [ln for ln in table.splitlines() if ln.startswith("| `unroll ")]
+    firsts = {r.split("`")[1].split()[1] for r in rows}
+    tops = {p[0] for p, _ in COMMANDS if len(p) == 1}
+    assert tops <= firsts, sorted(tops - firsts)
+    [bench] = [r for r in rows if r.startswith("| `unroll bench ")]
+    listed = set(bench.split("`")[1].removeprefix("unroll bench ").replace("\\|", "|").split("|"))
+    tasks = {p[1] for p, _ in COMMANDS if len(p) == 2 and p[0] == "bench"}
+    assert tasks == listed, (sorted(tasks - listed), sorted(listed - tasks))
+
+
 @pytest.mark.parametrize(("path", "names"), COMMANDS, ids=[" ".join(p) or "unroll" for p, _ in COMMANDS])
 def test_help_at_80_columns_shows_every_option_name_whole(path: tuple[str, ...], names: list[str]) -> None:
     env = {**os.environ, "COLUMNS": "80", "TERMINAL_WIDTH": "80"}

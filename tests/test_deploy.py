@@ -1,9 +1,13 @@
-"""``unroll deploy``: new versions into a running tritonserver (explicit model control) behind the real gateway.
+"""``unroll deploy``: new versions into the tritonserver of a running ``unroll serve``, behind its real gateway.
 
-Under continuous load through the gateway: a full swap loses no request and moves every request to the new version;
-a canary splits traffic (both versions answer, counted per version in ``/metrics``, listed in ``/v1/models``) and
-``--rollback`` ends it; a version with damaged weights fails its gate against the live version and is rolled back
-before any request reaches it; a graph with another model's card is refused up front. Nothing is mocked.
+Everything runs the way an operator runs it: one ``unroll serve`` (its supervisor watching Triton and every
+Python-backend stub, the gateway, spare ports), and ``unroll deploy`` finding that Triton from what ``unroll serve``
+left in ``build/``. Under continuous load through the gateway: a full swap loses no request and moves every request
+to the new version; a canary splits traffic (both versions answer, counted per version in ``/metrics``, listed in
+``/v1/models``) and ``--promote`` or ``--rollback`` ends it; a version with damaged weights fails its gate against
+the live version and is rolled back before any request reaches it; a graph with another model's card is refused up
+front; a deployment killed half-way is finished by the next one. Triton's planned unloads and reloads never make
+the supervisor replace the server (the same tritonserver throughout). Nothing is mocked.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -29,12 +35,11 @@ from onnx import numpy_helper
 from readme_blocks import section
 from served import png
 
+from unroll import artifacts
+from unroll.benchmarks.soak import ServeProcess, start_serve, stop_serve
 from unroll.data import dataset
-from unroll.pipeline import graphs_of
-from unroll.pipeline.rollout import DeployError, TritonControl, deploy
-from unroll.serving.gateway.process import gateway_popen
-from unroll.serving.gateway.settings import Settings
-from unroll.serving.triton import free_ports, start
+from unroll.pipeline.rollout import LOCK_FILE, DeployError, TritonControl, deploy
+from unroll.serving.running import read_state
 
 pytestmark = pytest.mark.triton
 MODEL = "sdnet-mnist"
@@ -51,23 +56,43 @@ class Served:
     triton: TritonControl
     graph: Path
     root: Path
+    serve: ServeProcess
+    #: The tritonserver the run started with: a planned unload must never replace it.
+    triton_pid: int
+
+    def assert_same_triton(self) -> None:
+        """The supervisor replaced nothing: the first tritonserver still runs, and no stub loss was logged."""
+        log = "".join(self.serve.output)
+        assert self.serve.triton_pid() == self.triton_pid, log[-3000:]
+        assert "lost its Python-backend stub" not in log and "restarting tritonserver" not in log, log[-3000:]
 
 
 @pytest.fixture(scope="module")
 def served(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    from unroll.serving.repository import write_repository
-
     root = tmp_path_factory.mktemp("deploy")  # laid out as a clone after `make serve`: build/onnx, model_repository
-    onnx_dir, repo = root / "build" / "onnx", root / "model_repository"
+    onnx_dir = root / artifacts.ONNX_DIR
     shutil.copytree(demo_onnx_dir, onnx_dir)
-    graphs = graphs_of([MODEL], onnx_dir)  # the model, its λ rule and iteration siblings, as `unroll serve`
-    write_repository("cpu", graphs, repo, onnx_dir=onnx_dir)
-    http, grpc, metrics = free_ports(3)
-    settings = Settings(triton_url=f"127.0.0.1:{grpc}", catalog_refresh_s=0.5)
-    with start(repo, http, grpc, metrics, log_file=root / "triton.log", timeout_s=180, model_control="explicit",
-               extra_args=["--exit-timeout-secs=2", *(f"--load-model={g}" for g in graphs)]), \
-            gateway_popen(settings, root / "gateway.log") as (base, _):
-        yield Served(base, repo, TritonControl(f"127.0.0.1:{http}"), onnx_dir / f"{MODEL}.onnx", root)
+    s = start_serve(root, [MODEL], log=lambda m: None, onnx_dir=onnx_dir, settings={"UNROLL_CATALOG_REFRESH_S": "0.5"})
+    try:
+        state = read_state(root / artifacts.SERVE_STATE)
+        assert state is not None and state.pid == s.proc.pid, "unroll serve left no state for unroll deploy"
+        key = (root / artifacts.TRITON_KEY).read_text().strip()
+        pid = s.triton_pid()
+        assert pid is not None
+        yield Served(s.base, s.repo, TritonControl(state.triton_http, key), onnx_dir / f"{MODEL}.onnx", root, s, pid)
+    finally:
+        stop_serve(s)
+    assert not (root / artifacts.SERVE_STATE).exists(), "unroll serve left its state file behind"
+
+
+def cli(served: Served, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    """``unroll deploy MODEL ARGS`` from the served folder, as an operator types it (no Triton address: it is found);
+    ``check``: it must succeed (else the failure shows its output and the end of ``unroll serve``'s)."""
+    r = subprocess.run([sys.executable, "-m", "unroll.app.cli", "deploy", MODEL, *args], capture_output=True,
+                       text=True, cwd=served.root, timeout=timeout)
+    assert not check or r.returncode == 0, f"{r.stderr}{r.stdout}\n--- unroll serve:\n" + \
+        "".join(served.serve.output)[-4000:]
+    return r
 
 
 class Load:
@@ -147,83 +172,135 @@ def damaged(graph: Path, out: Path) -> Path:
 
 def test_swap_under_load_loses_nothing(served: Served) -> None:
     before = calls_by_version(served.base)
+    live = served.triton.ready_versions(MODEL)[-1]
     with Load(served.base) as load:
-        r = subprocess.run([sys.executable, "-m", "unroll.app.cli", "deploy", MODEL, "--graph", str(served.graph),
-                            "--repo", str(served.repo), "--triton-url", served.triton.url, "--drain-s", "2",
-                            "--samples", "64", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        r = cli(served, "--graph", str(served.graph), "--drain-s", "2", "--samples", "64", "--json")
         assert r.returncode == 0, r.stderr + r.stdout
         out = json.loads(r.stdout)
         load.wait_for(sum(load.statuses.values()) + 20)  # requests after the swap too
     assert load.statuses["lost"] == 0 and set(load.statuses) == {200}, (load.statuses, load.errors[:3])
-    assert out["version"] == 2 and out["was"] == [1] and out["traffic"] == {"2": 100.0}
+    assert out["version"] == live + 1 and out["was"] == [live] and out["traffic"] == {str(live + 1): 100.0}
     assert out["gate"]["failures"] == [] and out["gate"]["samples"] >= 64
     assert [s["step"].split()[0] for s in out["steps"]] == ["stage", "load", "gate", "traffic:", "unloaded"]
     assert out["steps"][-1]["at_s"] - out["steps"][-2]["at_s"] >= 2  # --drain-s before the old version went
     assert out["gate"]["parity"]["top1_agreement"] == 1.0 and out["gate"]["vs_live"]["accuracy_loss"] <= 0
-    assert versions(served.base, {"2": None}) == {"2": ("READY", None)}  # one version: no split
-    assert served.triton.ready_versions(MODEL) == [2]
+    assert versions(served.base, {str(live + 1): None}) == {str(live + 1): ("READY", None)}  # one version: no split
+    assert served.triton.ready_versions(MODEL) == [live + 1]
     after = calls_by_version(served.base)
-    assert after.get("1", 0) > before.get("1", 0) and after.get("2", 0) > 0  # both answered while it ran
-    assert (served.repo / MODEL / "1").is_dir()  # kept on disk: what a later deploy could bring back
+    assert after.get(str(live), 0) > before.get(str(live), 0) and after.get(str(live + 1), 0) > 0  # both answered
+    assert (served.repo / MODEL / str(live)).is_dir()  # kept on disk: what a later deploy could bring back
+    assert not (served.repo / MODEL / LOCK_FILE).exists()
+    served.assert_same_triton()
 
 
-def test_canary_splits_traffic_then_rolls_back(served: Served) -> None:
+def test_canary_splits_traffic_then_promote_and_rollback(served: Served) -> None:
     live = served.triton.ready_versions(MODEL)[-1]
-    out = deploy(MODEL, served.graph, served.repo, served.triton, canary=50, drain_s=1.5, samples=64,
-                 say=lambda m: None)
-    assert out.version == live + 1 and out.traffic == {live: 50.0, live + 1: 50.0}
-    assert versions(served.base, {str(live): 50.0, str(live + 1): 50.0}) == \
-        {str(live): ("READY", 50.0), str(live + 1): ("READY", 50.0)}
-    before = calls_by_version(served.base)
     with Load(served.base) as load:
-        load.wait_for(60)
-    assert set(load.statuses) == {200}, load.errors[:3]
-    after = calls_by_version(served.base)
-    grew = {v: after.get(v, 0) - before.get(v, 0) for v in (str(live), str(live + 1))}
-    assert all(n > 5 for n in grew.values()), grew  # both versions took a share of the requests
-    r = subprocess.run([sys.executable, "-m", "unroll.app.cli", "deploy", MODEL, "--rollback", "--repo",
-                        str(served.repo), "--triton-url", served.triton.url, "--drain-s", "1.5"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert r.returncode == 0, r.stderr + r.stdout
-    assert f"version {live}: 100%" in r.stdout
-    assert served.triton.ready_versions(MODEL) == [live] and not (served.repo / MODEL / str(live + 1)).exists()
+        out = deploy(MODEL, served.graph, served.repo, served.triton, canary=50, drain_s=1.5, samples=64,
+                     say=lambda m: None)
+        assert out.version == live + 1 and out.traffic == {live: 50.0, live + 1: 50.0}
+        assert versions(served.base, {str(live): 50.0, str(live + 1): 50.0}) == \
+            {str(live): ("READY", 50.0), str(live + 1): ("READY", 50.0)}
+        before = calls_by_version(served.base)
+        load.wait_for(sum(load.statuses.values()) + 60)
+        after = calls_by_version(served.base)
+        grew = {v: after.get(v, 0) - before.get(v, 0) for v in (str(live), str(live + 1))}
+        assert all(n > 5 for n in grew.values()), grew  # both versions took a share of the requests
+        r = cli(served, "--rollback", "--drain-s", "1.5")
+        assert r.returncode == 0, r.stderr + r.stdout
+        assert f"version {live}: 100%" in r.stdout
+        assert served.triton.ready_versions(MODEL) == [live] and not (served.repo / MODEL / str(live + 1)).exists()
+        # a second canary, promoted this time
+        r = cli(served, "--graph", str(served.graph), "--canary", "30", "--samples", "64", "--drain-s", "1.5")
+        assert r.returncode == 0 and f"version {live + 1}: 30%" in r.stdout, r.stderr + r.stdout
+        r = cli(served, "--promote", "--drain-s", "1.5")
+        assert r.returncode == 0 and f"version {live + 1}: 100%" in r.stdout, r.stderr + r.stdout
+        load.wait_for(sum(load.statuses.values()) + 20)
+    assert load.statuses["lost"] == 0 and set(load.statuses) == {200}, (load.statuses, load.errors[:3])
+    assert served.triton.ready_versions(MODEL) == [live + 1]
+    assert versions(served.base, {str(live + 1): None}) == {str(live + 1): ("READY", None)}
+    served.assert_same_triton()
+
+
+def test_a_deploy_killed_halfway_is_finished_by_the_next(served: Served) -> None:
+    """``kill -9`` of a deployment once its new version is loaded with no traffic (its gate running): the service
+    keeps answering from the live version, and the next ``unroll deploy`` brings the model back first, then
+    deploys."""
+    live = served.triton.ready_versions(MODEL)[-1]
+    with Load(served.base) as load:
+        proc = subprocess.Popen([sys.executable, "-m", "unroll.app.cli", "deploy", MODEL, "--graph",
+                                 str(served.graph), "--samples", "256"], cwd=served.root, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        seen = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            if "==> gate version" in line:
+                proc.send_signal(signal.SIGKILL)
+                break
+        proc.wait(60)
+        assert proc.returncode == -signal.SIGKILL, "".join(seen)
+        assert served.triton.ready_versions(MODEL) == [live, live + 1]  # left half-way: staged, no traffic
+        r = cli(served, "--graph", str(served.graph), "--samples", "64", "--drain-s", "1.5")
+        assert r.returncode == 0, r.stderr + r.stdout
+        load.wait_for(sum(load.statuses.values()) + 20)
+    assert load.statuses["lost"] == 0 and set(load.statuses) == {200}, (load.statuses, load.errors[:3])
+    assert "an earlier deployment of" in r.stdout, r.stdout
+    assert served.triton.ready_versions(MODEL) == [live + 1]  # the half-done version was removed, then re-staged
+    assert sorted(int(p.name) for p in (served.repo / MODEL).iterdir() if p.name.isdigit())[-1] == live + 1
+    assert not (served.repo / MODEL / LOCK_FILE).exists()
+    assert versions(served.base, {str(live + 1): None}) == {str(live + 1): ("READY", None)}
+    served.assert_same_triton()
 
 
 def test_a_bad_version_fails_its_gate_and_is_rolled_back(served: Served, tmp_path: Path) -> None:
     live = served.triton.ready_versions(MODEL)
+    on_disk = sorted(int(p.name) for p in (served.repo / MODEL).iterdir() if p.name.isdigit())
     bad = damaged(served.graph, tmp_path / "damaged.onnx")
     with Load(served.base) as load, pytest.raises(DeployError) as e:
         deploy(MODEL, bad, served.repo, served.triton, drain_s=1, samples=64, say=lambda m: None)
     assert "failed its gate" in str(e.value) and "vs live version" in str(e.value), e.value
     assert set(load.statuses) == {200}, load.errors[:3]  # no request reached the bad version
     assert served.triton.ready_versions(MODEL) == live
-    assert sorted(int(p.name) for p in (served.repo / MODEL).iterdir() if p.name.isdigit()) == \
-        sorted({1, *live})  # its files are gone
+    assert sorted(int(p.name) for p in (served.repo / MODEL).iterdir() if p.name.isdigit()) == on_disk  # files gone
     assert versions(served.base, {str(v): None for v in live}) == {str(v): ("READY", None) for v in live}
+    served.assert_same_triton()
 
 
 def test_another_models_graph_is_refused_up_front(served: Served, demo_onnx_dir: Path) -> None:
     live = served.triton.ready_versions(MODEL)
-    r = subprocess.run([sys.executable, "-m", "unroll.app.cli", "deploy", MODEL, "--graph",
-                        str(demo_onnx_dir / "csc-denoiser.onnx"), "--repo", str(served.repo), "--triton-url",
-                        served.triton.url], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    r = cli(served, "--graph", str(demo_onnx_dir / "csc-denoiser.onnx"), timeout=120, check=False)
     assert r.returncode != 0 and "card differs from the served model's in" in r.stderr, r.stderr
     assert "task" in r.stderr and "Traceback" not in r.stderr
     assert served.triton.ready_versions(MODEL) == live
-    r = subprocess.run([sys.executable, "-m", "unroll.app.cli", "deploy", MODEL, "--promote", "--repo",
-                        str(served.repo), "--triton-url", served.triton.url], capture_output=True, text=True,
-                       cwd=ROOT, timeout=120)
+    r = cli(served, "--promote", timeout=120, check=False)
     assert r.returncode != 0 and "no canary to promote" in r.stderr, r.stderr
 
 
+def test_deploy_says_where_it_looked_when_no_triton_answers(tmp_path: Path, served: Served) -> None:
+    """From a folder where no ``unroll serve`` runs: the default port, and the state file it did not find, named."""
+    shutil.copytree(served.repo / MODEL, tmp_path / artifacts.REPOSITORY_DIR / MODEL,
+                    ignore=shutil.ignore_patterns("[0-9]*"))
+    (tmp_path / artifacts.REPOSITORY_DIR / MODEL / "1").mkdir()
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", 8000)) == 0:
+            pytest.skip("something listens on 127.0.0.1:8000, the port this test needs to find silent")
+    r = subprocess.run([sys.executable, "-m", "unroll.app.cli", "deploy", MODEL, "--promote"], capture_output=True,
+                       text=True, cwd=tmp_path, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "UNROLL_TRITON_HTTP_URL"})
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert "no unroll serve runs from here" in r.stderr and str(artifacts.SERVE_STATE) in r.stderr, r.stderr
+    assert "127.0.0.1:8000" in r.stderr, r.stderr
+
+
 def test_readme_commands_run_verbatim(served: Served) -> None:
-    """The README's update commands, as written, from the served folder (Triton's HTTP port through the variable
-    ``unroll deploy`` reads, since tests never take the default ports): export, canary, promote — under load."""
+    """The README's update commands, as written, from the served folder: ``unroll deploy`` finds the Triton of the
+    ``unroll serve`` running there on its non-default ports by itself (export, canary, promote — under load)."""
     [block] = section(README_SECTION)
     commands = [c.text for c in block.commands]
     assert commands[0].startswith("unroll export") and any("--canary" in c for c in commands), commands
-    env = {**os.environ, "UNROLL_TRITON_HTTP_URL": served.triton.url, "PATH": f"{Path(sys.executable).parent}:"
-           + os.environ["PATH"]}
+    env = {k: v for k, v in os.environ.items() if k != "UNROLL_TRITON_HTTP_URL"}
+    env["PATH"] = f"{Path(sys.executable).parent}:" + os.environ["PATH"]
     live = served.triton.ready_versions(MODEL)[-1]
     with Load(served.base) as load:
         for cmd in commands:
@@ -232,3 +309,4 @@ def test_readme_commands_run_verbatim(served: Served) -> None:
             assert r.returncode == 0, f"{cmd}: {r.stderr}{r.stdout}"
     assert load.statuses["lost"] == 0 and set(load.statuses) == {200}, (load.statuses, load.errors[:3])
     assert served.triton.ready_versions(MODEL) == [live + 1]
+    served.assert_same_triton()

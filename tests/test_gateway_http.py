@@ -23,6 +23,7 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
+from served import recv_until_closed
 
 from unroll.serving.gateway.http_settings import HttpSettings
 from unroll.serving.gateway.process import gateway_process, wait_ready
@@ -57,15 +58,7 @@ def connect(port: int, timeout: float = 30.0) -> socket.socket:
 
 def read_response(s: socket.socket) -> tuple[int, dict[str, str], bytes]:
     """Read one response until the server closes (every refusal here closes): status, headers, body."""
-    data = b""
-    while True:
-        try:
-            chunk = s.recv(65536)
-        except ConnectionResetError:
-            break
-        if not chunk:
-            break
-        data += chunk
+    data = recv_until_closed(s)
     assert data, "the server closed the connection without answering"
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")

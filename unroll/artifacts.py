@@ -38,6 +38,8 @@ GPU_REPOSITORY_DIR = Path("model_repository_gpu")  #: the GPU repository staged 
 TRITON_LOG = BUILD_DIR / "logs" / "tritonserver.log"  #: ``unroll triton``'s log
 #: The key of the Triton ``unroll serve`` runs (owner-only file, a new key each start), for ``unroll deploy``
 TRITON_KEY = BUILD_DIR / "triton.key"
+#: Where a running ``unroll serve`` says what it runs (its pid, Triton's ports, the repository), for ``unroll deploy``
+SERVE_STATE = BUILD_DIR / "serve.json"
 PRECISIONS = ("fp32", "fp16", "int8")
 #: Written beside each model's ``config.pbtxt``: what the directory was written from (Triton ignores it).
 REPOSITORY_SOURCE_FILE = "built_from.json"

@@ -61,10 +61,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                  settings.triton_url)
         await run_in_threadpool(_warm_sigma_estimator)
         refresher = asyncio.create_task(gateway.catalog.keep_fresh(settings.catalog_refresh_s))
+        watcher = asyncio.create_task(gateway.watch.run()) if gateway.watch is not None else None
         try:
             yield
         finally:
             refresher.cancel()
+            if watcher is not None:
+                watcher.cancel()
             await gateway.backend.close()
             tracing.shutdown()
 

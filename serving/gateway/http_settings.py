@@ -15,9 +15,10 @@ have not been admitted hold at most uvicorn's 64 KiB read buffer each (it stops 
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from unroll.serving.gateway.settings import ENV_PREFIX, SettingsError
@@ -59,6 +60,28 @@ class HttpSettings(BaseSettings):
     """One JSON line per request on stdout (``method``, ``path``, ``status``, ``ms``, ``client``, ``bytes``,
     ``request_id``); off by
     default, when it costs nothing (``UNROLL_ACCESS_LOG=1`` or ``--access-log`` turns it on)."""
+
+    trusted_proxies: str = ""
+    """The proxies whose ``X-Forwarded-For`` / ``X-Forwarded-Proto`` name the client: comma-separated addresses or
+    networks (``10.0.0.5,192.168.0.0/24``; ``0.0.0.0/0`` trusts everyone). Empty (the default): the headers are
+    ignored, so a client cannot pick its own address, and with it its rate-limit bucket (:mod:`.rate_limit`).
+    uvicorn's own default (trust loopback, or ``FORWARDED_ALLOW_IPS``) is not used."""
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _proxies(cls, v: str) -> str:
+        """Each entry an address or network (host bits allowed), written canonically: uvicorn would take a typo for
+        a name that matches no peer, and silently trust nobody."""
+        nets = []
+        for item in (x.strip() for x in v.split(",")):
+            if not item:
+                continue
+            try:
+                nets.append(str(ipaddress.ip_network(item, strict=False)))
+            except ValueError:
+                raise ValueError(f"expected comma-separated IP addresses or networks (e.g. 127.0.0.1,10.0.0.0/8), "
+                                 f"not {item!r}") from None
+        return ",".join(nets)
 
     def __init__(self, **values: Any) -> None:
         """Keyword values win over ``UNROLL_*`` variables; a bad value raises :class:`SettingsError`."""

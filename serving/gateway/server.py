@@ -17,6 +17,11 @@ shape, then closes the connection:
 
 Each refusal is counted in ``unroll_gateway_http_refused_total{status, code}`` (the app's ``/metrics``).
 
+Pipelined requests are answered in order whatever follows them: a refusal of a later request (its bytes in the same
+read as earlier ones, as a pipelining client sends them) waits until every earlier request of the connection has its
+answer, then goes out and the connection closes (:meth:`GatewayProtocol.on_response_complete`); nothing more is read
+meanwhile. uvicorn would write the refusal at once and close, so the earlier answers, still being made, were lost.
+
 An HTTP/1.0 client that asks for keep-alive gets it (uvicorn would close), so HTTP/1.0 load generators such as
 ``ab -k`` measure the server, not a TCP handshake per request.
 
@@ -139,6 +144,8 @@ class GatewayProtocol(HttpToolsProtocol):
         self._in_body = False  # between a head and the end of its body
         self._url_size = self._header_size = 0
         self._codings: list[bytes] = []
+        #: A refusal waiting for the answers of the requests before it: (refusal, method, target) for the access log.
+        self._deferred: tuple[Refusal, str | None, str | None] | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -154,6 +161,8 @@ class GatewayProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._deferred is not None:
+            return  # a refused request ends what this connection will read; only earlier answers are still owed
         self._unset_keepalive_if_required()
         open_before, heads_before = self._head_open, self._heads
         try:
@@ -240,18 +249,49 @@ class GatewayProtocol(HttpToolsProtocol):
         self._refuse(self.refusal or Refusal(400, "bad_request", f"malformed HTTP request: {msg}"))
 
     def _refuse(self, r: Refusal) -> None:
-        """Answer a refusal before the app (JSON, ``Connection: close``) and close."""
+        """Answer a refusal before the app (JSON, ``Connection: close``) and close; after the answers of the
+        connection's earlier requests, when some are still being made (pipelining, module docstring)."""
         self._disarm()
         self.refusal = None
         HTTP_REFUSED.labels(str(r.status), r.code).inc()
         log.warning("refused a request from %s: %d %s", _peer(self.client), r.status, r.message)
-        if not self.transport.is_closing():
-            self.transport.write(error_bytes(r.status, r.code, r.message))
-            self.transport.close()
-            if self.limits.access_log:
-                method = (self.scope or {}).get("method")  # known once the head is complete
-                write_access(method, getattr(self, "url", b"")[:256].decode("latin-1") or None, r.status, None,
-                             self.client, len(error_body(r.code, r.message)))
+        if self.transport.is_closing():
+            return
+        method = (self.scope or {}).get("method")  # known once the head is complete
+        target = getattr(self, "url", b"")[:256].decode("latin-1") or None
+        if self._answers_owed():
+            self._deferred = (r, method, target)
+            return
+        self._send_refusal(r, method, target)
+
+    def _answers_owed(self) -> bool:
+        """Whether requests before the refused one still owe their answers. The refused request is the one whose
+        head is being read or, inside a body, ``self.cycle``: queued behind others, it is dropped from the pipeline
+        (never started, the refusal is its answer); running, it owes nothing before the refusal."""
+        if self._in_body and self.pipeline and self.pipeline[0][0] is self.cycle:
+            self.pipeline.popleft()  # uvicorn queues with appendleft: the newest is first
+            return True
+        if self.pipeline:
+            return True
+        return not self._in_body and self.cycle is not None and not self.cycle.response_complete
+
+    def _send_refusal(self, r: Refusal, method: str | None, target: str | None) -> None:
+        """Write the refusal, close, and log it when the access log is on (``method``/``target``: the refused
+        request's, as far as they were read)."""
+        self.transport.write(error_bytes(r.status, r.code, r.message))
+        self.transport.close()
+        if self.limits.access_log:
+            write_access(method, target, r.status, None, self.client, len(error_body(r.code, r.message)))
+
+    def on_response_complete(self) -> None:
+        """uvicorn's: the next pipelined request starts; once the last one before a deferred refusal is answered,
+        the refusal goes out and the connection closes."""
+        queued = bool(self.pipeline)
+        super().on_response_complete()
+        if self._deferred is not None and not queued and not self.transport.is_closing():
+            self._unset_keepalive_if_required()  # the idle timer uvicorn just armed
+            deferred, self._deferred = self._deferred, None
+            self._send_refusal(*deferred)
 
     def timeout_keep_alive_handler(self) -> None:
         """Close an idle kept-alive connection, unless its next request is already waiting in the socket.
@@ -284,6 +324,8 @@ class GatewayProtocol(HttpToolsProtocol):
         if self._head_bytes:  # a client that sent nothing (an idle pre-connection) is closed without a word
             self._refuse(Refusal(408, "request_timeout", "request headers not complete within "
                                                          f"{self.limits.header_timeout_s:g} s"))
+            if self._deferred is not None:
+                return  # the 408 goes out, and the connection closes, after the answers before it
         self.transport.close()
 
 
@@ -380,8 +422,12 @@ def uvicorn_options(limits: HttpSettings | None = None, http: type | str | None 
                     log_level: str = "info") -> dict[str, Any]:
     """Keyword arguments for ``uvicorn.run`` / ``uvicorn.Config``: the gateway protocol bound to ``limits`` (or
     ``http``, e.g. the import string of :class:`EnvGatewayProtocol` for worker processes), the uvloop event loop,
-    uvicorn's own access log off (``limits.access_log`` writes the gateway's, :class:`AccessLog`), and the logging
-    of every gateway process (request ids, text or JSON: :func:`.request_id.log_config`) at ``log_level``."""
+    uvicorn's own access log off (``limits.access_log`` writes the gateway's, :class:`AccessLog`), proxy headers
+    honoured only from ``limits.trusted_proxies`` (none by default: uvicorn's default trusts loopback, or
+    ``FORWARDED_ALLOW_IPS``, which lets any local client pick its rate-limit bucket), and the logging of every
+    gateway process (request ids, text or JSON: :func:`.request_id.log_config`) at ``log_level``."""
     limits = limits or HttpSettings()
+    proxies = [p for p in limits.trusted_proxies.split(",") if p]
     return {"http": http or protocol_class(limits), "loop": "uvloop", "access_log": False,
+            "proxy_headers": bool(proxies), "forwarded_allow_ips": proxies,
             "timeout_keep_alive": limits.keep_alive_s, "log_level": log_level, "log_config": log_config(log_level)}

@@ -53,6 +53,10 @@ class Settings(BaseSettings):
     (``body_idle_timeout_s`` / ``body_timeout_s`` in :mod:`.http_settings`)."""
     ready_timeout_s: float = Field(2.0, gt=0, allow_inf_nan=False)
     """Readiness probes are short so ``/readyz`` answers quickly when Triton hangs."""
+    triton_stall_s: float = Field(2.0, gt=0, allow_inf_nan=False)
+    """Triton has not answered a health probe for this long (stopped, hung, restarting): requests waiting for it
+    and new ones get 503 with ``Retry-After`` at once instead of waiting out ``request_timeout_s`` (:mod:`.stall`;
+    probed every quarter of it)."""
     max_body_bytes: int = Field(20 * 1024 * 1024, ge=1)
     """Request body limit (raw or multipart), enforced while streaming."""
     max_pixels: int = Field(wire.DEFAULT_MAX_PIXELS, ge=1)

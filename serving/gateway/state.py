@@ -12,7 +12,7 @@ import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -28,8 +28,9 @@ from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.http_settings import HttpSettings
 from unroll.serving.gateway.metrics import Metrics
 from unroll.serving.gateway.openapi import COMMON_ERRORS
-from unroll.serving.gateway.rate_limit import Buckets, RateLimit
+from unroll.serving.gateway.rate_limit import Buckets, buckets_for
 from unroll.serving.gateway.settings import Settings
+from unroll.serving.gateway.stall import TritonWatch
 from unroll.serving.gateway.triton_client import TritonBackend, TritonUnavailable
 
 log = logging.getLogger("unroll.gateway")
@@ -103,8 +104,12 @@ class Gateway:
     admission: Admission
     http: HttpSettings
     uploads: Uploads
-    #: The per-client token buckets (``UNROLL_RATE_LIMIT``), or ``None``: no rate limit.
+    #: The per-client token buckets (``UNROLL_RATE_LIMIT``; shared by the workers of one gateway), or ``None``: no
+    #: rate limit.
     rate_limit: Buckets | None = None
+    #: Whether Triton answers; requests waiting for a stalled one get 503 (:mod:`.stall`; its probe runs in the
+    #: app's lifespan). Built by :meth:`create`.
+    watch: TritonWatch | None = None
 
     @classmethod
     def create(cls, settings: Settings, metrics: Metrics, http: HttpSettings | None = None) -> Gateway:
@@ -120,7 +125,8 @@ class Gateway:
         return cls(settings, backend, catalog, metrics,
                    Admission(settings.max_concurrency, settings.max_queue, settings.busy_retry_after_s, metrics),
                    http, Uploads(http.max_uploads, settings.busy_retry_after_s, metrics),
-                   Buckets(RateLimit.parse(settings.rate_limit)) if settings.rate_limit else None)
+                   buckets_for(settings.rate_limit),
+                   TritonWatch(triton, settings.triton_stall_s))
 
     async def infer(self, entry: Entry, inputs: dict[str, np.ndarray], outputs: list[str],
                     class_count: int | None = None) -> dict[str, np.ndarray]:
@@ -130,15 +136,18 @@ class Gateway:
         ``catalog_refresh_s``; a gateway that lagged behind) is answered once more by another ready version, and the
         catalog is re-read, so a rollout loses no request."""
         version = entry.pick_version()
-        try:
-            return await self.backend.infer(entry.name, inputs, outputs, class_count, version)
-        except TritonUnavailable as e:
-            other = entry.pick_version(exclude=version) if version and f"version {version}" in str(e) else ""
-            if not other:
-                raise
-            log.info("gateway: %s version %s is gone; answered by version %s", entry.name, version, other)
-            self.catalog.invalidate()
-        return await self.backend.infer(entry.name, inputs, outputs, class_count, other)
+        if self.watch is not None:
+            await self.watch.admit()  # a stalled Triton: 503 now, not at the deadline (.stall)
+        with self.watch.waiting() if self.watch is not None else nullcontext():
+            try:
+                return await self.backend.infer(entry.name, inputs, outputs, class_count, version)
+            except TritonUnavailable as e:
+                other = entry.pick_version(exclude=version) if version and f"version {version}" in str(e) else ""
+                if not other:
+                    raise
+                log.info("gateway: %s version %s is gone; answered by version %s", entry.name, version, other)
+                self.catalog.invalidate()
+            return await self.backend.infer(entry.name, inputs, outputs, class_count, other)
 
     async def read_image(self, request: Request) -> bytes:
         """The request's image bytes (see :mod:`.body`), read under an upload permit and *outside* any inference
@@ -190,8 +199,10 @@ async def require_api_key(
 
 async def rate_limited(request: Request, gw: GatewayDep) -> None:
     """A token of the client's bucket (:mod:`.rate_limit`; nothing without ``UNROLL_RATE_LIMIT``): the API key's
-    when the request carries the configured one, else its address's; 429 when it has none. The headers of an
-    admitted request are left in ``request.state`` for :class:`.rate_limit.RateLimitHeaders`."""
+    when the request carries the configured one, else its address's; 429 when it has none. The address is the
+    peer's, or the ``X-Forwarded-For`` client's when the peer is a listed proxy (``UNROLL_TRUSTED_PROXIES``: uvicorn
+    rewrites ``request.client`` then, and only then). The headers of an admitted request are left in
+    ``request.state`` for :class:`.rate_limit.RateLimitHeaders`."""
     if gw.rate_limit is None:
         return
     key = "api-key" if getattr(request.state, "api_key", False) else \

@@ -176,6 +176,14 @@ class TritonBackend:
         except TritonError:
             return False
 
+    async def server_live(self, timeout_s: float) -> bool:
+        """``True`` when Triton answers its liveness probe (it may be loading models: not ready, but answering)."""
+        try:
+            return bool(await self._call("a liveness probe", self._client.is_server_live(headers=self._headers),
+                                         timeout_s))
+        except TritonError:
+            return False
+
     async def model_ready(self, name: str, timeout_s: float) -> bool:
         try:
             return bool(await self._call("a readiness probe", self._client.is_model_ready(name, headers=self._headers),

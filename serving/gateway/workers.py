@@ -3,8 +3,9 @@
 One gateway process is bound by the GIL to about one core, so ``workers > 1`` runs uvicorn's multi-process
 supervisor on one listening socket: each worker has its own app, Triton client, catalog and admission limits (per
 worker), a dead one is replaced, SIGINT/SIGTERM drain them all. Metrics add up across workers through
-prometheus_client's multiprocess mode in a per-run ``PROMETHEUS_MULTIPROC_DIR``. The default is half the cores
-(:func:`default_workers`).
+prometheus_client's multiprocess mode in a per-run ``PROMETHEUS_MULTIPROC_DIR``; the rate limit's buckets are one table
+the workers share, a file in that directory (:class:`~.rate_limit.SharedBuckets`), so a client gets the stated rate
+whichever workers answer it, not ``N`` times it. The default is half the cores (:func:`default_workers`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from unroll.serving.gateway.http_settings import HttpSettings
+from unroll.serving.gateway.rate_limit import SHARED_FILE_ENV, SharedBuckets
 from unroll.serving.gateway.server import uvicorn_options
 from unroll.serving.gateway.settings import ENV_PREFIX
 
@@ -92,21 +94,39 @@ def remove_stale_metrics_dirs(root: str | None = None) -> list[str]:
 
 
 @contextlib.contextmanager
+def shared_buckets(directory: str) -> Iterator[Path]:
+    """A fresh rate-limit bucket file in ``directory`` for this run's workers, named in ``os.environ``
+    (:data:`~.rate_limit.SHARED_FILE_ENV`, so spawned workers inherit it) and unset afterwards."""
+    path = SharedBuckets.create(Path(directory) / "rate-limit.buckets")
+    with _environ(SHARED_FILE_ENV, str(path)):
+        yield path
+
+
+@contextlib.contextmanager
 def metrics_dir() -> Iterator[str]:
     """A fresh, empty ``PROMETHEUS_MULTIPROC_DIR`` for this run's workers (set in ``os.environ``, so spawned
     workers inherit it), removed and unset afterwards; left-overs of killed earlier runs are removed first."""
     remove_stale_metrics_dirs()
-    previous = os.environ.get(METRICS_DIR_ENV)
     path = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
-    os.environ[METRICS_DIR_ENV] = path
     try:
-        yield path
+        with _environ(METRICS_DIR_ENV, path):
+            yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` for the block (spawned workers inherit it), then as it was."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
     finally:
         if previous is None:
-            os.environ.pop(METRICS_DIR_ENV, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[METRICS_DIR_ENV] = previous
-        shutil.rmtree(path, ignore_errors=True)
+            os.environ[name] = previous
 
 
 def _supervisor_class() -> type:
@@ -177,7 +197,7 @@ def run_workers(host: str, port: int, workers: int, log_level: str, on_ready: Ca
         if on_ready is not None:
             on_ready()
 
-    with metrics_dir():
+    with metrics_dir() as directory, shared_buckets(directory):
         config = uvicorn.Config(APP_FACTORY, factory=True, host=host, port=port, workers=workers,
                                 **uvicorn_options(limits, http=HTTP_PROTOCOL, log_level=log_level), **uvicorn_kwargs)
         sock = config.bind_socket()

@@ -1,0 +1,169 @@
+"""The soak's operating phases: a stalled tritonserver, and a model update, each under classify load.
+
+Phase 3 stops ``tritonserver`` (SIGSTOP) for :data:`STALL_S` and resumes it: requests that need Triton must be
+answered (503 with ``Retry-After``) within about the gateway's ``UNROLL_TRITON_STALL_S`` of the stop, never held to
+the request deadline, and the supervisor must not replace a server that resumes before its unready limit (20 s).
+Phase 4 runs ``unroll deploy`` of the classifier (a full swap to a new version) against the running service, found
+from the state ``unroll serve`` left: nothing lost, and the same tritonserver throughout (a planned unload is not a
+crash). Each passes when no request is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from unroll.benchmarks import soak_stub
+
+if TYPE_CHECKING:
+    from unroll.benchmarks.soak import ServeProcess
+
+#: Clients in closed loop; how long Triton stays stopped; load before and after each action.
+CLIENTS, STALL_S, SETTLE_S = 8, 8.0, 2.0
+#: The gateway's default stall detection (``Settings.triton_stall_s``) is the target; answers may come this much
+#: later on a loaded machine.
+ANSWER_MARGIN_S = 1.0
+REQUEST_TIMEOUT_S = 90.0
+
+
+async def _drive(s: ServeProcess, path: str, body: bytes, action: Callable[[], Awaitable[dict]]) -> tuple[list, dict]:
+    """Closed-loop clients posting ``body`` to ``path`` while ``action`` runs (and :data:`SETTLE_S` around it)."""
+    import httpx
+
+    results: list[dict] = []
+    done = asyncio.Event()
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        while not done.is_set():
+            t0 = time.monotonic()
+            try:
+                status, code, retry_after = soak_stub.outcome(
+                    await client.post(path, content=body, headers={"Content-Type": "image/png"}))
+            except httpx.HTTPError as e:
+                status, code, retry_after = None, type(e).__name__, None
+            results.append({"status": status, "code": code, "retry_after": retry_after, "start": t0,
+                            "end": time.monotonic()})
+            if status == 503:
+                await asyncio.sleep(soak_stub.BACKOFF_ON_503_S)
+
+    async def conductor() -> dict:
+        await asyncio.sleep(SETTLE_S)
+        marks = await action()
+        await asyncio.sleep(SETTLE_S)
+        done.set()
+        return marks
+
+    limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
+    async with httpx.AsyncClient(base_url=s.base, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+        marks, *_ = await asyncio.gather(conductor(), *(client_loop(client) for _ in range(CLIENTS)))
+    return results, marks
+
+
+def _counts(results: list[dict]) -> dict:
+    failed = [r for r in results if r["status"] != 200]
+    unavailable = [r for r in failed if r["status"] == 503]
+    return {"status_counts": dict(Counter(str(r["status"]) for r in results)),
+            "ok": len(results) - len(failed), "unavailable_503": len(unavailable),
+            "unavailable_with_retry_after": sum(1 for r in unavailable if r["retry_after"]),
+            "lost": len(failed) - len(unavailable),
+            "lost_examples": [{k: r[k] for k in ("status", "code")} for r in failed if r["status"] != 503][:10]}
+
+
+def stall_phase(s: ServeProcess, path: str, body: bytes, stall_s: float, log: Callable[[str], None]) -> dict:
+    """Phase 3 (module docstring); ``stall_s``: the gateway's ``triton_stall_s``."""
+    async def stop_and_resume() -> dict:
+        pid = s.triton_pid()
+        assert pid is not None, "no tritonserver to stop"
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        log(f"kill -STOP tritonserver (pid {pid}) for {STALL_S:g} s")
+        try:
+            await asyncio.sleep(STALL_S)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return {"pid": pid, "stopped": stopped, "resumed": time.monotonic()}
+
+    results, m = asyncio.run(_drive(s, path, body, stop_and_resume))
+    during = [r for r in results if r["end"] > m["stopped"] and r["start"] < m["resumed"]]
+    # how long a request waited for an answer once Triton had stopped (from the later of its start and the stop)
+    waits = [r["end"] - max(r["start"], m["stopped"]) for r in during if r["end"] < m["resumed"]]
+    first_503 = min((r["end"] for r in during if r["status"] == 503), default=None)
+    p = {"clients": CLIENTS, "stall_s": STALL_S, "detection_s": stall_s, **_counts(results),
+         "first_503_after_stop_s": None if first_503 is None else round(first_503 - m["stopped"], 2),
+         "longest_wait_s": round(max(waits, default=0.0), 2),
+         "target_s": stall_s + ANSWER_MARGIN_S,
+         "triton_replaced": s.triton_pid() != m["pid"],
+         "served_after": sum(1 for r in results if r["start"] > m["resumed"] and r["status"] == 200)}
+    p["passed"] = (not p["lost"] and p["longest_wait_s"] <= p["target_s"] and not p["triton_replaced"]
+                   and p["served_after"] > 0 and p["unavailable_503"] == p["unavailable_with_retry_after"])
+    return p
+
+
+def deploy_phase(s: ServeProcess, model: str, log: Callable[[str], None]) -> dict:
+    """Phase 4 (module docstring): ``unroll deploy MODEL`` of its current graph as a new version, under load."""
+    root = s.repo.parent
+
+    async def deploy() -> dict:
+        pid, lines = s.triton_pid(), len(s.output)
+        log(f"unroll deploy {model} under classify load")
+        t0 = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "unroll.app.cli", "deploy", model, "--repo", str(s.repo), "--onnx-dir",
+            str(s.onnx_dir), "--triton-key-file", str(s.onnx_dir.parent / "triton.key"), "--drain-s", "3",
+            "--samples", "64", cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        out, _ = await proc.communicate()
+        return {"pid": pid, "lines": lines, "rc": proc.returncode, "output": out.decode(errors="replace")[-2000:],
+                "seconds": round(time.monotonic() - t0, 1)}
+
+    x_path = f"/v1/classify?model={model}&top_k=1"
+    results, m = asyncio.run(_drive(s, x_path, _digit(model), deploy))
+    serve_log = "".join(s.output[m["lines"]:])  # what unroll serve logged from the deployment on
+    p = {"clients": CLIENTS, "model": model, "deploy_rc": m["rc"], "deploy_s": m["seconds"],
+         "deploy_output": m["output"], **_counts(results),
+         "triton_replaced": s.triton_pid() != m["pid"] or "lost its Python-backend stub" in serve_log}
+    p["passed"] = m["rc"] == 0 and not p["lost"] and not p["unavailable_503"] and not p["triton_replaced"]
+    return p
+
+
+def _digit(model: str) -> bytes:
+    from unroll import data
+    from unroll.benchmarks.common import png_bytes
+    from unroll.registry import get_spec
+
+    x, _ = data.dataset(get_spec(model).card.data.test).load()
+    return png_bytes(x[0, 0])
+
+
+def markdown(stall: dict | None, deploy: dict | None) -> list[str]:
+    """Phases 3 and 4's lines of ``soak.md``."""
+    lines: list[str] = []
+    if stall is not None:
+        lines += [
+            f"## Phase 3: tritonserver stopped (SIGSTOP) for {stall['stall_s']:g} s under classify load", "",
+            f"{stall['clients']} clients in closed loop; the gateway's stall detection is {stall['detection_s']:g} s "
+            "(`UNROLL_TRITON_STALL_S`).", "",
+            f"- succeeded: {stall['ok']:,}; answered 503: {stall['unavailable_503']:,} "
+            f"({stall['unavailable_with_retry_after']:,} with Retry-After); **lost: {stall['lost']}**",
+            f"- first 503 {stall['first_503_after_stop_s']} s after the stop; **no request waited more than "
+            f"{stall['longest_wait_s']} s** for its answer while Triton was stopped (target ≤ {stall['target_s']:g} s; "
+            f"without the stall detection they waited until it resumed)",
+            "- tritonserver " + ("was replaced" if stall["triton_replaced"] else
+                                 "was not replaced (it resumed before the supervisor's 20 s unready limit)")
+            + f"; {stall['served_after']:,} requests succeeded after it resumed",
+            f"- phase **{'passed' if stall['passed'] else 'FAILED'}**", ""]
+    if deploy is not None:
+        lines += [
+            f"## Phase 4: `unroll deploy {deploy['model']}` (a full swap) under classify load", "",
+            f"- the deployment took {deploy['deploy_s']} s (exit code {deploy['deploy_rc']}); succeeded: "
+            f"{deploy['ok']:,}; answered 503: {deploy['unavailable_503']:,}; **lost: {deploy['lost']}**",
+            "- tritonserver " + ("was replaced" if deploy["triton_replaced"] else
+                                 "was the same throughout (the old version's unload is planned, not a crash)"),
+            f"- phase **{'passed' if deploy['passed'] else 'FAILED'}**", ""]
+    return lines
