@@ -168,28 +168,24 @@ class TritonBackend:
                     from None
             raise
 
-    async def server_ready(self, timeout_s: float) -> bool:
-        """``True`` when Triton answers ready; ``False`` when it is down, not ready or slow."""
+    async def _probe(self, what: str, coro: Any, timeout_s: float) -> bool:
+        """A yes/no question to Triton: its answer, ``False`` when it is down, says no or is slow."""
         try:
-            return bool(await self._call("a readiness probe", self._client.is_server_ready(headers=self._headers),
-                                         timeout_s))
+            return bool(await self._call(what, coro, timeout_s))
         except TritonError:
             return False
+
+    async def server_ready(self, timeout_s: float) -> bool:
+        """``True`` when Triton answers ready; ``False`` when it is down, not ready or slow."""
+        return await self._probe("a readiness probe", self._client.is_server_ready(headers=self._headers), timeout_s)
 
     async def server_live(self, timeout_s: float) -> bool:
         """``True`` when Triton answers its liveness probe (it may be loading models: not ready, but answering)."""
-        try:
-            return bool(await self._call("a liveness probe", self._client.is_server_live(headers=self._headers),
-                                         timeout_s))
-        except TritonError:
-            return False
+        return await self._probe("a liveness probe", self._client.is_server_live(headers=self._headers), timeout_s)
 
     async def model_ready(self, name: str, timeout_s: float) -> bool:
-        try:
-            return bool(await self._call("a readiness probe", self._client.is_model_ready(name, headers=self._headers),
-                                         timeout_s))
-        except TritonError:
-            return False
+        return await self._probe("a readiness probe", self._client.is_model_ready(name, headers=self._headers),
+                                 timeout_s)
 
     async def repository_index(self) -> list[dict[str, str]]:
         """Every model in Triton's repository: ``{"name", "version", "state", "reason"}`` (state ``READY`` when
