@@ -117,6 +117,7 @@ def run(requests: int = 20, max_pixels: int = 2048 * 2048, settle_s: float = 8.0
             log(f"idle: {idle['total'] / MIB:.0f} MiB; sending {requests} requests of {len(body) / MIB:.1f} MiB")
             statuses: list[int] = []
             latencies: list[float] = []
+            refusals: list[str] = []  # what each non-200 said: a failure names its cause
 
             def one(_: int) -> None:
                 t0 = time.perf_counter()
@@ -124,8 +125,11 @@ def run(requests: int = 20, max_pixels: int = 2048 * 2048, settle_s: float = 8.0
                     r = httpx.post(f"{serve.base}/v1/denoise?model={model}&sigma=25", content=body,
                                    headers={"Content-Type": "image/png"}, timeout=REQUEST_TIMEOUT_S)
                     statuses.append(r.status_code)
-                except httpx.HTTPError:
+                    if r.status_code != 200:
+                        refusals.append(f"{r.status_code}: {r.text[:300]}")
+                except httpx.HTTPError as e:
                     statuses.append(0)
+                    refusals.append(f"no answer: {type(e).__name__}: {e}")
                 latencies.append(time.perf_counter() - t0)
 
             t0 = time.perf_counter()
@@ -141,7 +145,8 @@ def run(requests: int = 20, max_pixels: int = 2048 * 2048, settle_s: float = 8.0
     result = {
         "machine": machine_info(threads=2), "model": model, "requests": requests, "image": {
             "pixels": max_pixels, "png_bytes": len(body), "mode": "RGB"},
-        "statuses": {str(s): statuses.count(s) for s in sorted(set(statuses))}, "wall_s": round(wall, 1),
+        "statuses": {str(s): statuses.count(s) for s in sorted(set(statuses))}, "refusals": refusals,
+        "wall_s": round(wall, 1),
         "latency_s": {"min": round(min(latencies), 2), "max": round(max(latencies), 2)},
         "idle_bytes": idle, "peak_bytes": peak, "after_bytes": after, "settle_s": settle_s,
         "limits": {"peak_bytes": peak_limit_bytes, "return_bytes": return_limit_bytes},

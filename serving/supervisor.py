@@ -28,13 +28,16 @@ log = logging.getLogger("unroll.serve")
 
 #: ``prctl`` option (linux/prctl.h): orphaned descendants are re-parented to this process, not PID 1.
 PR_SET_CHILD_SUBREAPER = 36
-#: The Python backend's per-instance process (a transient helper Triton runs while launching one is not one).
+#: The Python backend's per-instance process (:func:`is_stub`).
 STUB_BINARY = "triton_python_backend_stub"
 #: Grace (SIGTERM → SIGKILL) when stopping a server that crashed or hung, and when one lost a stub (none: its
 #: in-flight work cannot finish cleanly, and every moment it lives is a moment more of 503s).
 CRASHED_GRACE_S, STUB_LOST_GRACE_S = 5.0, 0.0
 #: A stub started this long before another of the same instance exited was there first: a reload, not a restart.
 RELOAD_MARGIN_S = 0.2
+#: How long the second request for Triton's repository index may take, when a stub exited and the first went
+#: unanswered (a real loss is answered at once: Triton itself is fine then).
+INDEX_RETRY_S = 5.0
 
 
 def stub_name(argv: list[str]) -> str:
@@ -51,6 +54,13 @@ def stub_version(argv: list[str]) -> tuple[str, str] | None:
     return (path.parent.parent.name, path.parent.name) if path is not None else None
 
 
+def is_stub(argv: list[str]) -> bool:
+    """A model instance's stub: the stub binary with the model's ``model.py``. Not the bare stub binary that Triton's
+    Python backend runs once (``sh -c "<stub> > /dev/null 2>&1"``) to check it can start, which exits at once, and
+    not the ``bash -c "exec <stub> …"`` that becomes the stub a moment later."""
+    return bool(argv) and argv[0].endswith(STUB_BINARY) and stub_version(argv) is not None
+
+
 def planned_exit(argv: list[str], pid: int, index: list[dict[str, str]] | None, members: dict[int, list[str]],
                  exited_by_s: float) -> bool:
     """Whether a stub that exited (``pid``, ``argv``) was ended by Triton on purpose, not lost.
@@ -61,21 +71,25 @@ def planned_exit(argv: list[str], pid: int, index: list[dict[str, str]] | None, 
     *after* a death (its in-place restart, unsafe in 2.45) does not count: it started after ``exited_by_s``, less
     :data:`RELOAD_MARGIN_S`. Unknown (no index: Triton does not answer) is not planned."""
     where = stub_version(argv)
-    if where is None or index is None:
+    if where is None:
         return False
     model, version = where
-    states = {r["state"] for r in index if r["name"] == model and r["version"] == version}
-    if "READY" not in states:
-        return True
     name = stub_name(argv)
-    for other, other_argv in members.items():
-        if other == pid or not other_argv or not other_argv[0].endswith(STUB_BINARY):
+    for other, other_argv in members.items():  # a reload: needs no answer from Triton
+        if other == pid or not is_stub(other_argv):
             continue
         if stub_name(other_argv) == name and stub_version(other_argv) == where:
             stat = read_stat(other)
             if stat is not None and not stat.gone and stat.started_s < exited_by_s - RELOAD_MARGIN_S:
                 return True
-    return False
+    if index is None:
+        return False
+    return "READY" not in {r["state"] for r in index if r["name"] == model and r["version"] == version}
+
+
+def busy_on_purpose(index: list[dict[str, str]] | None) -> bool:
+    """Triton is loading or unloading a model version (``unroll deploy``, a slow warm-up): unready, yet not hung."""
+    return index is not None and any(r["state"] in ("LOADING", "UNLOADING") for r in index)
 
 
 def become_subreaper() -> bool:
@@ -248,11 +262,11 @@ class TritonSupervisor:
                 handle.snapshot()
                 if self.restart_on_stub_exit:
                     fresh = {p: a for p, a in group_members(handle.pid).items()
-                             if p != handle.pid and p not in watch.pids and a and a[0].endswith(STUB_BINARY)}
+                             if p != handle.pid and p not in watch.pids and is_stub(a)}
                     stubs.update(fresh)
                     watch.add(fresh)
-                if handle.ready():
-                    unready_since = None
+                if handle.ready() or busy_on_purpose(handle.index()):
+                    unready_since = None  # a load takes as long as it takes (a TensorRT build: minutes)
                     continue
                 now = time.monotonic()
                 unready_since = unready_since if unready_since is not None else now
@@ -265,7 +279,9 @@ class TritonSupervisor:
         """Of the stubs that ``exited``, those lost (:func:`planned_exit` says which Triton ended on purpose: an
         unload or reload, after which nothing is replaced); the planned ones are forgotten."""
         exited_by = time.clock_gettime(time.CLOCK_BOOTTIME)
-        index, members = handle.index(), group_members(handle.pid)
+        members = group_members(handle.pid)
+        # A Triton slow to answer (a loaded machine, a long reload) is asked once more before a loss is called.
+        index = handle.index() or handle.index(timeout_s=INDEX_RETRY_S)
         planned = [p for p in exited if planned_exit(stubs[p], p, index, members, exited_by)]
         for p in planned:
             log.info("tritonserver ended the Python-backend stub %s (pid %d) on purpose (its model was unloaded or "

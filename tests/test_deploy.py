@@ -306,7 +306,8 @@ def test_readme_commands_run_verbatim(served: Served) -> None:
         for cmd in commands:
             r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, cwd=served.root, env=env,
                                timeout=600)
-            assert r.returncode == 0, f"{cmd}: {r.stderr}{r.stdout}"
+            assert r.returncode == 0, f"{cmd}: {r.stderr}{r.stdout}\n--- unroll serve:\n" + \
+                "".join(served.serve.output)[-4000:]
     assert load.statuses["lost"] == 0 and set(load.statuses) == {200}, (load.statuses, load.errors[:3])
     assert served.triton.ready_versions(MODEL) == [live + 1]
     served.assert_same_triton()

@@ -21,7 +21,7 @@ def test_service_sums_the_whole_process_tree() -> None:
 @pytest.mark.timeout(1200)
 def test_twenty_maximum_size_denoise_requests_stay_within_the_stated_bound() -> None:
     r = memory.run(20, out=None, log=lambda m: None)
-    assert r["statuses"] == {"200": 20}, r["statuses"]
+    assert r["statuses"] == {"200": 20}, (r["statuses"], r["refusals"])
     assert r["peak_bytes"]["total"] <= memory.PEAK_LIMIT_BYTES, r["peak_bytes"]
     assert r["after_bytes"]["total"] - r["idle_bytes"]["total"] <= memory.RETURN_LIMIT_BYTES, (
         r["idle_bytes"], r["after_bytes"])

@@ -337,6 +337,67 @@ def test_supervisor_replaces_a_hung_server_and_gives_up_on_one_that_cannot_start
                 os.kill(pid, signal.SIGKILL)
 
 
+SLOW_MODEL_PY = """import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        time.sleep({load_s})
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([]) for _ in requests]
+"""
+SLOW_CONFIG = """name: "slow"
+backend: "python"
+max_batch_size: 0
+input [{ name: "x" data_type: TYPE_FP32 dims: [1] }]
+output [{ name: "y" data_type: TYPE_FP32 dims: [1] }]
+instance_group [{ kind: KIND_CPU count: 1 }]
+"""
+
+
+@pytest.mark.triton
+def test_a_load_longer_than_the_unready_limit_and_its_unload_replace_nothing(
+        demo_onnx_dir: Path, tmp_path: Path) -> None:
+    """Triton is unready while a model loads: a load (here 5 s; a TensorRT build takes minutes) longer than the
+    supervisor's unready limit (2 s here) is work, not a hang, and the stub that its unload ends is no loss. The slow
+    model is a real Python-backend model whose ``initialize`` sleeps (a slow load cannot be caused otherwise)."""
+    from unroll.serving.repository import write_repository
+    from unroll.serving.supervisor import TritonSupervisor
+
+    repo = tmp_path / "repo"
+    write_repository("cpu", ["sdnet-mnist-autolam"], repo, onnx_dir=demo_onnx_dir)
+    (repo / "slow" / "1").mkdir(parents=True)
+    (repo / "slow" / "1" / "model.py").write_text(SLOW_MODEL_PY.format(load_s=5))
+    (repo / "slow" / "config.pbtxt").write_text(SLOW_CONFIG)
+    ports = free_ports(3)
+
+    def launch() -> triton.TritonHandle:
+        return triton.start(repo, *ports, log_file=tmp_path / "triton.log", timeout_s=60, any_thread=True,
+                            model_control="explicit", extra_args=["--load-model=sdnet-mnist-autolam"])
+
+    def repository(action: str) -> None:
+        req = urllib.request.Request(f"http://{first.url}/v2/repository/models/slow/{action}", data=b"{}",
+                                     method="POST")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200
+
+    sup = TritonSupervisor(launch, backoff_s=(0.2,), max_restarts=3, window_s=600, unready_restart_s=2)
+    try:
+        first = sup.start()
+        t0 = time.monotonic()
+        repository("load")
+        assert time.monotonic() - t0 >= 5 and first.ready()
+        repository("unload")
+        time.sleep(2.0)  # the supervisor notices the unloaded stub's exit at once, and probes every 0.5 s
+        assert sup.restarts == 0 and sup.handle is not None and sup.handle.pid == first.pid and exists(first.pid)
+        assert first.ready()
+    finally:
+        sup.stop()
+
+
 # ---------------------------------------------------------------- no server needed
 
 
@@ -371,12 +432,18 @@ def test_stub_names_and_the_gateways_503_for_a_request_in_a_dead_backend_process
     from tritonclient.utils import InferenceServerException
 
     from unroll.serving.gateway.triton_client import TritonUnavailable, _translate
-    from unroll.serving.supervisor import stub_name
+    from unroll.serving.supervisor import is_stub, stub_name
 
     argv = ["/b/triton_python_backend_stub", "/r/csc-denoiser/1/model.py", "triton_python_backend_shm_region_x",
             "1048576", "1048576", "42", "/b", "336", "csc-denoiser_0_0", "DEFAULT"]
     assert stub_name(argv) == "csc-denoiser_0_0"
     assert stub_name(argv[:2]) == "csc-denoiser"
+    # what the supervisor watches: the instances' stubs, not the bare check-run Triton starts before each (seen
+    # exiting during a deploy and taken for a lost stub), nor the shells that start them
+    assert is_stub(argv)
+    assert not is_stub(argv[:1])
+    assert not is_stub(["sh", "-c", "/b/triton_python_backend_stub> /dev/null 2>&1"])
+    assert not is_stub(["bash", "-c", " exec " + " ".join(argv)])
     # what Triton answers for the batch that was inside the killed stub: the model is restarting, retry later
     msg = ("Failed to process the request(s) for model instance 'csc-denoiser_0_0', message: Stub process "
            "'csc-denoiser_0_0' is not healthy.")

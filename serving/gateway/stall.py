@@ -3,11 +3,13 @@
 A Triton that stops answering (``kill -STOP``, a hung process, a server being replaced) would hold every request
 until its deadline (``request_timeout_s``, a minute) although ``/readyz`` already says not ready. :class:`TritonWatch`
 asks Triton whether it is live every quarter of ``triton_stall_s`` (live, not ready: a Triton loading a model
-version is not ready, yet answers); once no probe has been answered for ``triton_stall_s``, the
+version is not ready, yet answers); once Triton has answered nothing for ``triton_stall_s`` (neither a probe nor any
+other call: a gateway whose own event loop was busy for a while sees its probe time out although Triton answered
+the inferences meanwhile) and a confirming probe goes unanswered too, the
 requests waiting for Triton are cancelled and answered 503 ``triton_unavailable`` with ``Retry-After``, and new ones
 are refused the same way unless a fresh probe (one at a time, shared by the requests that arrive meanwhile) finds it
 back. The supervisor of ``unroll serve`` decides
-separately whether to replace the server (it does after 20 s unready).
+separately whether to replace the server (after 20 s unready with no model loading).
 """
 
 from __future__ import annotations
@@ -40,8 +42,16 @@ class TritonWatch:
         while True:
             t0 = time.monotonic()
             ok = await self.backend.server_live(self.stall_s / 2)
+            if not ok and not self.stalled and self.silent_s() >= self.stall_s:
+                # Confirm first: a probe that timed out while this process was busy (a long decode holding the
+                # event loop) is answered at once now; a stopped Triton stays silent.
+                ok = await self.backend.server_live(self.stall_s / 4)
             self.observe(ok)
             await asyncio.sleep(max(0.0, period - (time.monotonic() - t0)))
+
+    def silent_s(self) -> float:
+        """Seconds since Triton last answered anything: a probe, or any call through the backend."""
+        return time.monotonic() - max(self.last_answer, self.backend.last_answer)
 
     def observe(self, answered: bool) -> None:
         """One probe's outcome: a stall begins (waiting requests are answered 503) or ends."""
@@ -52,10 +62,10 @@ class TritonWatch:
                 log.warning("gateway: Triton answers again; requests go to it")
                 self.stalled = False
             return
-        if not self.stalled and now - self.last_answer >= self.stall_s:
+        if not self.stalled and self.silent_s() >= self.stall_s:
             self.stalled = True
             log.warning("gateway: Triton has not answered for %.1f s; answering 503 until it does (%d requests "
-                        "were waiting for it)", now - self.last_answer, len(self._waiting))
+                        "were waiting for it)", self.silent_s(), len(self._waiting))
             for task in self._waiting:
                 self._cancelled.add(task)
                 task.cancel()
@@ -74,7 +84,7 @@ class TritonWatch:
             raise self.refusal()
 
     def refusal(self) -> TritonUnavailable:
-        return TritonUnavailable(f"Triton has not answered for {time.monotonic() - self.last_answer:.1f} s (stopped, "
+        return TritonUnavailable(f"Triton has not answered for {self.silent_s():.1f} s (stopped, "
                                  "hung or restarting); retry later")
 
     @contextmanager

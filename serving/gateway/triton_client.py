@@ -124,6 +124,9 @@ class TritonBackend:
         #: How many calls found Triton unavailable: the model catalog re-discovers when this moves, since
         #: the server may come back with another repository.
         self.unavailable_count = 0
+        #: ``time.monotonic()`` of Triton's latest answer to any call (inferences included): the stall watch's
+        #: evidence that Triton answers even when its own probe was slow (:mod:`.stall`).
+        self.last_answer = time.monotonic()
         if protocol == "http":
             import tritonclient.http as mod
             import tritonclient.http.aio as aio
@@ -155,7 +158,9 @@ class TritonBackend:
     async def _translated(self, what: str, coro: Any, timeout_s: float) -> Any:
         try:
             async with asyncio.timeout(timeout_s):
-                return await coro
+                out = await coro
+            self.last_answer = time.monotonic()
+            return out
         except TimeoutError:
             raise TritonTimeout(f"Triton did not answer {what} within {timeout_s:g} s") from None
         except InferenceServerException as e:
