@@ -17,7 +17,7 @@ from rich.markup import escape
 
 from unroll import artifacts
 from unroll.app.errors import fail, handles_errors
-from unroll.errors import BenchError
+from unroll.errors import BenchError, QuantizeError
 from unroll.registry import list_models
 
 RESULTS = Path("benchmarks/results")
@@ -279,6 +279,40 @@ def bench_memory(
     err.print(memory.markdown(payload))
     if not all(payload["passed"].values()):
         raise typer.Exit(1)
+
+
+@handles_errors
+def bench_stress(
+    models: Annotated[str, typer.Option(help="Denoisers, comma-separated")] = "csc-denoiser",
+    onnx_dir: OnnxOpt = ONNX_DIR,
+    threads: ThreadsOpt = 2,
+    out: OutOpt = RESULTS,
+) -> None:
+    """What FP16 and INT8 lose against FP32 on seeded synthetic patterns (checkerboards, gratings, stripes, text,
+    hard edges, texture on flat ground), on ONNX Runtime and OpenVINO: the worst image and σ of the patterns the
+    quantizer chose on (gate seeds) and of patterns it never saw (report seeds).
+
+    Builds what is missing first (export; `unroll quantize` for each precision, behind its gate). Writes
+    precision_stress.json and precision_stress.md.
+    """
+    from unroll import pipeline
+    from unroll.benchmarks import precision_stress
+
+    names = [m.strip() for m in models.split(",") if m.strip()]
+    if not names:
+        raise typer.BadParameter("--models: name at least one denoiser")
+    for name in names:
+        pipeline.run(pipeline.plan([name], onnx_dir=onnx_dir, companions=False), err.print)  # its export
+        for precision in ("fp16", "int8"):
+            try:
+                pipeline.run(pipeline.plan([name], onnx_dir=onnx_dir, companions=False, precision=precision),
+                             err.print)
+            except QuantizeError as e:  # a refused gate is a result: the table says the graph is missing and why
+                err.print(f"[yellow]{name} {precision}:[/] {escape(str(e))}")
+    with err.status("stress patterns") as status:
+        payload = precision_stress.run(names, onnx_dir, out, threads, log=lambda m: status.update(m))
+    _wrote(out, ["precision_stress"])
+    err.print(precision_stress.markdown(payload))
 
 
 @handles_errors

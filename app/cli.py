@@ -38,6 +38,7 @@ from unroll.app.bench_cli import (
     bench_robustness,
     bench_serve,
     bench_soak,
+    bench_stress,
 )
 from unroll.app.deploy_cli import deploy
 from unroll.app.doctor import doctor_command
@@ -508,6 +509,7 @@ def _register_subsystem_commands() -> None:
     bench_app.command("soak")(bench_soak)
     bench_app.command("memory")(bench_memory)
     bench_app.command("png-level")(bench_png_level)
+    bench_app.command("stress")(bench_stress)
     bench_app.command("ham-draws")(bench_ham_draws)
     bench_app.command("robustness")(bench_robustness)
     bench_app.command("iters")(bench_iters)

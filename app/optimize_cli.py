@@ -32,6 +32,10 @@ def optimize(
     time_budget_min: Annotated[float, typer.Option(
         help="Stop measuring after this long and choose from what was measured (the report says so)")] = 15.0,
     threads: Annotated[int | None, typer.Option(help="Threads per model instance (default: up to 2)")] = None,
+    precision: Annotated[str, typer.Option(
+        help="Precisions the choice may use, comma-separated, among fp32, fp16, int8. INT8 trades quality for "
+             "speed, so it is a candidate only when named here; the report and `unroll serve`'s banner show what "
+             "the chosen precision loses on the gate data")] = "fp32,fp16",
     sweep: Annotated[bool, typer.Option("--sweep/--no-sweep",
                                         help="Run the Triton configuration sweep (needs perf_analyzer)")] = True,
     compare: Annotated[bool, typer.Option("--compare/--no-compare", help="Time the served choice (Triton direct) "
@@ -52,6 +56,7 @@ def optimize(
     """
     if target not in ("cpu", "gpu"):
         raise fail(f"--target must be cpu or gpu, not {target!r}")
+    precisions = _precisions(precision)
     if time_budget_min <= 0 or (latency_budget_ms is not None and latency_budget_ms <= 0):
         raise fail("--time-budget-min and --latency-budget-ms must be > 0")
     if target == "gpu":
@@ -59,7 +64,8 @@ def optimize(
 
         record = run_gpu(name, time_budget_min * 60, fresh)
     else:
-        record = _run_cpu(name, latency_budget_ms, time_budget_min, threads, sweep, compare, fresh, onnx_dir, progress)
+        record = _run_cpu(name, latency_budget_ms, time_budget_min, threads, sweep, compare, fresh, onnx_dir, progress,
+                          precisions)
     path = artifacts.choice(name, target)
     if publish:
         RESULTS.mkdir(parents=True, exist_ok=True)
@@ -70,12 +76,25 @@ def optimize(
                   f"({'served by `unroll repo`' if target == 'cpu' else 'measured only'})")
 
 
-def _run_cpu(name, latency_budget_ms, time_budget_min, threads, sweep, compare, fresh, onnx_dir, progress) -> dict:
+def _precisions(text: str) -> tuple[str, ...]:
+    """``--precision fp32,fp16`` → ``("fp32", "fp16")``; a clear error for anything else."""
+    from unroll.benchmarks.optimize import PRECISIONS  # (light: the module imports its heavy parts inside)
+
+    got = tuple(dict.fromkeys(p.strip().lower() for p in text.split(",") if p.strip()))
+    unknown = [p for p in got if p not in PRECISIONS]
+    if not got or unknown:
+        raise fail(f"--precision {text!r}: give a comma-separated list among {', '.join(PRECISIONS)}"
+                   + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+    return got
+
+
+def _run_cpu(name, latency_budget_ms, time_budget_min, threads, sweep, compare, fresh, onnx_dir, progress,
+             precisions) -> dict:
     from unroll.benchmarks import optimize as opt  # local: torch, onnxruntime
     from unroll.benchmarks.common import progress_bars
 
     settings = opt.Settings(name, latency_budget_ms, time_budget_min, onnx_dir=onnx_dir, fresh=fresh, sweep=sweep,
-                            compare=compare,
+                            compare=compare, precisions=precisions,
                             **({"threads": threads} if threads else {}))
     with progress_bars(progress) as bars:
         task = bars.add_task(f"optimize {name}", total=None, info="")

@@ -26,7 +26,7 @@ from unroll.app.errors import handles_errors
 from unroll.card import CardError, ModelCard, from_onnx
 from unroll.data import dataset
 from unroll.errors import ExportError, ServingError, UnrollError
-from unroll.pipeline import graphs_of
+from unroll.pipeline import choice, graphs_of
 from unroll.registry import get_spec, list_models
 from unroll.serving.gateway import Settings, create_app
 from unroll.serving.gateway.http_settings import ACCESS_LOG_ENV
@@ -144,8 +144,17 @@ def _check_port_free(host: str, port: int, what: str) -> None:
                              "matching --…-port option") from None
 
 
-def banner(base: str, cards: list[ModelCard], samples: dict[str, Path], api_key: bool, triton: str) -> str:
-    """URLs and one ``curl`` per served model (by its card's task, with its sample file), as printed once ready.
+def served_as(cards: list[ModelCard], target: str) -> dict[str, str]:
+    """Per served model: ``unroll optimize``'s choice with the precision and what it loses on the gate data, or
+    the exported FP32 graph on ONNX Runtime when nothing was chosen."""
+    return {c.name: choice.served_as(c.name, target) or f"{c.cpu_runtime}, fp32 graph as exported (no "
+            "`unroll optimize` choice)" for c in cards}
+
+
+def banner(base: str, cards: list[ModelCard], samples: dict[str, Path], api_key: bool, triton: str,
+           served_as: dict[str, str] | None = None) -> str:
+    """URLs and one ``curl`` per served model (by its card's task, with its sample file), as printed once ready;
+    ``served_as``: how each model runs and at which precision, with what that precision loses (:func:`served_as`).
 
     The lines work when pasted into a shell anywhere: the key is ``"$UNROLL_API_KEY"`` in double quotes (so the
     shell expands it) and sample paths are absolute (quoted when they need it).
@@ -167,6 +176,7 @@ def banner(base: str, cards: list[ModelCard], samples: dict[str, Path], api_key:
         f"  curl{auth} {base}/v1/models",
         *(f"  curl {base}/{path}" for path in ("healthz", "readyz", "metrics")),
         *([f"  (served by Triton only, no gateway route: {', '.join(triton_only)})"] if triton_only else []),
+        *(["", "served as:", *(f"  {n}: {how}" for n, how in served_as.items())] if served_as else []),
         "",
         "Ctrl-C stops the gateway and Triton.",
         "",
@@ -260,7 +270,8 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
         settings = Settings.from_env(triton_url=url, triton_protocol=triton_protocol, api_key=api_key)
         shown = "0.0.0.0" if host in ("0.0.0.0", "::") else host
         base = f"http://{'127.0.0.1' if shown == '0.0.0.0' else shown}:{port}"
-        text = banner(base, cards, samples, settings.api_key is not None, f"{triton_protocol}://{url}")
+        text = banner(base, cards, samples, settings.api_key is not None, f"{triton_protocol}://{url}",
+                      served_as(cards, target) if triton_url is None else None)
 
         def announce() -> None:  # once the gateway listens
             _say(text)

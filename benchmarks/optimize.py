@@ -1,7 +1,10 @@
 """``unroll optimize``: the fastest correct runtime and Triton configuration for one model, measured here.
 
 Candidates are every CPU runtime present (ONNX Runtime; OpenVINO with dynamic and with static shapes; PyTorch's
-AOTInductor package for registered models) × every precision the card lists whose quantized graph passes its gate.
+AOTInductor package for registered models) × every precision the card lists *and the user allowed*
+(:data:`DEFAULT_PRECISIONS`: FP32 and FP16; INT8 only on request, since it trades quality for speed) whose quantized
+graph passes its gate. The record says which precisions were allowed and what the chosen one gives up on the gate
+data (:func:`quality`).
 Each is first checked against the FP32 PyTorch model on the card's gate data (the card's tolerances for its
 precision, and ``rel_err`` ≤ :data:`FP32_REL_ERR` for FP32): a wrong candidate is refused and reported, never timed.
 The passing ones are timed in process on the card's benchmark cases; the fastest then goes through the Triton
@@ -40,6 +43,10 @@ MIN_CALLS = 5
 #: and an INT8 one keeps getting faster for several more)
 WARMUP_CALLS, WARMUP_S = 5, 0.3
 DEFAULT_TIME_BUDGET_MIN = 15.0
+#: Precisions ``unroll optimize`` may choose unless told otherwise: INT8 only with the user's consent
+#: (``--precision fp32,fp16,int8``). OpenVINO's bfloat16 maths counts as FP16.
+PRECISIONS = ("fp32", "fp16", "int8")
+DEFAULT_PRECISIONS = ("fp32", "fp16")
 Progress = Callable[[str], None]
 
 
@@ -67,11 +74,16 @@ class Candidate:
         return "fp16" if self.bf16 else self.precision
 
 
-def candidates(card: ModelCard, registered: bool) -> tuple[list[Candidate], list[dict]]:
-    """The CPU candidates for ``card``'s model, and the ones skipped here with the reason."""
+def candidates(card: ModelCard, registered: bool, allowed: tuple[str, ...] = DEFAULT_PRECISIONS
+               ) -> tuple[list[Candidate], list[dict]]:
+    """The CPU candidates for ``card``'s model, and the ones skipped here with the reason (a runtime missing, or a
+    precision not in ``allowed``)."""
     found, skipped = [], []
 
     def add(cand: Candidate, why: str | None) -> None:
+        if cand.gate_precision not in allowed:
+            why = why or (f"{cand.gate_precision} not allowed: it gives up quality (its gate's tolerances) for speed; "
+                          f"`unroll optimize --precision {','.join([*allowed, cand.gate_precision])}` allows it")
         if why:
             skipped.append({"candidate": cand.key, "reason": why})
         else:
@@ -198,6 +210,8 @@ class Settings:
     sweep: bool = True
     #: time the served choice (Triton direct) against torch.compile in process (registered models only)
     compare: bool = True
+    #: the precisions the choice may use (:data:`DEFAULT_PRECISIONS`: INT8 only when asked for)
+    precisions: tuple[str, ...] = DEFAULT_PRECISIONS
     #: test hook: measure only these candidate keys (``None``: all)
     only: tuple[str, ...] | None = None
 
@@ -240,13 +254,14 @@ def run(settings: Settings, progress: Progress = print, advance: Callable[[int],
     fp32 = artifacts.graph(name, onnx_dir=s.onnx_dir)
     registered = _ensure_exported(name, s.onnx_dir, progress)
     card = from_onnx(fp32)
-    cands, skipped = candidates(card, registered)
+    cands, skipped = candidates(card, registered, s.precisions)
     if s.only is not None:
         cands = [c for c in cands if c.key in s.only]
     if total is not None:
         total(len(cands) + (optimize_sweep.points_at_most(card) if s.sweep else 0))
     inputs = {"graph_sha256": artifacts.sha256(fp32), "card": card.to_json(), "threads": s.threads,
-              "latency_budget_ms": s.latency_budget_ms, "candidates": [c.key for c in cands]}
+              "latency_budget_ms": s.latency_budget_ms, "candidates": [c.key for c in cands],
+              "precisions_allowed": list(s.precisions)}
     journal = Journal(artifacts.choice(name, "cpu", s.optimize_dir).with_suffix(".partial.json"), inputs, s.fresh)
     if journal.resumed:
         progress(f"{name}: resuming ({len(journal.data['candidates'])} candidates and "
@@ -278,7 +293,7 @@ def run(settings: Settings, progress: Progress = print, advance: Callable[[int],
     record = {
         "model": name, "target": "cpu", "written_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "machine": machine_info(s.threads), "graph_sha256": inputs["graph_sha256"],
-        "choice": chosen,
+        "choice": chosen, "precisions_allowed": list(s.precisions), "quality": quality(passed[0]),
         "reference": "FP32 PyTorch model" if registered else "FP32 ONNX graph on ONNX Runtime (no PyTorch module)",
         "gate_data": journal.data.get("gate_data", ""), "candidates": rows, "skipped": skipped,
         "sweep": sweep_result, "served_vs_compile": versus, "elapsed_s": round(time.monotonic() - start, 1),
@@ -291,6 +306,18 @@ def run(settings: Settings, progress: Progress = print, advance: Callable[[int],
     path.with_suffix(".md").write_text(optimize_report.markdown(record))
     journal.path.unlink(missing_ok=True)
     return record
+
+
+def quality(row: dict) -> dict:
+    """What the chosen candidate gives up against the FP32 reference on the gate data: its precision, and for a
+    denoiser the worst image's PSNR loss (and which image, at which σ), for a classifier the accuracy loss."""
+    metrics = row.get("gate", {}).get("metrics", {})
+    cand = Candidate(**row["candidate"])
+    out: dict = {"precision": "bf16" if cand.bf16 else cand.precision}
+    for key in ("psnr_loss_db_worst", "worst_image", "psnr_loss_db", "accuracy_loss", "top1_agreement"):
+        if key in metrics:
+            out[key] = metrics[key]
+    return out
 
 
 def _ensure_exported(name: str, onnx_dir: Path, progress: Progress) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unroll.pipeline.choice import describe_quality
+
 
 def _ms(v: float | None) -> str:
     return "–" if v is None else f"{v:.2f}"
@@ -76,6 +78,9 @@ def markdown(record: dict) -> str:
              f"**Chosen:** {c['runtime']}{' (static shapes)' if c['static_shapes'] else ''}, "
              f"{'bf16 maths on the fp32 graph' if c.get('bf16') else c['precision']}, "
              f"{_config(c)}. `unroll repo` serves it (`--no-optimized` ignores it).", "",
+             f"**Precision:** {describe_quality(record.get('quality'))}; allowed: "
+             f"{', '.join(record.get('precisions_allowed') or ['not recorded'])} (INT8 only when `--precision` "
+             "names it).", "",
              "## Candidates", "",
              f"Each candidate is checked against the {record['reference']} on the card's gate data "
              f"({record['gate_data']}) before it is timed; a candidate beyond its gate is refused. Timings: in "

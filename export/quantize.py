@@ -73,15 +73,21 @@ class GateFailed(QuantizeError):
 # ----------------------------------------------------------------------------- calibration data
 
 
+def _calibration_role(card: ModelCard) -> str:
+    """The card's data role INT8 calibrates on: ``calibration`` where the card names one, else ``train``."""
+    return "calibration" if card.data.calibration is not None else "train"
+
+
 def _denoising_calibration(card: ModelCard, n: int, rng: np.random.Generator) -> list[dict[str, np.ndarray]]:
-    ds = gate.role_dataset(card, "train")
+    role = _calibration_role(card)
+    ds = gate.role_dataset(card, role)
     if ds.kind != "images":
-        raise ValueError(f"{card.name}: {card.field_hint('data', 'train', value=ds.id)} holds {ds.kind}, "
+        raise ValueError(f"{card.name}: {card.field_hint('data', role, value=ds.id)} holds {ds.kind}, "
                          "denoiser calibration needs images")
     side = max(CALIB_PATCH, card.input.min_size)
     imgs = [img for img in ds.load().values() if min(img.shape) > side]
     if not imgs:
-        raise ValueError(f"{card.name}: no image in {card.field_hint('data', 'train', value=ds.id)} is larger than "
+        raise ValueError(f"{card.name}: no image in {card.field_hint('data', role, value=ds.id)} is larger than "
                          f"{side}×{side}")
     channels = card.input.shape[0]
     feeds = []
@@ -96,16 +102,17 @@ def _denoising_calibration(card: ModelCard, n: int, rng: np.random.Generator) ->
 
 
 def calibration_inputs(card: ModelCard, n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    """Real calibration data from the card's *training* data only (never the gate's held-out split).
+    """Real calibration data from the card's calibration data (``card.data.calibration``, else its training data;
+    never the gate's held-out split).
 
-    Classifiers and λ rules: ``n`` random samples of ``card.data.train`` (λ at its default); denoisers:
-    ``n`` random noisy patches of the training images at σ uniform in [0, 55]; blocks: their training data,
+    Classifiers and λ rules: ``n`` random samples of that set (λ at its default); denoisers:
+    ``n`` random noisy patches of its images at σ uniform in [0, 55]; blocks: their training data,
     or, for a feature/token block without data, the export's example inputs (see :mod:`unroll.export.gates`).
     """
     rng = np.random.default_rng(seed)
     if tasks.get(card.task).data == "noisy":
         return _denoising_calibration(card, n, rng)
-    x, _, _ = gate.real_inputs(card, "train")
+    x, _, _ = gate.real_inputs(card, _calibration_role(card))
     idx = np.sort(rng.choice(len(x), size=min(n, len(x)), replace=False))
     if len(idx) > CALIB_BATCH:  # equal batches: ONNX Runtime's histogram calibrators stack them (a ragged last
         idx = idx[:len(idx) - len(idx) % CALIB_BATCH]  # one fails with "inhomogeneous shape")
@@ -119,6 +126,8 @@ def calibration_inputs(card: ModelCard, n: int, seed: int = 0) -> list[dict[str,
 
 
 def _calibration_source(card: ModelCard) -> str:
+    if card.data.calibration is not None:
+        return f"card.data.calibration = {card.data.calibration} (calibration data only)"
     if card.data.train is not None:
         return f"card.data.train = {card.data.train} (training data only)"
     return "the export's example inputs (the block has no training data of its own)"
@@ -303,7 +312,7 @@ def quantize(name: str, precision: str, onnx_dir: Path = artifacts.ONNX_DIR, cal
 
     Everything model-specific comes from the card in ``onnx_dir/NAME.onnx``: the gate data and
     tolerances (``card.gate(precision)``, then ``gates`` — ``{metric: tolerance}`` with the metric names
-    of :data:`unroll.export.gates.METRICS`), and the calibration data (``card.data.train``).
+    of :data:`unroll.export.gates.METRICS`), and the calibration data (``card.data.calibration`` or ``.train``).
     ``safety``: for INT8, the fraction of every tolerance a placement must leave unused to be taken
     without trying more FP32 (0 takes the first that passes at all).
     ``card``: a card JSON file attached to ``NAME.onnx`` first (a third-party graph that has none, or to

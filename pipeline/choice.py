@@ -38,7 +38,27 @@ def read(graph: str, target: str, optimize_dir: Path | None = None) -> dict | No
         raise PipelineError(f"{artifacts.choice(graph, target, optimize_dir)} is not a choice `unroll optimize` wrote "
                             f"(expected a 'choice' with keys among {', '.join(CHOSEN)}); delete it or re-run "
                             f"`unroll optimize {graph}`")
+    precision = "fp16" if chosen.get("bf16") else chosen.get("precision", "fp32")
+    if precision == "int8" and "int8" not in (record.get("precisions_allowed") or []):
+        raise PipelineError(f"{artifacts.choice(graph, target, optimize_dir)} chose INT8 without the user allowing it "
+                            "(a choice written before `unroll optimize --precision`); INT8 gives up quality for speed, "
+                            f"so it is served only by consent: re-run `unroll optimize {graph}` (FP32/FP16) or "
+                            f"`unroll optimize {graph} --precision fp32,fp16,int8`, or delete the file")
     return record
+
+
+def describe_quality(q: dict | None) -> str:
+    """``int8: worst gate image loses 0.12 dB (stress/edges-1 σ=15)`` — one line for reports and the banner."""
+    if not q:
+        return "quality not recorded"
+    if "psnr_loss_db_worst" in q:
+        return (f"{q['precision']}: worst gate image loses {q['psnr_loss_db_worst']:.3f} dB"
+                + (f" ({q['worst_image']})" if q.get("worst_image") else ""))
+    if "accuracy_loss" in q:
+        return f"{q['precision']}: gate accuracy loss {q['accuracy_loss']:.4f}"
+    if "top1_agreement" in q:
+        return f"{q['precision']}: top-1 agreement with FP32 {q['top1_agreement']:.4f} on the gate data"
+    return q["precision"]
 
 
 def apply(graph: str, options: RepoOptions, onnx_dir: Path = artifacts.ONNX_DIR,
@@ -56,3 +76,17 @@ def apply(graph: str, options: RepoOptions, onnx_dir: Path = artifacts.ONNX_DIR,
     if fp32.exists() and record.get("graph_sha256") not in (None, artifacts.sha256(fp32)):
         note = "measured on an earlier export of this graph: re-run `unroll optimize` to measure this one"
     return Applied(chosen, artifacts.choice(graph, options.target, optimize_dir), note)
+
+
+def served_as(graph: str, target: str = "cpu", optimize_dir: Path | None = None) -> str | None:
+    """How ``unroll optimize``'s choice serves ``graph`` and what it gives up, for ``unroll serve``'s banner:
+    ``openvino int8 (allowed: fp32, fp16, int8): worst gate image loses 0.120 dB (…)``; ``None`` without a
+    choice."""
+    record = read(graph, target, optimize_dir)
+    if record is None:
+        return None
+    c = record["choice"]
+    allowed = record.get("precisions_allowed")
+    return (f"{c.get('runtime', '?')}{' (static shapes)' if c.get('static_shapes') else ''}, chosen by `unroll "
+            f"optimize`{' with ' + ', '.join(allowed) + ' allowed' if allowed else ''}; "
+            + describe_quality(record.get("quality")))

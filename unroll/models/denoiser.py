@@ -121,8 +121,8 @@ class CSCDenoiser(nn.Module):
         description="Noise-level-aware convolutional LISTA denoiser, stride-2 dictionary (trained demo, grayscale)",
         input=InputCard(name="noisy", shape=(1, -1, -1), min_size=16, colour="gray"),
         output="denoised", sigma=SigmaCard(),
-        data=dict(train="denoise-train", validation="denoise-validation", test="denoise-test", stress="denoise-stress",
-                  gate="validation"),
+        data=dict(train="denoise-train", calibration="denoise-calibration", validation="denoise-validation",
+                  test="denoise-test", stress="denoise-stress", gate="validation"),
         gates={"fp16": {"psnr_loss_db_worst": 0.02}, "int8": {"psnr_loss_db_worst": 0.15}},
         trt_profile=dict(batch=(1, 4, 8), dims={"1": (16, 256, 1024), "2": (16, 256, 1024)}),
         # OpenVINO runs this graph faster than ONNX Runtime on CPUs: `unroll bench export` compares them
