@@ -57,12 +57,22 @@ def modules() -> dict[str, Path]:
     return found
 
 
+#: Calls that import the module named by their first argument (a string literal is read like an import statement).
+DYNAMIC_IMPORTS = ("import_module", "__import__")
+
+
 def imported(module: str, path: Path) -> list[tuple[int, str]]:
     """(line, module) for every import in the file, wherever it is; ``from P import name`` counts as ``P.name``
-    (so ``from unroll import export`` is seen as ``unroll.export``) and relative imports are resolved."""
+    (so ``from unroll import export`` is seen as ``unroll.export``), relative imports are resolved, and
+    ``importlib.import_module("…")`` / ``__import__("…")`` with a literal name count too."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in DYNAMIC_IMPORTS:
+                out.append((node.lineno, node.args[0].value))
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -75,14 +85,16 @@ def imported(module: str, path: Path) -> list[tuple[int, str]]:
     return out
 
 
-def upward_imports() -> list[str]:
-    """Each import that points up a layer, as ``file:line: importer → imported``."""
+def upward_imports(found: dict[str, Path] | None = None) -> list[str]:
+    """Each import that points up a layer, as ``file:line: importer → imported`` (``found``: the modules to read,
+    by dotted name; default: the package's)."""
     bad = []
-    for module, path in modules().items():
+    for module, path in (modules() if found is None else found).items():
         forbidden = FORBIDDEN[layer_of(module)]
         for line, target in imported(module, path):
             if any(_within(target, f) for f in forbidden):
-                bad.append(f"{path.relative_to(ROOT)}:{line}: {module} ({layer_of(module)}) → {target}")
+                where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+                bad.append(f"{where}:{line}: {module} ({layer_of(module)}) → {target}")
     return bad
 
 
@@ -103,6 +115,27 @@ def test_the_walk_sees_function_local_and_relative_imports(tmp_path: Path) -> No
     src.write_text("def f():\n    from unroll import export\n    from . import sibling\n    import unroll.app.cli\n")
     assert [t for _, t in imported("unroll.serving.x.m", src)] == [
         "unroll.export", "unroll.serving.x.sibling", "unroll.app.cli"]
+
+
+def test_a_planted_upward_import_is_caught_and_a_downward_one_is_not(tmp_path: Path) -> None:
+    """The check fails where it should: modules planted in each layer, importing up (statement, function-local,
+    ``importlib`` with a literal name) and down."""
+    planted = {
+        "unroll.planted_up": "import unroll.serving.triton\n",
+        "unroll.export.planted_up": "def f():\n    from unroll.pipeline import plan\n",
+        "unroll.serving.planted_up": "import importlib\nimportlib.import_module('unroll.app.cli')\n",
+        "unroll.benchmarks.planted_up": "__import__('unroll.app.serve')\n",
+        "unroll.app.planted_down": "from unroll.benchmarks import common\nimport unroll.card\n",
+        "unroll.pipeline.planted_down": "from unroll.export import gates\nfrom unroll.serving import triton\n",
+    }
+    found = {}
+    for name, text in planted.items():
+        found[name] = tmp_path / f"{name.replace('.', '_')}.py"
+        found[name].write_text(text)
+    bad = upward_imports(found)
+    assert sorted(line.split(": ", 1)[1].split(" (")[0] for line in bad) == sorted(
+        n for n in planted if n.endswith("planted_up")), bad
+    assert any("unroll.serving.planted_up (unroll.serving) → unroll.app.cli" in b for b in bad), bad
 
 
 @pytest.mark.parametrize("folder", [f for f in FOLDERS if f != "unroll"])
