@@ -302,7 +302,6 @@ def bench_stress(
     if not names:
         raise typer.BadParameter("--models: name at least one denoiser")
     for name in names:
-        pipeline.run(pipeline.plan([name], onnx_dir=onnx_dir, companions=False), err.print)  # its export
         for precision in ("fp16", "int8"):
             try:
                 pipeline.run(pipeline.plan([name], onnx_dir=onnx_dir, companions=False, precision=precision),

@@ -146,7 +146,7 @@ def _check_port_free(host: str, port: int, what: str) -> None:
 
 def served_as(cards: list[ModelCard], target: str) -> dict[str, str]:
     """Per served model: ``unroll optimize``'s choice with the precision and what it loses on the gate data, or
-    the exported FP32 graph on ONNX Runtime when nothing was chosen."""
+    the exported FP32 graph on the card's CPU runtime when nothing was chosen."""
     return {c.name: choice.served_as(c.name, target) or f"{c.cpu_runtime}, fp32 graph as exported (no "
             "`unroll optimize` choice)" for c in cards}
 

@@ -52,7 +52,6 @@ def measure(name: str, onnx_dir: Path, threads: int = 2, log=print) -> dict:
     """One denoiser's rows: per precision × runtime, per set, the worst loss per σ and the worst image."""
     fp32 = artifacts.graph(name, onnx_dir=onnx_dir)
     card = from_onnx(fp32)
-    tol = card.gate("int8").get("psnr_loss_db_worst")
     sets = {w: _cases(card, w) for w in ("gate", "report")}
     ref_run = gates.onnxruntime_run(fp32, card.output, threads)
     refs = {w: [ref_run(c[2]) for c in cs] for w, cs in sets.items()}

@@ -38,8 +38,7 @@ def read(graph: str, target: str, optimize_dir: Path | None = None) -> dict | No
         raise PipelineError(f"{artifacts.choice(graph, target, optimize_dir)} is not a choice `unroll optimize` wrote "
                             f"(expected a 'choice' with keys among {', '.join(CHOSEN)}); delete it or re-run "
                             f"`unroll optimize {graph}`")
-    precision = "fp16" if chosen.get("bf16") else chosen.get("precision", "fp32")
-    if precision == "int8" and "int8" not in (record.get("precisions_allowed") or []):
+    if chosen.get("precision") == "int8" and "int8" not in (record.get("precisions_allowed") or []):
         raise PipelineError(f"{artifacts.choice(graph, target, optimize_dir)} chose INT8 without the user allowing it "
                             "(a choice written before `unroll optimize --precision`); INT8 gives up quality for speed, "
                             f"so it is served only by consent: re-run `unroll optimize {graph}` (FP32/FP16) or "
@@ -80,8 +79,8 @@ def apply(graph: str, options: RepoOptions, onnx_dir: Path = artifacts.ONNX_DIR,
 
 def served_as(graph: str, target: str = "cpu", optimize_dir: Path | None = None) -> str | None:
     """How ``unroll optimize``'s choice serves ``graph`` and what it gives up, for ``unroll serve``'s banner:
-    ``openvino int8 (allowed: fp32, fp16, int8): worst gate image loses 0.120 dB (…)``; ``None`` without a
-    choice."""
+    ``openvino (static shapes), chosen by `unroll optimize` with fp32, fp16, int8 allowed; int8: worst gate image
+    loses 0.120 dB (…)``; ``None`` without a choice."""
     record = read(graph, target, optimize_dir)
     if record is None:
         return None

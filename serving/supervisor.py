@@ -281,7 +281,9 @@ class TritonSupervisor:
         exited_by = time.clock_gettime(time.CLOCK_BOOTTIME)
         members = group_members(handle.pid)
         # A Triton slow to answer (a loaded machine, a long reload) is asked once more before a loss is called.
-        index = handle.index() or handle.index(timeout_s=INDEX_RETRY_S)
+        index = handle.index()
+        if index is None:  # (an empty index is an answer)
+            index = handle.index(timeout_s=INDEX_RETRY_S)
         planned = [p for p in exited if planned_exit(stubs[p], p, index, members, exited_by)]
         for p in planned:
             log.info("tritonserver ended the Python-backend stub %s (pid %d) on purpose (its model was unloaded or "

@@ -306,9 +306,6 @@ DATASETS: dict[str, Dataset] = {d.id: d for d in (
             "checkerboard, silhouette, logo, rendered text, line art, flat shapes, blobs) and "
             f"{len(stress_patterns.KINDS) * stress_patterns.PER_KIND} seeded patterns "
             f"({', '.join(stress_patterns.KINDS)}; gate seeds)", denoise_stress_set),
-    Dataset("denoise-patterns-report", "images",
-            f"{len(stress_patterns.KINDS) * stress_patterns.PER_KIND} seeded patterns of the same kinds (report seeds: "
-            "reported only, never gated or calibrated on)", lambda: stress_patterns.pattern_set("report")),
     Dataset("denoise-calibration", "images", "the denoiser training images and "
             f"{len(stress_patterns.KINDS) * stress_patterns.PER_KIND} seeded patterns (calibration seeds): INT8 "
             "calibration only", denoise_calibration_set),
