@@ -350,6 +350,9 @@ def _start_triton(run: _Run, models: list[str], onnx_dir: Path, repo: Path, targ
     _log_supervisor()
     run.supervisor = TritonSupervisor(launch, on_give_up=run.give_up)
     triton = run.supervisor.start()
+    if triton.key_exposed:
+        _say(f"warning: Triton's key is on its command line, readable by every local user ({triton.key_exposed}); "
+             "install a C compiler, or run the service in its own container or with /proc mounted hidepid=2")
     run.state = onnx_dir.parent / artifacts.SERVE_STATE.name  # where `unroll deploy` finds this Triton
     ServeState(os.getpid(), triton.url, triton.grpc_url, f"127.0.0.1:{metrics_port}", str(repo.resolve())) \
         .write(run.state)

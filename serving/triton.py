@@ -5,7 +5,8 @@ writes is served as the NGC container serves it; pytriton's path helpers are loa
 :func:`start` returns a :class:`TritonHandle` once every model is ready, or raises :class:`TritonStartError` with
 the log's reason. No orphans: the server runs in its own process group with the parent-death signal (so it follows
 the thread that started it: call :func:`start` from the main thread), and ``stop()`` escalates SIGTERM → SIGKILL and
-removes the shared-memory regions of *this* server's stubs. ``api_key`` locks every API but health.
+removes the shared-memory regions of *this* server's stubs. ``api_key`` locks every API but health; it is kept off
+the server's command line (:mod:`unroll.serving.hidden_args`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from pathlib import Path
 from types import ModuleType, TracebackType
 
 from unroll.errors import ServingError
-from unroll.serving import malloc
+from unroll.serving import hidden_args, malloc
 from unroll.serving.process_watch import ProcStat, read_stat
 
 LOG_TAIL_LINES = 40
@@ -263,6 +264,8 @@ class TritonHandle:
         self.log_path = log_path
         self.api_key = api_key
         self.server_id = server_id
+        #: Why the key is on tritonserver's command line (readable by every local user); ``None``: it is not.
+        self.key_exposed: str | None = None
         #: Shared-memory regions this server's stubs have used (see :meth:`snapshot`), removed by ``stop()``.
         self.regions: set[str] = set()
         self._stopped = False
@@ -519,15 +522,18 @@ def start(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port
         rotate_log(log_file, log_keep)
     log_offset = log_file.stat().st_size if log_file.exists() else 0  # appended: earlier runs are not this one
     cmd = _server_command(layout, server_id, repo, host, (http_port, grpc_port, metrics_port), model_control,
-                          log_verbose, [*(restricted_api_args(api_key) if api_key else []), *(extra_args or [])])
+                          log_verbose, extra_args or [])
+    env = server_env(layout)
+    how = hidden_args.launch(cmd, restricted_api_args(api_key) if api_key else [], env)  # key off /proc/PID/cmdline
     with open(log_file, "ab") as log:
         try:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env=server_env(layout), start_new_session=True,
+            proc = subprocess.Popen(how.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    env={**env, **how.env}, start_new_session=True,
                                     preexec_fn=_die_with_parent(os.getpid()))
         except OSError as e:
             raise TritonStartError(f"could not run {layout.binary}: {e}") from e
     handle = TritonHandle(proc, host, http_port, grpc_port, metrics_port, log_file, api_key, server_id)
+    handle.key_exposed = how.exposed
     try:
         return _wait_ready(handle, proc, timeout_s, log_file, log_offset)
     except BaseException:

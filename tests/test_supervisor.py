@@ -13,6 +13,7 @@ cannot start any more makes it give up. Banner and log rotation checks need no s
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -141,10 +142,42 @@ def serve(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 
 def _triton_key(s: Serve) -> str:
-    pid = tritonserver_pid(s.repo)
-    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    spec = next(a.decode() for a in cmd if a.startswith(b"--http-restricted-api="))
-    return spec.rsplit("=", 1)[1]
+    """The key ``unroll serve`` leaves for its operator (``unroll deploy``) beside its graphs' folder."""
+    return (s.root / "triton.key").read_text().strip()
+
+
+def _service_tree(s: Serve) -> list[int]:
+    """``unroll serve``, its gateway workers, tritonserver and its stubs."""
+    pids, todo = [], [s.proc.pid]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+    return pids
+
+
+@pytest.mark.triton
+def test_no_process_of_the_service_shows_tritons_key_on_its_command_line(serve: Serve) -> None:
+    """Issue 38, item 7: ``/proc/PID/cmdline`` is world-readable, so the key must not be in any; where it
+    lies instead (the environment, the key file) only the serving user can read it."""
+    key = _triton_key(serve)
+    tree = _service_tree(serve)
+    server = tritonserver_pid(serve.repo)
+    assert server in tree and len(stubs_of(server)) >= 2, (tree, server)  # the whole service is seen
+    for pid in tree:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert key.encode() not in cmdline, f"the key is on the command line of {pid}: {cmdline[:200]!r}"
+        assert Path(f"/proc/{pid}/environ").stat().st_mode & 0o077 == 0  # the kernel's rule: owner only
+    server_argv = Path(f"/proc/{server}/cmdline").read_bytes().split(b"\0")
+    assert not any(a.startswith((b"--http-restricted-api", b"--grpc-restricted-protocol")) for a in server_argv)
+    for pid in stubs_of(server):  # the shim and its arguments stop at tritonserver: its stubs inherit neither
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        assert b"UNROLL_HIDDEN_ARGS" not in environ and b"unroll_hidden_args" not in environ, pid
+    assert (serve.root / "triton.key").stat().st_mode & 0o777 == 0o600
+    assert key not in (serve.root / "triton.log").read_text(errors="replace")  # Triton's log does not print it
+    assert "Triton's key is on its command line" not in serve.text()  # this machine has a C compiler
 
 
 def _http(method: str, url: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> int:
@@ -207,6 +240,38 @@ def test_tritons_ports_need_the_gateways_key_except_health(serve: Serve) -> None
     with httpx.Client(timeout=30) as client:  # the gateway holds the key
         assert serve.classify(client).status_code == 200
         assert client.get(f"{serve.base}/readyz").status_code == 200
+
+
+@pytest.mark.triton
+def test_a_shape_bomb_sent_to_tritons_own_port_without_the_key_is_refused_before_it_reaches_a_stub(
+        serve: Serve) -> None:
+    """Issue 38, item 5, as contained: Triton 2.45 hands a declared shape to the Python-backend stub unchecked, and
+    ``image_bytes`` declared ``[1, 2**40]`` kills the stub before ``execute`` runs (measured: no line of our
+    code runs). Only the key opens inference, and only the serving user can read the key (the test above), so
+    such a request from anyone else is refused at the door and every stub lives on."""
+    http = f"http://127.0.0.1:{serve.ports[0]}"
+    server = tritonserver_pid(serve.repo)
+    stubs = set(stubs_of(server))
+    png_bytes = (serve.root / "build" / "samples" / f"{MODEL}.png").read_bytes()
+    for shape in ([1, 2**40], [1, len(png_bytes) * 1000]):
+        header = json.dumps({"inputs": [{"name": "image_bytes", "shape": shape, "datatype": "UINT8",
+                                         "parameters": {"binary_data_size": len(png_bytes)}}]}).encode()
+        for headers in ({}, {RESTRICTED_HEADER: "wrong"}):
+            status = _http("POST", f"{http}/v2/models/{MODEL}/infer", header + png_bytes,
+                           {"Inference-Header-Content-Length": str(len(header)), **headers})
+            assert status == 403, (shape, headers, status)
+    g = grpcclient.InferenceServerClient(f"127.0.0.1:{serve.ports[1]}")
+    try:
+        inp = grpcclient.InferInput("image_bytes", [1, 2**40], "UINT8")
+        inp._raw_content = png_bytes  # the declared shape, not the data's: what a hostile client sends
+        with pytest.raises(InferenceServerException, match="restricted"):
+            g.infer(MODEL, [inp])
+    finally:
+        g.close()
+    time.sleep(1.0)
+    assert tritonserver_pid(serve.repo) == server and set(stubs_of(server)) == stubs  # nothing died
+    with httpx.Client(timeout=30) as client:
+        assert serve.classify(client).status_code == 200
 
 
 # ---------------------------------------------------------------- Triton's log: no traceback per inference
