@@ -6,7 +6,9 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -23,6 +25,15 @@ from unroll.registry import REGISTRY, get_spec, list_models
 from unroll.serving.cpu_runtime import ort_session  # noqa: F401  (the benchmarks' in-process baseline, re-exported)
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def unroll_command() -> str:
+    """The installed ``unroll`` command beside this interpreter: benchmarks that drive the service (the soak's
+    ``unroll serve`` and ``unroll deploy``) run it as its users do, never the application's modules."""
+    found = shutil.which("unroll", path=str(Path(sys.executable).parent))
+    if found is None:
+        raise BenchError(f"the unroll command is not installed beside {sys.executable} (pip install -e .)")
+    return found
 
 
 def machine_info(threads: int) -> dict:

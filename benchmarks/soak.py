@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import textwrap
 import threading
@@ -29,7 +28,7 @@ import numpy as np
 
 from unroll import artifacts, data, tasks
 from unroll.benchmarks import soak_ops, soak_stub
-from unroll.benchmarks.common import RESULTS, demo_model, machine_info, png_bytes, write_readme_block
+from unroll.benchmarks.common import RESULTS, demo_model, machine_info, png_bytes, unroll_command, write_readme_block
 from unroll.registry import get_spec
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.triton import SHM_DIR, free_ports, group_members, processes_with, shm_regions
@@ -108,14 +107,14 @@ def _still_there(pids: set[int], grace_s: float) -> dict[str, str]:
 
 def start_serve(root: Path, models: list[str], log: Callable[[str], None],
                 settings: dict[str, str] | None = None, onnx_dir: Path | None = None) -> ServeProcess:
-    """``python -m unroll.app.serve`` from ``root`` (its build/ and repository go there) on spare ports; ``settings``:
+    """``unroll serve`` from ``root`` (its build/ and repository go there) on spare ports; ``settings``:
     ``UNROLL_*`` variables for it (none are inherited); ``onnx_dir``: its graphs (default ``root/onnx``; its parent
     gets the Triton key and the state file ``unroll deploy`` reads)."""
     port, http, grpc, metrics = free_ports(4)
     repo = root / artifacts.REPOSITORY_DIR.name
     env = {k: v for k, v in os.environ.items() if not k.startswith("UNROLL_")} | (settings or {})
     env["PYTHONUNBUFFERED"] = "1"
-    cmd = [sys.executable, "-m", "unroll.app.serve", "--models", ",".join(models), "--port", str(port),
+    cmd = [unroll_command(), "serve", "--models", ",".join(models), "--port", str(port),
            "--triton-http-port", str(http), "--triton-grpc-port", str(grpc), "--triton-metrics-port", str(metrics),
            "--repo", str(repo), "--onnx-dir", str(onnx_dir or root / "onnx"), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

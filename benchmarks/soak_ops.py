@@ -14,13 +14,13 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from unroll.benchmarks import soak_stub
+from unroll.benchmarks.common import unroll_command
 
 if TYPE_CHECKING:
     from unroll.benchmarks.soak import ServeProcess
@@ -115,7 +115,7 @@ def deploy_phase(s: ServeProcess, model: str, log: Callable[[str], None]) -> dic
         log(f"unroll deploy {model} under classify load")
         t0 = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "unroll.app.cli", "deploy", model, "--repo", str(s.repo), "--onnx-dir",
+            unroll_command(), "deploy", model, "--repo", str(s.repo), "--onnx-dir",
             str(s.onnx_dir), "--triton-key-file", str(s.onnx_dir.parent / "triton.key"), "--drain-s", "3",
             "--samples", "64", cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         out, _ = await proc.communicate()

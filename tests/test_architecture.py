@@ -64,10 +64,15 @@ DYNAMIC_IMPORTS = ("import_module", "__import__")
 def imported(module: str, path: Path) -> list[tuple[int, str]]:
     """(line, module) for every import in the file, wherever it is; ``from P import name`` counts as ``P.name``
     (so ``from unroll import export`` is seen as ``unroll.export``), relative imports are resolved, and
-    ``importlib.import_module("…")`` / ``__import__("…")`` with a literal name count too."""
+    ``importlib.import_module("…")`` / ``__import__("…")`` with a literal name count too, as does a launch of a
+    module of ours (``"-m", "unroll.…"`` in a command list: the module runs, imported at run time)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.List, ast.Tuple)):
+            words = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+            out += [(node.lineno, w) for flag, w in zip(words, words[1:], strict=False)
+                    if flag == "-m" and isinstance(w, str) and w.startswith("unroll.")]
         if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
                 and isinstance(node.args[0].value, str):
             name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
@@ -136,6 +141,64 @@ def test_a_planted_upward_import_is_caught_and_a_downward_one_is_not(tmp_path: P
     assert sorted(line.split(": ", 1)[1].split(" (")[0] for line in bad) == sorted(
         n for n in planted if n.endswith("planted_up")), bad
     assert any("unroll.serving.planted_up (unroll.serving) → unroll.app.cli" in b for b in bad), bad
+
+
+def import_cycles(found: dict[str, Path] | None = None) -> list[list[str]]:
+    """Groups of modules that import each other, directly or around a circle (every import counts, as above;
+    ``from P import name`` resolves to the module ``P.name`` where there is one, else ``P``)."""
+    found = modules() if found is None else found
+
+    def resolve(target: str) -> str | None:
+        while target and target not in found:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    graph = {m: {r for _, t in imported(m, p) if (r := resolve(t)) is not None and r != m} for m, p in found.items()}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in graph:
+        if v not in order:
+            visit(v)
+    return cycles
+
+
+def test_no_circle_of_imports_in_the_core() -> None:
+    """The card names a task and validates it against the task registry; the tasks read cards through a protocol of
+    their own (``unroll.tasks.base.ModelCard``) and never import the card back."""
+    core = {m: p for m, p in modules().items() if layer_of(m) == "unroll"}
+    assert import_cycles(core) == []
+
+
+def test_a_planted_circle_and_a_module_launch_are_seen(tmp_path: Path) -> None:
+    planted = {"unroll.circle_a": "from unroll import circle_b\n",
+               "unroll.circle_b": "def f():\n    import unroll.circle_a\n",
+               "unroll.benchmarks.launcher": "import sys\nCMD = [sys.executable, '-m', 'unroll.app.serve', '--port']\n"}
+    found = {}
+    for name, text in planted.items():
+        found[name] = tmp_path / f"{name.replace('.', '_')}.py"
+        found[name].write_text(text)
+    assert import_cycles(found) == [["unroll.circle_a", "unroll.circle_b"]]
+    assert any("unroll.benchmarks.launcher (unroll.benchmarks) → unroll.app.serve" in b
+               for b in upward_imports(found)), upward_imports(found)
 
 
 @pytest.mark.parametrize("folder", [f for f in FOLDERS if f != "unroll"])

@@ -14,14 +14,12 @@ import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from unroll.errors import UsageError
 
 if TYPE_CHECKING:
     import numpy as np
-
-    from unroll.card import ModelCard
 
 Precision = Literal["fp32", "fp16", "int8"]
 #: Where a task's example (export), gate and calibration inputs come from: ``labelled`` (the card's labelled
@@ -30,6 +28,19 @@ Precision = Literal["fp32", "fp16", "int8"]
 DataKind = Literal["labelled", "noisy", "plain"]
 #: How the gateway answers a route: ``predictions`` (JSON top-k labels) or ``image`` (a PNG of the input's size).
 Answer = Literal["predictions", "image"]
+
+
+class ModelCard(Protocol):
+    """What a task reads of a model card (:class:`unroll.card.ModelCard` has it). Declared here, not imported: the
+    card validates its task against this registry, so the tasks sit below the card and never import it back."""
+
+    name: str
+    task: str
+    labels: tuple[str, ...] | None
+    lam: Any  #: ``unroll.card.LamCard | None``: ``auto``, ``min``, ``max``
+    sigma: Any  #: ``unroll.card.SigmaCard | None``
+    iters: Any  #: ``unroll.card.IterCard | None``: ``default``, ``counts``
+    companion_of: str | None
 
 
 class UnknownTask(UsageError, KeyError):

@@ -6,12 +6,10 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from unroll.tasks.base import Route, Task, register
+from unroll.tasks.base import ModelCard, Route, Task, register
 
 if TYPE_CHECKING:
     import numpy as np
-
-    from unroll.card import ModelCard
 
 NAME = "classification"
 

@@ -7,12 +7,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from unroll.data import add_noise, noise_seed
-from unroll.tasks.base import Route, Task, register
+from unroll.tasks.base import ModelCard, Route, Task, register
 
 if TYPE_CHECKING:
     import numpy as np
-
-    from unroll.card import ModelCard
 
 NAME = "denoising"
 #: Noise level (0–255 scale) of the banner's denoising samples and their ``curl`` lines.

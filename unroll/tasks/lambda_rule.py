@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from unroll.tasks.base import Task, register
-
-if TYPE_CHECKING:
-    from unroll.card import ModelCard
+from unroll.tasks.base import ModelCard, Task, register
 
 NAME = "lambda-rule"
 
