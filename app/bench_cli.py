@@ -20,7 +20,7 @@ from unroll.app.errors import fail, handles_errors
 from unroll.errors import BenchError, QuantizeError
 from unroll.registry import list_models
 
-RESULTS = Path("benchmarks/results")
+RESULTS = artifacts.RESULTS_DIR
 ONNX_DIR = artifacts.ONNX_DIR
 err = Console(stderr=True)
 

@@ -48,7 +48,7 @@ from unroll.app.serve import serve_command
 from unroll.app.triton_cli import repo, triton
 from unroll.app.trt_cli import build
 from unroll.errors import ExportError, QuantizeError, UnrollError
-from unroll.registry import REGISTRY, get_spec, list_models
+from unroll.registry import REGISTRY, get_spec, list_models, training_record, weights_file
 from unroll.train import SLICE_KEY, TrainRun, parse_options, recipe_module, record_evaluation
 
 app = typer.Typer(help="Deploy and serve vision models whose layers are fixed-iteration optimization solvers.",
@@ -140,9 +140,10 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     run = TrainRun(name=name, seed=seed, steps=steps, metrics=not skip_metrics, progress=progress_bar)
     model, record = module.train(run, **options)
-    torch.save(model.state_dict(), out / f"{name}.pt")
-    (out / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
-    console.print(f"wrote {out / (name + '.pt')} and {out / (name + '.json')}")
+    weights, info = weights_file(name, out), training_record(name, out)
+    torch.save(model.state_dict(), weights)
+    info.write_text(json.dumps(record, indent=2) + "\n")
+    console.print(f"wrote {weights} and {info}")
 
 
 def _print_options(name: str, options) -> None:
@@ -483,7 +484,7 @@ def bench_export(
     threads: Annotated[int, typer.Option(help="Threads for every engine")] = 2,
     no_compile: Annotated[bool, typer.Option("--no-compile", help="Skip torch.compile (slow to compile)")] = False,
     budget: Annotated[float, typer.Option(help="Seconds of timed repeats per engine and row")] = 3.0,
-    out: Annotated[Path, typer.Option(help="Results folder")] = Path("benchmarks/results"),
+    out: Annotated[Path, typer.Option(help="Results folder")] = artifacts.RESULTS_DIR,
 ) -> None:
     """PyTorch eager vs torch.compile vs ONNX Runtime (naive and fused export), same inputs and threads."""
     from unroll.benchmarks import export_speed  # local: torch

@@ -18,7 +18,7 @@ from unroll.app.errors import fail, handles_errors
 
 console = Console()
 err = Console(stderr=True)
-RESULTS = Path("benchmarks/results")
+RESULTS = artifacts.RESULTS_DIR
 
 
 @handles_errors

@@ -280,7 +280,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
 
         started = _run_gateway(run, settings, host, port, workers, log_level, announce, access_log)
         if run.gave_up:
-            raise ServeError(f"{run.gave_up[0]}; its log: {(onnx_dir.parent / 'triton.log').resolve()}")
+            raise ServeError(f"{run.gave_up[0]}; its log: {(onnx_dir.parent / artifacts.TRITON_LOG.name).resolve()}")
         if not started:
             raise ServeError(f"the gateway could not start on {host}:{port} (see the log above)")
     except KeyboardInterrupt:
@@ -336,7 +336,7 @@ def _start_triton(run: _Run, models: list[str], onnx_dir: Path, repo: Path, targ
         raise ServeError(str(e)) from None
     graphs = graphs_of(models, onnx_dir)
     control, load_args = triton_load_args(graphs)
-    log_file = (onnx_dir.parent / "triton.log").resolve()
+    log_file = (onnx_dir.parent / artifacts.TRITON_LOG.name).resolve()
     _say(f"start tritonserver on 127.0.0.1:{http_port} (log: {log_file}, rotated at each start)")
     triton_key = new_api_key()  # this run's: Triton's APIs but health need it; only the gateway has it
     os.environ[TRITON_API_KEY_ENV] = triton_key

@@ -200,7 +200,7 @@ def _reference_onnx(model_dir: Path, onnx_dir: Path) -> Path | None:
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2 as mc
 
-    cfg = text_format.Parse((model_dir / "config.pbtxt").read_text(), mc.ModelConfig())
+    cfg = text_format.Parse(artifacts.model_config(model_dir).read_text(), mc.ModelConfig())
     return onnx_dir / cfg.parameters["unroll_source_onnx"].string_value
 
 

@@ -115,7 +115,7 @@ def write_repositories(onnx_dir: Path, root: Path, served: Served) -> tuple[Path
     on, off = root / "batching", root / "no-batching"
     write_repository("cpu", list(served.triton_models), on, onnx_dir=onnx_dir)
     write_repository("cpu", [served.classifier], off, onnx_dir=onnx_dir, max_batch_size=1)
-    path = off / served.classifier / "config.pbtxt"
+    path = artifacts.model_config(off / served.classifier)
     text = path.read_text()
     header = "".join(ln + "\n" for ln in text.splitlines() if ln.startswith("#"))
     cfg = text_format.Parse(text, mc.ModelConfig())
@@ -123,7 +123,7 @@ def write_repositories(onnx_dir: Path, root: Path, served: Served) -> tuple[Path
     path.write_text(header + "# unroll bench serve: dynamic batching removed (max_batch_size 1, default scheduler).\n"
                     + text_format.MessageToString(cfg))
     validate_model(off / served.classifier, reference_onnx=artifacts.graph(served.classifier, onnx_dir=onnx_dir))
-    write_floor_model(off, on / served.classifier / "config.pbtxt")
+    write_floor_model(off, artifacts.model_config(on / served.classifier))
     return on, off
 
 
@@ -158,7 +158,7 @@ def write_floor_model(repo: Path, like: Path) -> None:
     cfg.dynamic_batching.max_queue_delay_microseconds = 0
     cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
     (repo / FLOOR_MODEL / "1").mkdir(parents=True, exist_ok=True)
-    (repo / FLOOR_MODEL / "config.pbtxt").write_text(text_format.MessageToString(cfg))
+    artifacts.model_config(repo / FLOOR_MODEL).write_text(text_format.MessageToString(cfg))
     (repo / FLOOR_MODEL / "1" / "model.py").write_text(_FLOOR_PY)
 
 

@@ -249,7 +249,7 @@ def round_summary(results: list[dict], kill: dict, until: float | None) -> dict:
             "requests_after_recovery": len(after)}
 
 
-def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = Path("benchmarks/results"),
+def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = RESULTS,
         progress: Callable[[str], None] | None = None, stub_phase: bool = True, rounds: int = 1,
         ops: bool = True) -> dict:
     """The soak; returns the payload (and writes ``soak.json`` / ``soak.md`` into ``out_dir`` unless None).

@@ -54,7 +54,7 @@ class RepoOptions:
 def stale_reason(graph: str, repo: Path, onnx_dir: Path, plan_dir: Path, options: RepoOptions) -> str | None:
     """Why ``repo/<graph>`` must be (re)written, or ``None`` when it is up to date."""
     model_dir = artifacts.model_dir(graph, repo)
-    if not (model_dir / "config.pbtxt").exists():
+    if not artifacts.model_config(model_dir).exists():
         return "not written yet"
     record = artifacts.read_json(model_dir / artifacts.REPOSITORY_SOURCE_FILE)
     if record is None:

@@ -428,8 +428,8 @@ def write_repository(target: Target, models: list[str], out: Path, precision: st
         tmp = out / f".{src.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / VERSION).mkdir(parents=True)
-        files = {"config.pbtxt": None}
-        (tmp / "config.pbtxt").write_text(_header(src, target, precision, cfg, cpu_stand_in)
+        files = {artifacts.TRITON_CONFIG: None}
+        artifacts.model_config(tmp).write_text(_header(src, target, precision, cfg, cpu_stand_in)
                                           + text_format.MessageToString(cfg))
         if labels is not None:
             (tmp / LABELS_FILE).write_text("\n".join(labels) + "\n")

@@ -144,7 +144,7 @@ def validate_model(model_dir: Path, reference_onnx: Path | None = None, name: st
     """
     model_dir = Path(model_dir)
     name = name or model_dir.name
-    path = model_dir / "config.pbtxt"
+    path = artifacts.model_config(model_dir)
     if not path.exists():
         raise RepositoryError(f"{name}: no config.pbtxt in {model_dir}")
     cfg = mc.ModelConfig()
@@ -395,7 +395,7 @@ def validate_repository(repo: Path, onnx_dir: Path | None = None) -> dict[str, m
     for model_dir in sorted(p for p in repo.iterdir() if p.is_dir() and not p.name.startswith(".")):
         cfg = mc.ModelConfig()
         try:
-            text_format.Parse((model_dir / "config.pbtxt").read_text(), cfg)
+            text_format.Parse((artifacts.model_config(model_dir)).read_text(), cfg)
         except OSError as e:
             raise RepositoryError(f"{model_dir.name}: no readable config.pbtxt ({e.strerror})") from e
         except text_format.ParseError as e:

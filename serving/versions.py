@@ -43,7 +43,7 @@ class ModelDir:
 
     @property
     def config_path(self) -> Path:
-        return self.path / "config.pbtxt"
+        return artifacts.model_config(self.path)
 
     def versions_on_disk(self) -> list[int]:
         """The numeric version directories, oldest first."""
@@ -127,7 +127,7 @@ class ModelDir:
         record = artifacts.read_json(path)
         if record is None:
             return
-        files = {"config.pbtxt": None}
+        files = {artifacts.TRITON_CONFIG: None}
         for f in record.get("files", {}):
             if not f.split("/", 1)[0].isdigit() and (self.path / f).is_file():
                 files[f] = None

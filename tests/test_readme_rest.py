@@ -46,6 +46,7 @@ NOT_RUNNABLE = {
                                               "container (tests/test_gpu_repository.py covers the configs it serves)",
 }
 URL = re.compile(r"https?://[^\s'\"]+")
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -77,12 +78,13 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory, demo_onnx_dir: Path) -> Iterator[Live]:
-    """`unroll serve` as `make serve` runs it (no options but free ports) in a fresh directory: it writes
-    ``model_repository/`` and the samples there; the exports it would make first are copied in (copy2 keeps their
-    times, so they are up to date)."""
+    """`unroll serve` as `make serve` runs it (no options but free ports) in a fresh clone of this repository: it
+    writes ``model_repository/`` and the samples there; the exports it would make first are copied in (copy2 keeps
+    their times, so they are up to date)."""
     from unroll.app.serve import default_models
 
     root = tmp_path_factory.mktemp("clone")
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(root)], check=True, timeout=120)  # a real clone, as users have
     shutil.copytree(demo_onnx_dir, root / "build" / "onnx")
     shell = Shell(root, tmp_path_factory.mktemp("curl"))
     serve = Background.start(shell, f"unroll serve {shell.port_flags()}")
@@ -201,6 +203,17 @@ def test_rest_blocks_that_cannot_run_here(subsection: str) -> None:
     assert blocks, f"NOT_RUNNABLE names {subsection!r}, which the README's REST section no longer has: drop it"
     pytest.skip(f"README '{subsection}': {NOT_RUNNABLE[subsection]} "
                 f"({sum(len(b.commands) for b in blocks)} commands not run)")
+
+
+def test_a_fresh_clone_stays_clean_after_serve(live: Live) -> None:
+    """What `unroll serve` writes (exports, repository, samples, logs, key) is all ignored by git: the README's first
+    command leaves a newcomer's `git status` clean (model_repository/README.md says why nothing there is committed).
+    Runs before the README's commands, which write their own output files into the clone."""
+    assert (live.cwd / "model_repository" / live.models[0] / "config.pbtxt").is_file()  # serve wrote the repository
+    assert (live.cwd / "build" / "samples" / f"{live.models[0]}.png").is_file()
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--ignored=no"], cwd=live.cwd,
+                            capture_output=True, text=True, check=True, timeout=60).stdout
+    assert status == "", f"`unroll serve` left the clone dirty:\n{status}"
 
 
 def test_rest_section_commands_run_verbatim(live: Live) -> None:

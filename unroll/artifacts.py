@@ -35,12 +35,18 @@ SAMPLES_DIR = BUILD_DIR / "samples"  #: one sample input per served model (``unr
 IMAGE_DIR = BUILD_DIR / "image"  #: the container build context's generated part
 REPOSITORY_DIR = Path("model_repository")  #: the Triton model repository ``unroll repo`` writes
 GPU_REPOSITORY_DIR = Path("model_repository_gpu")  #: the GPU repository staged for the NGC image
-TRITON_LOG = BUILD_DIR / "logs" / "tritonserver.log"  #: ``unroll triton``'s log
+#: Triton's log, rotated at each start (``unroll triton``; ``unroll serve`` writes it beside its graphs' folder)
+TRITON_LOG = BUILD_DIR / "triton.log"
 #: The key of the Triton ``unroll serve`` runs (owner-only file, a new key each start), for ``unroll deploy``
 TRITON_KEY = BUILD_DIR / "triton.key"
 #: Where a running ``unroll serve`` says what it runs (its pid, Triton's ports, the repository), for ``unroll deploy``
 SERVE_STATE = BUILD_DIR / "serve.json"
 PRECISIONS = ("fp32", "fp16", "int8")
+#: Each model's Triton configuration in a repository (:func:`model_config`).
+TRITON_CONFIG = "config.pbtxt"
+#: Benchmark results (``unroll bench``, ``unroll optimize``'s copies); ``unroll.benchmarks.common.RESULTS`` is
+#: the same folder found from the package, for reading the committed ones from any working directory.
+RESULTS_DIR = Path("benchmarks/results")
 #: Written beside each model's ``config.pbtxt``: what the directory was written from (Triton ignores it).
 REPOSITORY_SOURCE_FILE = "built_from.json"
 #: The key of a stage report holding :func:`built_from`.
@@ -95,6 +101,11 @@ def plan_json(plan_path: str | Path) -> Path:
 def model_dir(name: str, repo: str | Path = REPOSITORY_DIR) -> Path:
     """One model's directory in a Triton repository."""
     return Path(repo) / name
+
+
+def model_config(directory: str | Path) -> Path:
+    """The ``config.pbtxt`` of a model's directory in a Triton repository."""
+    return Path(directory) / TRITON_CONFIG
 
 
 def sample(stem: str, suffix: str, samples_dir: str | Path = SAMPLES_DIR) -> Path:

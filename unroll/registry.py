@@ -37,6 +37,16 @@ BUILTIN_MODULES = ("unroll.models.mnist", "unroll.models.digits", "unroll.models
                    "unroll.solvers.vars_attn", "unroll.solvers.nmf", "unroll.solvers.dic_attn")
 
 
+
+def weights_file(name: str, folder: Path) -> Path:
+    """``FOLDER/NAME.pt``: a model's trained weights (``unroll train`` writes them, the registry reads them)."""
+    return folder / f"{name}.pt"
+
+
+def training_record(name: str, folder: Path) -> Path:
+    """``FOLDER/NAME.json`` beside the weights: the recipe, builder options and measured metrics."""
+    return folder / f"{name}.json"
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
@@ -66,11 +76,11 @@ class ModelSpec:
 
     @property
     def weights_path(self) -> Path:
-        return self.weights_dir / f"{self.name}.pt"
+        return weights_file(self.name, self.weights_dir)
 
     @property
     def info_path(self) -> Path:
-        return self.weights_dir / f"{self.name}.json"
+        return training_record(self.name, self.weights_dir)
 
     @property
     def has_weights(self) -> bool:
