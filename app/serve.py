@@ -25,7 +25,7 @@ from unroll import artifacts, pipeline, tasks
 from unroll.app.errors import handles_errors
 from unroll.card import CardError, ModelCard, from_onnx
 from unroll.data import dataset
-from unroll.errors import ExportError, ServingError, UnrollError
+from unroll.errors import ExportError, ServeError, UnrollError
 from unroll.pipeline import choice, graphs_of
 from unroll.registry import get_spec, list_models
 from unroll.serving.gateway import Settings, create_app
@@ -46,10 +46,6 @@ if TYPE_CHECKING:
 
 #: Noise level (0–255 scale) of the denoising samples in the printed ``curl`` lines (the denoising task's).
 SAMPLE_SIGMA = denoising.SAMPLE_SIGMA
-
-
-class ServeError(ServingError):
-    """A set-up step cannot be done; the message says what to do instead."""
 
 
 def _say(msg: str) -> None:

@@ -20,7 +20,7 @@ from unroll import artifacts, pipeline
 from unroll.app.errors import fail, handles_errors
 from unroll.app.serve import default_models
 from unroll.card import CardError
-from unroll.errors import ExportError, ServingError
+from unroll.errors import ExportError, ServingError, TritonStartError
 from unroll.export.card_attach import NO_CARD_HINT, attach_card_where_present
 from unroll.pipeline import choice
 from unroll.serving.repository import (
@@ -32,7 +32,7 @@ from unroll.serving.repository import (
     RepositoryError,
 )
 from unroll.serving.repository_check import validate_model, validate_repository
-from unroll.serving.triton import TritonStartError, start
+from unroll.serving.triton import start
 
 console = Console()
 err = Console(stderr=True)

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 
 from unroll import artifacts
 from unroll.card import from_onnx
-from unroll.errors import BenchError
+from unroll.errors import BenchError, NoModel
 from unroll.registry import REGISTRY, get_spec, list_models
 from unroll.serving.cpu_runtime import ort_session  # noqa: F401  (the benchmarks' in-process baseline, re-exported)
 
@@ -143,10 +143,6 @@ def load_note(machine: dict) -> str:
 # Chosen from the registry and the model cards, never by name: "the trained demo models" are the registered
 # models with committed weights, split by ``card.task``; the quantizable ones are those whose cards name
 # training data (calibration) and gate data.
-
-
-class NoModel(BenchError, LookupError):
-    """The registry has no model a benchmark needs (e.g. no trained denoiser); the message says which."""
 
 
 def trained_models(task: str | None = None) -> list[str]:

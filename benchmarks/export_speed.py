@@ -28,6 +28,7 @@ import unroll
 from unroll import tasks
 from unroll.benchmarks.common import load_note, machine_info, time_call, trained_models, write_results
 from unroll.benchmarks.models_inputs import case_inputs, cases_for, torch_call
+from unroll.errors import BenchError
 from unroll.export.onnx_export import _Classifier, _torch_export, io_names, resolve_card
 from unroll.registry import REGISTRY, get_spec
 from unroll.serving.cpu_runtime import open_session, unavailable_reason
@@ -113,7 +114,7 @@ def run(threads: int = 2, rows: list | None = None, with_compile: bool = True, b
             runtime = spec.card.cpu_runtime  # what the CPU target serves (the card's choice)
             engine = next(e for e, r in FUSED.items() if r == runtime)
             if engine not in row["timings"]:
-                raise RuntimeError(f"{name}'s card serves with {runtime}, which cannot run here: "
+                raise BenchError(f"{name}'s card serves with {runtime}, which cannot run here: "
                                    f"{row['skipped'][engine]}")
             row["served"] = {"engine": engine, "runtime": runtime, "median_ms": row["timings"][engine]["median_ms"],
                              "speedup_vs_eager": eager / row["timings"][engine]["median_ms"], "fastest": fastest(row)}

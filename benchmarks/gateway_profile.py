@@ -31,12 +31,15 @@ from unroll.benchmarks.common import (
     write_results,
 )
 from unroll.benchmarks.serve_bench import classify_workload, closed_loop, gateway_client, ort_client, served_models
-from unroll.errors import BenchError  # py-spy missing or not allowed to attach, or a server could not start
+from unroll.errors import (
+    BenchError,  # py-spy missing or not allowed to attach, or a server could not start
+    TritonStartError,
+)
 from unroll.serving.gateway.process import gateway_popen
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.gateway.workers import default_workers
 from unroll.serving.repository import INTRA_OP_SPINNING, write_repository
-from unroll.serving.triton import TritonStartError, free_ports, start
+from unroll.serving.triton import free_ports, start
 
 #: (stage, patterns): a stack's stage is that of the innermost frame matching one of the patterns, tried in this
 #: order for each frame. Patterns match py-spy's ``function (file:line)`` frame text.

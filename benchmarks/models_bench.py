@@ -23,7 +23,6 @@ import unroll
 from unroll import artifacts, tasks
 from unroll.benchmarks import plots
 from unroll.benchmarks.common import (
-    NoModel,
     demo_model,
     machine_info,
     ort_session,
@@ -47,6 +46,7 @@ from unroll.benchmarks.models_inputs import (
     torch_call,
 )
 from unroll.benchmarks.models_markdown import markdown
+from unroll.errors import NoModel
 from unroll.registry import get_spec
 from unroll.serving.cpu_runtime import open_session, unavailable_reason
 

@@ -33,7 +33,7 @@ from unroll.benchmarks.models_inputs import (
 )
 from unroll.benchmarks.models_markdown import markdown_cuda
 from unroll.card import from_onnx
-from unroll.errors import BenchError
+from unroll.errors import BenchError, NoCuda, NothingMeasured
 from unroll.export import gates as gate
 from unroll.registry import get_spec
 
@@ -54,14 +54,6 @@ _ORT_TORCH_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.fl
 
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int32: np.int32,
                  torch.bool: np.bool_}
-
-
-class NoCuda(BenchError):
-    """CUDA cannot be used here (the message says why): nothing is measured and nothing is written."""
-
-
-class NothingMeasured(BenchError):
-    """Every planned row was skipped or failed: the committed results are left as they are."""
 
 
 @dataclass(frozen=True)
@@ -215,7 +207,7 @@ def device_session(path: Path, env: CudaEnv, threads: int = 2):
     providers = list(dict.fromkeys([env.ort_provider, "CPUExecutionProvider"]))
     sess = ort.InferenceSession(str(path), so, providers=providers)
     if sess.get_providers()[0] != env.ort_provider:
-        raise RuntimeError(f"ONNX Runtime did not take {env.ort_provider} for {path.name} "
+        raise BenchError(f"ONNX Runtime did not take {env.ort_provider} for {path.name} "
                            f"(session providers: {', '.join(sess.get_providers())})")
     return sess
 

@@ -12,8 +12,8 @@ import torch
 
 from unroll import artifacts, data, pipeline, tasks
 from unroll.benchmarks.common import exported_card, quantizable, trained_models
+from unroll.errors import GateFailed
 from unroll.export import inputs as ex
-from unroll.export.quantize import GateFailed
 from unroll.pipeline import quantize_stage
 from unroll.registry import get_spec, list_models
 

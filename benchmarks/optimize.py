@@ -28,7 +28,7 @@ from unroll import artifacts
 from unroll.benchmarks import optimize_report, optimize_sweep
 from unroll.benchmarks.common import latency_summary, machine_info
 from unroll.card import ModelCard, from_onnx
-from unroll.errors import BenchError
+from unroll.errors import OptimizeError
 from unroll.export import gates
 from unroll.serving import cpu_runtime
 
@@ -48,10 +48,6 @@ DEFAULT_TIME_BUDGET_MIN = 15.0
 PRECISIONS = ("fp32", "fp16", "int8")
 DEFAULT_PRECISIONS = ("fp32", "fp16")
 Progress = Callable[[str], None]
-
-
-class OptimizeError(BenchError):
-    """``unroll optimize`` cannot run as asked (no such model, no GPU for ``--target gpu``); the message says why."""
 
 
 @dataclass(frozen=True)

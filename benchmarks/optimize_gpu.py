@@ -17,7 +17,7 @@ from pathlib import Path
 
 from unroll import artifacts
 from unroll.benchmarks import gpu_check
-from unroll.benchmarks.optimize import OptimizeError
+from unroll.errors import OptimizeError
 
 
 def unreachable() -> list[dict]:

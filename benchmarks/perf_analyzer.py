@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from unroll.errors import BenchError
+from unroll.errors import PerfAnalyzerError
 
 ROOT = Path(__file__).resolve().parent.parent
 SETUP = "bash scripts/perf_analyzer_setup.sh"
@@ -49,10 +49,6 @@ SERVER_COLUMNS = {"Server Queue": "queue_ms", "Server Compute Input": "compute_i
 CLIENT_COLUMNS = {"Client Send": "client_send_ms", "Network+Server Send/Recv": "network_ms",
                   "Client Recv": "client_recv_ms"}
 PERCENTILES = ("p50", "p90", "p95", "p99")
-
-
-class PerfAnalyzerError(BenchError):
-    """``perf_analyzer`` is missing, failed, or wrote no report; the message says which (and how to set it up)."""
 
 
 def find() -> Path | None:

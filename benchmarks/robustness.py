@@ -41,7 +41,7 @@ from unroll.benchmarks.common import (
 from unroll.benchmarks.plots import robustness_lam_plot, robustness_plot
 from unroll.card import ModelCard, from_onnx
 from unroll.corruptions import CORRUPTIONS, SEVERITIES, corrupt
-from unroll.errors import UnrollError
+from unroll.errors import UnknownName, UnrollError
 from unroll.evaluation import EVAL_BATCH, LAM_GRID, accuracy, auto_lam
 from unroll.export.onnx_export import resolve_card
 from unroll.pipeline import export_stage, quantize_stage
@@ -77,7 +77,7 @@ def run(models: Sequence[str] | None = None, corruptions: Sequence[str] | None =
     chosen = list(corruptions or CORRUPTIONS)
     unknown = [c for c in chosen if c not in CORRUPTIONS]
     if unknown:
-        raise KeyError(f"unknown corruption(s) {', '.join(unknown)}; known: {', '.join(CORRUPTIONS)}")
+        raise UnknownName(f"unknown corruption(s) {', '.join(unknown)}; known: {', '.join(CORRUPTIONS)}")
     threads = threads or torch.get_num_threads()
     payload = {"benchmark": "robustness", "machine": machine_info(threads),
                "severities": list(SEVERITIES), "lam_grid": list(LAM_GRID), "precisions": list(PRECISIONS),

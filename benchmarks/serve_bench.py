@@ -70,8 +70,11 @@ from unroll.benchmarks.serve_triton import (
     write_delay_repository,
     write_repositories,
 )
-from unroll.errors import BenchError  # a server could not be started or reached (re-exported for callers)
-from unroll.serving.gateway.process import GatewayStartError, gateway_process
+from unroll.errors import (
+    BenchError,  # a server could not be started or reached (re-exported for callers)
+    GatewayStartError,
+)
+from unroll.serving.gateway.process import gateway_process
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.repository import DEFAULT_QUEUE_DELAY_US, INTRA_OP_SPINNING, write_repository
 

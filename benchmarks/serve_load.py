@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from unroll import tasks
-from unroll.benchmarks.common import NoModel, demo_model, png_bytes
+from unroll.benchmarks.common import demo_model, png_bytes
 from unroll.data import add_noise, dataset, noise_seed
-from unroll.errors import BenchError
+from unroll.errors import BenchError, NoModel
 from unroll.registry import get_spec
 
 PATHS = ("onnxruntime", "triton-http", "triton-grpc", "triton-grpc-image", "gateway")

@@ -12,11 +12,11 @@ from pathlib import Path
 
 from unroll import artifacts, pipeline
 from unroll.benchmarks.serve_load import Served
-from unroll.errors import BenchError
-from unroll.serving.gateway.process import GatewayStartError, wait_ready
+from unroll.errors import BenchError, GatewayStartError, TritonStartError
+from unroll.serving.gateway.process import wait_ready
 from unroll.serving.repository import write_repository
 from unroll.serving.repository_check import validate_model
-from unroll.serving.triton import TritonStartError, free_ports, start
+from unroll.serving.triton import free_ports, start
 
 STAT_KEYS = ("queue", "compute_input", "compute_infer", "compute_output")
 

@@ -29,6 +29,7 @@ import numpy as np
 from unroll import artifacts, data, tasks
 from unroll.benchmarks import soak_ops, soak_stub
 from unroll.benchmarks.common import RESULTS, demo_model, machine_info, png_bytes, unroll_command, write_readme_block
+from unroll.errors import BenchError
 from unroll.registry import get_spec
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.triton import SHM_DIR, free_ports, group_members, processes_with, shm_regions
@@ -132,7 +133,7 @@ def start_serve(root: Path, models: list[str], log: Callable[[str], None],
     log("starting unroll serve (exports and repository on first run)")
     if not ready.wait(READY_TIMEOUT_S) or proc.poll() is not None:
         stop_serve(s)
-        raise RuntimeError("unroll serve did not become ready:\n" + "".join(s.output)[-4000:])
+        raise BenchError("unroll serve did not become ready:\n" + "".join(s.output)[-4000:])
     s.record()
     return s
 

@@ -28,7 +28,7 @@ from onnxscript.rewriter import pattern
 
 from unroll import artifacts
 from unroll.card import CARD_KEY, CardError, ModelCard, from_onnx, write_to_onnx
-from unroll.errors import ExportError
+from unroll.errors import FuseError
 from unroll.export.card_attach import check_card_fits, load_card_file
 
 #: Export's parity tolerance (unroll.export.onnx_export.MAX_ABS_ERR / MAX_REL_ERR).
@@ -38,10 +38,6 @@ MAX_REL_ERR = 1e-5
 SUSPECT_OPS = ("Sign", "Abs", "Where", "Greater", "Less", "GreaterOrEqual", "LessOrEqual")
 #: Sizes for dynamic input axes when ``input_shapes`` does not name them: batch 1, every other axis 16.
 DEFAULT_BATCH, DEFAULT_DIM = 1, 16
-
-
-class FuseError(ExportError, ValueError):
-    """The graph cannot be fused safely (unreadable, or the rewrite changed its outputs); nothing is written."""
 
 
 @dataclass

@@ -19,6 +19,7 @@ import numpy as np
 
 from unroll import data, tasks
 from unroll.card import ModelCard
+from unroll.errors import CardError
 from unroll.metrics import psnr
 
 Feeds = dict[str, np.ndarray]
@@ -81,10 +82,10 @@ def tolerances(card: ModelCard, precision: str, overrides: Mapping[str, float] |
     """
     for name in overrides or {}:
         if name not in METRICS:
-            raise ValueError(f"unknown gate metric {name!r}; known: {', '.join(METRICS)}")
+            raise CardError(f"unknown gate metric {name!r}; known: {', '.join(METRICS)}")
         if name not in task_metrics(card):
             usable = [m for m in METRICS if m in task_metrics(card)]
-            raise ValueError(f"gate metric {name!r} does not apply to {card.name} (a {card.task} model); "
+            raise CardError(f"gate metric {name!r} does not apply to {card.name} (a {card.task} model); "
                              f"its metrics: {', '.join(usable)}")
     return {**card.gate(precision), **{k: float(v) for k, v in (overrides or {}).items()}}
 
@@ -116,7 +117,7 @@ def role_dataset(card: ModelCard, role: str) -> data.Dataset:
     """The dataset the card names for ``role`` (train/validation/test/stress); unset is an error naming the field."""
     ds_id = getattr(card.data, role, None)
     if ds_id is None:
-        raise ValueError(f"{card.name}: no {role} data; set {card.field_hint('data', role, value='<dataset id>')} "
+        raise CardError(f"{card.name}: no {role} data; set {card.field_hint('data', role, value='<dataset id>')} "
                          f"(dataset ids: {', '.join(data.DATASETS)})")
     return data.dataset(ds_id)
 
@@ -127,7 +128,7 @@ def fit_to_card(card: ModelCard, x: np.ndarray) -> np.ndarray:
 
     shape = card.input.shape
     if len(shape) != 3:
-        raise ValueError(f"{card.name}: images cannot feed an input of shape {list(shape)} "
+        raise CardError(f"{card.name}: images cannot feed an input of shape {list(shape)} "
                          "(card.input.shape is not [C, H, W])")
     c, h, w = shape
     target = (c, h if h > 0 else x.shape[2], w if w > 0 else x.shape[3])
@@ -144,11 +145,11 @@ def feature_inputs(card: ModelCard) -> np.ndarray:
             rng = card.trt_profile.dims.get(str(axis))
             if rng is None:
                 where = card.field_hint("trt_profile", "dims", str(axis), value="<[min, opt, max]>")
-                raise ValueError(f"{card.name}: input axis {axis} is dynamic; set {where} "
+                raise CardError(f"{card.name}: input axis {axis} is dynamic; set {where} "
                                  "(its opt size is the example inputs' size)")
             shape[axis] = rng[1]
     if len(shape) not in (2, 3):
-        raise ValueError(f"{card.name}: no example inputs for a feature input of shape {list(card.input.shape)}; "
+        raise CardError(f"{card.name}: no example inputs for a feature input of shape {list(card.input.shape)}; "
                          f"give the card a dataset ({card.field_hint('data', 'test', value='<dataset id>')}) "
                          "and an image input")
     x = photo_features(tuple(shape)).numpy()
@@ -164,7 +165,7 @@ def real_inputs(card: ModelCard, role: str) -> tuple[np.ndarray, np.ndarray | No
         return feature_inputs(card), None, "bundled photos as tokens/feature maps (the export's example inputs)"
     ds = role_dataset(card, role)
     if ds.kind != "labelled":
-        raise ValueError(f"{card.name}: {card.field_hint('data', role, value=ds.id)} holds {ds.kind}, but a "
+        raise CardError(f"{card.name}: {card.field_hint('data', role, value=ds.id)} holds {ds.kind}, but a "
                          f"{card.task} gate needs a labelled (array) dataset")
     x, y = ds.load()
     return fit_to_card(card, x), (None if y is None else np.asarray(y)), ds.id
@@ -174,7 +175,7 @@ def _lam_feed(card: ModelCard, n: int) -> Feeds:
     if card.lam is None:
         return {}
     if card.lam.default is None:
-        raise ValueError(f"{card.name}: card.lam.default is unset (export fills it in from the model)")
+        raise CardError(f"{card.name}: card.lam.default is unset (export fills it in from the model)")
     return {card.lam.input: np.full(n, card.lam.default, np.float32)}
 
 
@@ -189,7 +190,7 @@ def _center_crop(img: np.ndarray, hw: tuple[int, int] | None) -> np.ndarray:
 def _denoising_cases(card: ModelCard, role: str, max_hw: tuple[int, int] | None) -> list[GateCase]:
     ds = role_dataset(card, role)
     if ds.kind != "images":
-        raise ValueError(f"{card.name}: {card.field_hint('data', role, value=ds.id)} holds {ds.kind}, a denoiser "
+        raise CardError(f"{card.name}: {card.field_hint('data', role, value=ds.id)} holds {ds.kind}, a denoiser "
                          "gate needs images")
     channels = card.input.shape[0]
     cases = []

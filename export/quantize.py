@@ -24,10 +24,10 @@ import onnxruntime as ort
 
 from unroll import artifacts, tasks
 from unroll.card import CardError, ModelCard, from_onnx, write_to_onnx
-from unroll.errors import QuantizeError
+from unroll.errors import GateFailed
 from unroll.export import gates as gate
 from unroll.export.card_attach import NO_CARD_HINT, attach_card
-from unroll.export.trt_lint import LintError, lint, lint_report
+from unroll.export.trt_lint import lint, lint_failure, lint_report
 
 FP16_KEEP_FP32 = ["Div", "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "ReduceMean", "ReduceSum", "ReduceMax",
                   "ReduceL2", "Softmax", "TopK", "Min", "Max", "Range", "CumSum"]
@@ -66,10 +66,6 @@ QDQ_STYLES = {
 }
 
 
-class GateFailed(QuantizeError):
-    """The quantized model missed its accuracy gate (the report says by how much)."""
-
-
 # ----------------------------------------------------------------------------- calibration data
 
 
@@ -82,12 +78,12 @@ def _denoising_calibration(card: ModelCard, n: int, rng: np.random.Generator) ->
     role = _calibration_role(card)
     ds = gate.role_dataset(card, role)
     if ds.kind != "images":
-        raise ValueError(f"{card.name}: {card.field_hint('data', role, value=ds.id)} holds {ds.kind}, "
+        raise CardError(f"{card.name}: {card.field_hint('data', role, value=ds.id)} holds {ds.kind}, "
                          "denoiser calibration needs images")
     side = max(CALIB_PATCH, card.input.min_size)
     imgs = [img for img in ds.load().values() if min(img.shape) > side]
     if not imgs:
-        raise ValueError(f"{card.name}: no image in {card.field_hint('data', role, value=ds.id)} is larger than "
+        raise CardError(f"{card.name}: no image in {card.field_hint('data', role, value=ds.id)} is larger than "
                          f"{side}×{side}")
     channels = card.input.shape[0]
     feeds = []
@@ -352,7 +348,7 @@ def quantize(name: str, precision: str, onnx_dir: Path = artifacts.ONNX_DIR, cal
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     if issues:
         out.unlink(missing_ok=True)
-        raise LintError(f"{name} {precision} ({desc}; report in {report_path})", issues)
+        raise lint_failure(f"{name} {precision} ({desc}; report in {report_path})", issues)
     if not res.passed:
         out.unlink(missing_ok=True)
         raise GateFailed(f"{name} {precision} failed its accuracy gate: " + "; ".join(res.failures) +

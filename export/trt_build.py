@@ -8,7 +8,7 @@ memory estimated (:func:`preflight`); after the build the engine is run through 
 TensorRT 10.x and 11.x share this code (:func:`_network_flags`).
 
 This module builds the plan and writes its JSON; the profile (input axes, their ranges, :func:`profile_shapes`) is in
-:mod:`unroll.trt_profile`, running and checking an engine in :mod:`.trt_engine`, the errors in :mod:`.trt_errors` (all
+:mod:`unroll.trt_profile`, running and checking an engine in :mod:`.trt_engine`, the errors in :mod:`unroll.errors` (all
 re-exported here, see ``__all__``).
 """
 
@@ -27,6 +27,15 @@ import onnx
 
 from unroll import artifacts
 from unroll.card import ModelCard, from_onnx
+from unroll.errors import (
+    GateError,
+    LintError,
+    MissingOnnxError,
+    ProfileMemoryError,
+    TrtBuildError,
+    TrtUnavailableError,
+    UnknownDimError,
+)
 from unroll.export import gates as gate
 from unroll.export import trt_lint, trt_memory
 from unroll.export.trt_engine import (
@@ -40,18 +49,9 @@ from unroll.export.trt_engine import (
     tensorrt_available,
     trt_logger,
 )
-from unroll.export.trt_errors import (
-    GateError,
-    LintError,
-    MissingOnnxError,
-    ProfileMemoryError,
-    TrtBuildError,
-    TrtUnavailableError,
-)
 from unroll.trt_profile import (
     ProfileShapes,
     Range,
-    UnknownDimError,
     axis_key,
     card_dim_ranges,
     dim_range_names,
@@ -208,8 +208,8 @@ def preflight(src: Path, card: ModelCard, batch: Range | None = None,
     profile = profile_shapes(graph, card, batch, image_sizes, dim_ranges)
     issues = lint_graph(graph)
     if issues:
-        raise LintError(Path(src).name, issues, f"{Path(src).name} breaks {len(issues)} TensorRT ONNX parser rule(s) "
-                        "(unroll.export.trt_lint); nothing was handed to TensorRT:\n  " + "\n  ".join(issues))
+        raise LintError(f"{Path(src).name} breaks {len(issues)} TensorRT ONNX parser rule(s) "
+                        "(unroll.export.trt_lint); nothing was handed to TensorRT:\n  " + "\n  ".join(issues), issues)
     est = trt_memory.estimate(graph, {n: hi for n, (_, _, hi) in profile.items()})
     budget: tuple[int, str] | None = None
     if max_memory_gib is not None:

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from unroll.card import ModelCard
+from unroll.errors import TrtBuildError, TrtUnavailableError
 from unroll.export import gates as gate
-from unroll.export.trt_errors import TrtBuildError, TrtUnavailableError
 from unroll.trt_profile import ProfileShapes
 
 Progress = Callable[[str], None]

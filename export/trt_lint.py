@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from unroll.errors import BuildError
+from unroll.errors import LintError
 
 OPS_FILE = Path(__file__).with_name("tensorrt_onnx_ops_10.15.json")
 
@@ -101,16 +101,9 @@ class LintIssue:
         return f"node {self.node!r} ({self.op}): {self.reason}"
 
 
-class LintError(BuildError, ValueError):
-    """A graph failed the lint, so TensorRT was not run; ``issues`` holds every :class:`LintIssue` (or its line).
-
-    The message says ``what`` fails the lint and lists the issues, unless the caller words it (``message``: the
-    builder names the parser rules it checked).
-    """
-
-    def __init__(self, what: str, issues: list[LintIssue] | list[str], message: str | None = None) -> None:
-        self.issues = issues
-        super().__init__(message or f"{what} fails the TensorRT lint:\n{format_issues(issues)}")
+def lint_failure(what: str, issues: list[LintIssue]) -> LintError:
+    """The :class:`LintError` saying that ``what`` fails the lint, with every issue listed."""
+    return LintError(f"{what} fails the TensorRT lint:\n{format_issues(issues)}", issues)
 
 
 def format_issues(issues: list[LintIssue]) -> str:
@@ -438,5 +431,5 @@ def check(model: onnx.ModelProto, what: str) -> dict:
     """:func:`lint_report` for a clean graph; :class:`LintError` naming every node and reason otherwise."""
     issues = lint(model)
     if issues:
-        raise LintError(what, issues)
+        raise lint_failure(what, issues)
     return lint_report(model, issues)

@@ -16,16 +16,12 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto
 
-from unroll.errors import BuildError
+from unroll.errors import MemoryBudgetError
 
 __all__ = ["GIB", "MemoryBudgetError", "MemoryEstimate", "TensorBytes", "check_budget", "estimate",
            "gpu_total_bytes", "infer_shapes"]
 
 GIB = 1 << 30
-
-
-class MemoryBudgetError(BuildError, ValueError):
-    """The estimate exceeds the memory available to the build; the message says by how much and what to lower."""
 
 
 @dataclass(frozen=True)

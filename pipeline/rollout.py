@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from unroll.card import CARD_KEY, ModelCard, from_onnx
-from unroll.errors import RepositoryError, ServingError
+from unroll.errors import DeployError, RepositoryError, ServingError
 from unroll.serving.gateway.triton_client import fit_shape, model_info
 from unroll.serving.repository_check import validate_model
 from unroll.serving.versions import ModelDir
@@ -49,10 +49,6 @@ GATE_MAX_HW = (96, 96)
 LOCK_FILE = ".deploy.lock"
 #: Card fields that may differ between versions of one served model (provenance, not behaviour).
 CARD_PROVENANCE = ("description", "origin", "origin_file")
-
-
-class DeployError(ServingError):
-    """The new version was refused or could not be loaded; the model serves what it served before."""
 
 
 @dataclass

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from unroll.errors import ServingError
+from unroll.errors import RuntimeUnavailable
 
 RUNTIMES = ("onnxruntime", "openvino", "aotinductor")
 #: Import name of each runtime (AOTInductor packages run on PyTorch).
@@ -28,10 +28,6 @@ DEFAULT_RUNTIME = "onnxruntime"
 
 Session = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 """Also carries ``.runtime`` (its name) and ``.inputs`` ({graph input: dims, ``None`` where dynamic})."""
-
-
-class RuntimeUnavailable(ServingError):
-    """The requested CPU runtime is not installed (or not a known runtime)."""
 
 
 def available(runtime: str) -> bool:

@@ -18,16 +18,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from unroll.errors import BuildError
+from unroll.errors import ProfileError
 
 #: Triton config ``parameters`` key holding the served profile (GPU target only).
 PROFILE_KEY = "unroll.profile"
 
 Shape = tuple[int, ...]
-
-
-class ProfileError(BuildError, ValueError):
-    """A profile is malformed (the message names where it came from and what is wrong)."""
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from unroll import artifacts
-from unroll.errors import RepositoryError
+from unroll.errors import ProfileError, RepositoryError
 from unroll.serving.imaging import wire
-from unroll.serving.profile import PROFILE_KEY, ProfileError, ServedProfile, from_plan_profile
+from unroll.serving.profile import PROFILE_KEY, ServedProfile, from_plan_profile
 
 #: The plan's JSON (``unroll build``), copied beside config.pbtxt so validation can re-check the plan.
 PLAN_JSON = "trt_plan.json"

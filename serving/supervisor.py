@@ -21,8 +21,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from unroll.errors import TritonStartError
 from unroll.serving.process_watch import ExitWatch, read_stat
-from unroll.serving.triton import STOP_GRACE_S, TritonHandle, TritonStartError, group_members, reap_children
+from unroll.serving.triton import STOP_GRACE_S, TritonHandle, group_members, reap_children
 
 log = logging.getLogger("unroll.serve")
 

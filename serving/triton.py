@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, TracebackType
 
-from unroll.errors import ServingError
+from unroll.errors import TritonStartError
 from unroll.serving import hidden_args, malloc
 from unroll.serving.process_watch import ProcStat, read_stat
 
@@ -67,19 +67,6 @@ LOG_KEEP = 5
 #: Name prefix of the Python backend's shared-memory regions in ``/dev/shm``.
 SHM_PREFIX = "triton_python_backend_shm_region_"
 SHM_DIR = Path("/dev/shm")
-
-
-class TritonStartError(ServingError):
-    """The server binary is missing, could not start, or a model did not load (message has Triton's reason).
-
-    ``reason`` is the short form (one line per failed model) for command-line output; the message
-    adds the tail of the log at ``log_path``.
-    """
-
-    def __init__(self, message: str, reason: str | None = None, log_path: Path | None = None) -> None:
-        super().__init__(message)
-        self.reason = reason or message.splitlines()[0]
-        self.log_path = log_path
 
 
 @dataclass(frozen=True)

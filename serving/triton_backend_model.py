@@ -45,15 +45,15 @@ from __future__ import annotations
 
 import ctypes
 import json
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from unroll.card import CARD_KEY, InputCard, LamCard, SigmaCard, TileCard
-from unroll.errors import ApiError, UsageError
-from unroll.serving.cpu_runtime import DEFAULT_RUNTIME, RuntimeUnavailable, open_session
+from unroll.errors import ApiError, BadInput, ImageRejected, RuntimeUnavailable
+from unroll.serving import batch_rows
+from unroll.serving.cpu_runtime import DEFAULT_RUNTIME, open_session
 from unroll.serving.imaging import images, prepare, wire
 from unroll.tiling import Tiler, run_tiled
 
@@ -177,7 +177,7 @@ class TritonPythonModel:
         # DLPack tensor does not own its NumPy array: keep this call's arrays alive until the next.
         self._keep: list[np.ndarray] = []
         responses: list = [None] * len(requests)
-        groups: dict[tuple, list[tuple[int, dict[str, np.ndarray]]]] = defaultdict(list)
+        feeds: dict[int, dict[str, np.ndarray]] = {}  # float-tensor requests: run below, equal shapes together
         pictures: dict[int, _Pictures] = {}  # requests with encoded images (classifiers: run below, grouped)
         for idx, request in enumerate(requests):
             try:
@@ -191,29 +191,21 @@ class TritonPythonModel:
             except Exception as e:  # reported to this request's client
                 responses[idx] = _error(e)
                 continue
-            key = tuple((k, v.shape[1:] if self.batching else v.shape, v.dtype.str) for k, v in sorted(feed.items()))
-            groups[key if self.batching else (idx,)].append((idx, feed))
-        for members in groups.values():
+            feeds[idx] = feed
+        # a model without batching runs each request alone (its tensors have no batch axis to join on)
+        keys = None if self.batching else list(feeds)
+        for idx, arrays in zip(feeds, batch_rows.run_grouped(list(feeds.values()), self._run, keys), strict=True):
             try:
-                if len(members) == 1:
-                    results = [self._run(members[0][1])]
-                else:  # one run for the whole group, split back per request
-                    sizes = [next(iter(f.values())).shape[0] for _, f in members]
-                    cat = {k: np.concatenate([f[k] for _, f in members]) for k in members[0][1]}
-                    outs = self._run(cat)
-                    cuts = np.cumsum(sizes)[:-1]
-                    split = [np.split(o, cuts) for o in outs]
-                    results = [[s[j] for s in split] for j in range(len(members))]
-                for (idx, _), arrays in zip(members, results, strict=True):
-                    tensors = self._tensors(arrays)
-                    if self.kind is not None and wire.IMAGE_INFO in requests[idx].requested_output_names():
-                        # float tensors in: no image was decoded, nothing to report (every item "{}"), so that
-                        # clients asking for every output (perf_analyzer) get each one
-                        tensors.append(self._rows(wire.IMAGE_INFO, [wire.info_json({})] * len(arrays[0]), b" "))
-                    responses[idx] = pb_utils.InferenceResponse(output_tensors=tensors)
-            except Exception as e:  # e.g. an image below the model's minimum size
-                for idx, _ in members:
-                    responses[idx] = _error(e)
+                if isinstance(arrays, Exception):  # e.g. an image below the model's minimum size
+                    raise arrays
+                tensors = self._tensors(arrays)
+                if self.kind is not None and wire.IMAGE_INFO in requests[idx].requested_output_names():
+                    # float tensors in: no image was decoded, nothing to report (every item "{}"), so that
+                    # clients asking for every output (perf_analyzer) get each one
+                    tensors.append(self._rows(wire.IMAGE_INFO, [wire.info_json({})] * len(arrays[0]), b" "))
+                responses[idx] = pb_utils.InferenceResponse(output_tensors=tensors)
+            except Exception as e:
+                responses[idx] = _error(e)
         if pictures:
             self._classify_pictures(pictures, responses)
         return responses
@@ -305,26 +297,15 @@ class TritonPythonModel:
 
     def _classify_pictures(self, pictures: dict[int, _Pictures], responses: list) -> None:
         """Every image of these requests through the graph, one run per group of equal shapes."""
-        groups: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+        owners = [(idx, j) for idx, p in pictures.items() for j in range(len(p.items))]
+        results = dict(zip(owners, batch_rows.run_grouped([pictures[i].items[j][0] for i, j in owners], self._run),
+                           strict=True))
         for idx, p in pictures.items():
-            for j, (feed, _) in enumerate(p.items):
-                groups[tuple((k, v.shape, v.dtype.str) for k, v in sorted(feed.items()))].append((idx, j))
-        results: dict[tuple[int, int], list[np.ndarray]] = {}
-        failed: dict[int, Exception] = {}
-        for members in groups.values():
-            try:
-                feeds = [pictures[i].items[j][0] for i, j in members]
-                outs = self._run({k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]})
-                for m, (i, j) in enumerate(members):
-                    results[(i, j)] = [o[m:m + 1] for o in outs]
-            except Exception as e:
-                for i, _ in members:
-                    failed[i] = e
-        for idx, p in pictures.items():
-            if idx in failed:
-                responses[idx] = _error(failed[idx])
-                continue
             rows = [results[(idx, j)] for j in range(len(p.items))]
+            failed = next((r for r in rows if isinstance(r, Exception)), None)
+            if failed is not None:
+                responses[idx] = _error(failed)
+                continue
             arrays = [np.concatenate([r[k] for r in rows]) for k in range(len(self.outputs))]
             tensors = self._tensors(arrays, p.wanted)
             if wire.IMAGE_INFO in p.wanted:
@@ -461,17 +442,6 @@ def _to_triton(name: str, a: np.ndarray):
     if _capsule_is_valid(capsule, b"used_dlpack"):  # consumed by the stub, under its own name
         _capsule_set_name(capsule, _USED_DLTENSOR)
     return tensor
-
-
-class BadInput(UsageError, ValueError):
-    """A request the model cannot take (Triton's INVALID_ARG: HTTP 400), as opposed to a failure while running."""
-
-
-class ImageRejected(BadInput):
-    """A client error of the encoded-image path, worded ``[STATUS CODE] message`` (:func:`.wire.format_error`)."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(wire.format_error(status, code, message))
 
 
 def _error(e: Exception):

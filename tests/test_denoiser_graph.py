@@ -18,9 +18,10 @@ from onnx import numpy_helper
 
 import unroll
 from unroll import data
+from unroll.errors import RuntimeUnavailable
 from unroll.registry import get_spec
 from unroll.serving import cpu_runtime
-from unroll.serving.cpu_runtime import RuntimeUnavailable, open_session
+from unroll.serving.cpu_runtime import open_session
 from unroll.solvers.shrink import textbook_mode
 
 DENOISER, CLASSIFIER = "csc-denoiser", "sdnet-mnist"

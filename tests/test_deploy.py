@@ -38,7 +38,8 @@ from served import png
 from unroll import artifacts
 from unroll.benchmarks.soak import ServeProcess, start_serve, stop_serve
 from unroll.data import dataset
-from unroll.pipeline.rollout import LOCK_FILE, DeployError, TritonControl, deploy
+from unroll.errors import DeployError
+from unroll.pipeline.rollout import LOCK_FILE, TritonControl, deploy
 from unroll.serving.running import read_state
 
 pytestmark = pytest.mark.triton

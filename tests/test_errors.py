@@ -17,10 +17,17 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from unroll.app.errors import handles_errors
-from unroll.errors import CardError, RegistryError, UnrollError, UsageError
+from unroll.errors import (
+    CardError,
+    RegistryError,
+    TritonRejected,
+    TritonTimeout,
+    TritonUnavailable,
+    UnrollError,
+    UsageError,
+)
 from unroll.serving.gateway import errors as gateway_errors
 from unroll.serving.gateway.errors import ApiError
-from unroll.serving.gateway.triton_client import TritonRejected, TritonTimeout, TritonUnavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"unroll": "unroll", "export": "unroll.export", "serving": "unroll.serving",
@@ -55,10 +62,16 @@ def test_every_exception_class_derives_from_unroll_error(monkeypatch) -> None:
     assert not outside, f"exception classes outside the hierarchy (unroll/errors.py): {outside}"
 
 
+def test_every_exception_class_is_defined_in_the_one_error_module() -> None:
+    """The README's rule (Architecture, Errors): one module holds every class, grouped by the layer raising it."""
+    elsewhere = [f"{m}.{n}" for m, n in _exception_classes() if m != "unroll.errors"]
+    assert not elsewhere, f"exception classes outside unroll/errors.py: {elsewhere}"
+
+
 def test_builtin_bases_are_kept_where_callers_catch_them() -> None:
     from unroll.card import CardError as CardModuleError
+    from unroll.errors import LintError
     from unroll.export.trt_build import LintError as BuildLintError
-    from unroll.export.trt_lint import LintError
 
     assert CardModuleError is CardError and issubclass(CardError, ValueError)
     assert issubclass(RegistryError, KeyError) and str(RegistryError("unknown model 'x'")) == "unknown model 'x'"

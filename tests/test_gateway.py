@@ -31,8 +31,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from unroll.errors import SettingsError
 from unroll.serving.gateway.process import gateway_process, wait_ready
-from unroll.serving.gateway.settings import Settings, SettingsError
+from unroll.serving.gateway.settings import Settings
 from unroll.serving.triton import free_ports
 
 pytestmark = pytest.mark.triton

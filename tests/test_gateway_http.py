@@ -254,7 +254,7 @@ def test_process_metrics(bare: tuple[str, int, Path]) -> None:
 
 
 def test_bad_http_settings_name_the_variable(tmp_path: Path) -> None:
-    from unroll.serving.gateway.process import GatewayStartError
+    from unroll.errors import GatewayStartError
 
     with pytest.raises(GatewayStartError, match="UNROLL_BODY_IDLE_TIMEOUT_S"), \
             gateway_process(Settings(), tmp_path / "gw.log", ready_path="/healthz", timeout_s=30,

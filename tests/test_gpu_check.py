@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from unroll.benchmarks import gpu_check
+from unroll.benchmarks import gpu_check, gpu_check_cases, gpu_check_run
+from unroll.errors import BudgetExceeded
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,9 +50,9 @@ def test_cpu_dry_run_writes_json_and_table(tmp_path: Path) -> None:
 
 def test_wrong_candidate_is_refused_and_a_failing_one_recorded(tmp_path: Path, monkeypatch) -> None:
     """Perturbed weights fail the card's FP32 gate (refused, not timed); a build error is a row, not a crash."""
-    monkeypatch.setitem(gpu_check.CANDIDATES, "perturbed", gpu_check.Candidate("perturbed", "fp32", 0))
-    monkeypatch.setitem(gpu_check.CANDIDATES, "broken", gpu_check.Candidate("broken", "fp32", 0))
-    real = gpu_check.make_runner
+    monkeypatch.setitem(gpu_check_cases.CANDIDATES, "perturbed", gpu_check_cases.Candidate("perturbed", "fp32", 0))
+    monkeypatch.setitem(gpu_check_cases.CANDIDATES, "broken", gpu_check_cases.Candidate("broken", "fp32", 0))
+    real = gpu_check_run.make_runner
 
     def make_runner(cand, model, args, device, workdir):
         if cand == "broken":
@@ -64,16 +65,16 @@ def test_wrong_candidate_is_refused_and_a_failing_one_recorded(tmp_path: Path, m
             cand = "eager-fp32"
         return real(cand, model, args, device, workdir)
 
-    monkeypatch.setattr(gpu_check, "make_runner", make_runner)
-    [case] = gpu_check.build_cases(["sdnet-mnist"], quick=True)
+    monkeypatch.setattr(gpu_check_run, "make_runner", make_runner)  # where measure looks it up
+    [case] = gpu_check_cases.build_cases(["sdnet-mnist"], quick=True)
     import unroll
 
     model = unroll.load("sdnet-mnist")
-    bad = gpu_check.measure(case, "perturbed", model, "cpu", tmp_path, 1, 3, 0.05)
+    bad = gpu_check_run.measure(case, "perturbed", model, "cpu", tmp_path, 1, 3, 0.05)
     assert bad["status"] == "refused" and "rel_err" in bad["reason"] and "p50_ms" not in bad
-    broken = gpu_check.measure(case, "broken", model, "cpu", tmp_path, 1, 3, 0.05)
+    broken = gpu_check_run.measure(case, "broken", model, "cpu", tmp_path, 1, 3, 0.05)
     assert broken["status"] == "error" and "no such backend" in broken["reason"]
-    ok = gpu_check.measure(case, "eager-fp32", model, "cpu", tmp_path, 1, 3, 0.05)
+    ok = gpu_check_run.measure(case, "eager-fp32", model, "cpu", tmp_path, 1, 3, 0.05)
     assert ok["status"] == "ok" and ok["p50_ms"] > 0
 
 
@@ -85,21 +86,21 @@ def test_budget_end_inside_a_compile_is_a_skip_not_an_error(tmp_path: Path, monk
 
     def make_runner(cand, model, args, device, workdir):
         try:
-            raise gpu_check.BudgetExceeded("the run's time budget (1 s) ended while this candidate ran")
-        except gpu_check.BudgetExceeded as e:
+            raise BudgetExceeded("the run's time budget (1 s) ended while this candidate ran")
+        except BudgetExceeded as e:
             raise InductorError(f"BudgetExceeded: {e}") from e
 
-    monkeypatch.setattr(gpu_check, "make_runner", make_runner)
-    [case] = gpu_check.build_cases(["sdnet-mnist"], quick=True)
-    row = gpu_check.measure(case, "compile", None, "cpu", tmp_path, 1, 3, 0.05)
+    monkeypatch.setattr(gpu_check_run, "make_runner", make_runner)  # where measure looks it up
+    [case] = gpu_check_cases.build_cases(["sdnet-mnist"], quick=True)
+    row = gpu_check_run.measure(case, "compile", None, "cpu", tmp_path, 1, 3, 0.05)
     assert row["status"] == "skipped" and "time budget" in row["reason"]
 
 
 def test_gate_check_directions() -> None:
-    assert gpu_check.gate_check({"rel_err": 1e-5, "top1_agreement": 1.0}, {"rel_err": 1e-4,
-                                                                          "top1_agreement": 0.999}) == []
-    bad = gpu_check.gate_check({"rel_err": 1e-3, "top1_agreement": 0.5, "finite": 0.0},
-                               {"rel_err": 1e-4, "top1_agreement": 0.999})
+    assert gpu_check_run.gate_check({"rel_err": 1e-5, "top1_agreement": 1.0}, {"rel_err": 1e-4,
+                                                                              "top1_agreement": 0.999}) == []
+    bad = gpu_check_run.gate_check({"rel_err": 1e-3, "top1_agreement": 0.5, "finite": 0.0},
+                                   {"rel_err": 1e-4, "top1_agreement": 0.999})
     assert len(bad) == 3
 
 
@@ -139,8 +140,8 @@ def test_iteration_dial_dry_run_and_resume(tmp_path: Path) -> None:
 
 def test_iteration_dial_gates_against_the_same_count(tmp_path: Path) -> None:
     """Each K is checked against the CPU model at that K: the model left at its trained count fails K=8's gate."""
-    cases = {c.iters: c for c in gpu_check.build_dial_cases(["sdnet-mnist", "csc-denoiser"], quick=True,
-                                                            cpu_timing=(0, 2, 0.01))}
+    cases = {c.iters: c for c in gpu_check_cases.build_dial_cases(["sdnet-mnist", "csc-denoiser"], quick=True,
+                                                                  cpu_timing=(0, 2, 0.01))}
     assert sorted(cases) == [1, 2, 4, 8]
     import numpy as np
 
@@ -148,9 +149,9 @@ def test_iteration_dial_gates_against_the_same_count(tmp_path: Path) -> None:
 
     assert not np.allclose(cases[1].reference, cases[8].reference, atol=1e-3)  # the dial changes the output
     model = unroll.load("sdnet-mnist")  # its trained count, 2
-    wrong = gpu_check.measure(cases[8], "eager-fp32", model, "cpu", tmp_path, 1, 3, 0.05)
+    wrong = gpu_check_run.measure(cases[8], "eager-fp32", model, "cpu", tmp_path, 1, 3, 0.05)
     assert wrong["status"] == "refused" and "p50_ms" not in wrong
-    right = gpu_check.measure(cases[2], "eager-fp32", model, "cpu", tmp_path, 1, 3, 0.05)
+    right = gpu_check_run.measure(cases[2], "eager-fp32", model, "cpu", tmp_path, 1, 3, 0.05)
     assert right["status"] == "ok" and right["parity"]["max_abs"] == 0.0
 
 

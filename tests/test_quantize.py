@@ -14,10 +14,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from unroll import data
 from unroll.card import DataCard, InputCard, ModelCard, from_onnx, write_to_onnx
+from unroll.errors import GateFailed, LintError
 from unroll.export import gates
 from unroll.export import quantize as quantize_module
-from unroll.export.quantize import GateFailed, calibration_inputs, quantize
-from unroll.export.trt_lint import LintError, lint
+from unroll.export.quantize import calibration_inputs, quantize
+from unroll.export.trt_lint import lint
 
 DEMOS = ("sdnet-mnist", "csc-denoiser")
 

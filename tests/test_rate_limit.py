@@ -9,11 +9,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from unroll.errors import SettingsError
 from unroll.pipeline import graphs_of
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.process import gateway_popen
 from unroll.serving.gateway.rate_limit import Buckets, RateLimit
-from unroll.serving.gateway.settings import Settings, SettingsError
+from unroll.serving.gateway.settings import Settings
 from unroll.serving.triton import free_ports, start
 
 MODEL = "sdnet-mnist"

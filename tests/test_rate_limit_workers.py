@@ -25,11 +25,12 @@ import pytest
 import uvicorn
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
+from unroll.errors import SettingsError
 from unroll.serving.gateway.http_settings import HttpSettings
 from unroll.serving.gateway.process import gateway_popen
 from unroll.serving.gateway.rate_limit import RateLimit, SharedBuckets
 from unroll.serving.gateway.server import uvicorn_options
-from unroll.serving.gateway.settings import Settings, SettingsError
+from unroll.serving.gateway.settings import Settings
 from unroll.serving.triton import free_ports, proc_stats
 
 #: Slow refill, so what a test may get is its burst plus the little the rate adds while it runs.

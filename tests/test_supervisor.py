@@ -496,7 +496,8 @@ def test_exit_watch_wakes_at_once_when_a_watched_process_dies(pidfd: bool, monke
 def test_stub_names_and_the_gateways_503_for_a_request_in_a_dead_backend_process() -> None:
     from tritonclient.utils import InferenceServerException
 
-    from unroll.serving.gateway.triton_client import TritonUnavailable, _translate
+    from unroll.errors import TritonUnavailable
+    from unroll.serving.gateway.triton_client import _translate
     from unroll.serving.supervisor import is_stub, stub_name
 
     argv = ["/b/triton_python_backend_stub", "/r/csc-denoiser/1/model.py", "triton_python_backend_shm_region_x",

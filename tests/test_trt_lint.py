@@ -8,14 +8,15 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from unroll.card import from_onnx
+from unroll.errors import LintError
 from unroll.export.quantize import calibration_inputs, to_int8
 from unroll.export.trt_lint import (
     OPS_FILE,
     POLICY,
-    LintError,
     LintIssue,
     check,
     lint,
+    lint_failure,
     lint_report,
     op_table,
     policy_issues,
@@ -242,7 +243,7 @@ def test_lint_report_and_error_list_tensorrt_rules_first() -> None:
     assert not rep["ok"] and rep["issues"][0].startswith("node 'x_q' (QuantizeLinear): zero point")
     assert rep["issues"][-1].startswith("node 'noise' (RandomUniformLike): unroll policy:")
     assert rep["operator_table"]["source"] == op_table().source_url and "Loop" in rep["policy"]
-    msg = str(LintError("m.int8.onnx", lint(model)))
+    msg = str(lint_failure("m.int8.onnx", lint(model)))
     assert msg.index(f"{TRT} would reject:") < msg.index("unroll's serving-graph policy refuses:")
     assert LintIssue("n", "Op", "why").message == "why"
 

@@ -78,7 +78,8 @@ def test_serve_leaves_its_triton_key_for_its_owner_only(tmp_path: Path) -> None:
 def test_one_deployment_of_a_model_at_a_time(model_dir: ModelDir, demo_onnx_dir: Path) -> None:
     import fcntl
 
-    from unroll.pipeline.rollout import DeployError, TritonControl, deploy
+    from unroll.errors import DeployError
+    from unroll.pipeline.rollout import TritonControl, deploy
 
     with open(model_dir.path / ".deploy.lock", "w") as held:  # another `unroll deploy` of the model is running
         fcntl.flock(held, fcntl.LOCK_EX)

@@ -13,6 +13,8 @@ from os import PathLike
 import torch
 from torch import Tensor, nn
 
+from unroll.errors import CheckpointError
+
 #: Keys under which training scripts store the state dict, tried in order.
 WRAPPERS = ("state_dict", "model")
 
@@ -25,7 +27,7 @@ def read_state_dict(path: str | PathLike[str], prefixes: Sequence[str] = ("modul
             obj = obj[key]
             break
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, Tensor) for v in obj.values()):
-        raise ValueError(f"{path}: not a state dict nor a checkpoint holding one under "
+        raise CheckpointError(f"{path}: not a state dict nor a checkpoint holding one under "
                          f"{' or '.join(repr(k) for k in WRAPPERS)}")
     for prefix in prefixes:
         if all(k.startswith(prefix) for k in obj):
@@ -42,6 +44,6 @@ def load_strict(model: nn.Module, state: dict[str, Tensor], where: str | PathLik
                        for k in set(state) & set(expected) if state[k].shape != expected[k].shape)
     if missing or unexpected or bad_shape:
         arch = getattr(model, "arch", type(model).__name__)
-        raise ValueError(f"{where} does not match {arch}: missing keys {missing}, unexpected keys "
+        raise CheckpointError(f"{where} does not match {arch}: missing keys {missing}, unexpected keys "
                          f"{unexpected}, shape mismatches {bad_shape}")
     model.load_state_dict(state, strict=True)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from unroll.errors import UnknownName
+
 SEVERITIES = (1, 2, 3)
 
 
@@ -137,7 +139,7 @@ def corrupt(x: np.ndarray, name: str, severity: int, seed: int = 0) -> np.ndarra
     Deterministic: image ``i`` draws from a generator seeded with ``(seed, corruption index, severity, i)``.
     """
     if name not in CORRUPTIONS:
-        raise KeyError(f"unknown corruption {name!r}; known: {', '.join(CORRUPTIONS)}")
+        raise UnknownName(f"unknown corruption {name!r}; known: {', '.join(CORRUPTIONS)}")
     if severity not in SEVERITIES:
         raise ValueError(f"severity must be one of {SEVERITIES}, not {severity!r}")
     if x.ndim != 4:

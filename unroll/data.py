@@ -26,6 +26,7 @@ from typing import Any, Literal
 import numpy as np
 
 from unroll import stress_patterns
+from unroll.errors import UnknownName
 
 #: Held-out grayscale test images for denoising (never trained, calibrated or chosen on: reported only).
 DENOISE_TEST_IMAGES = ("camera", "moon", "coins", "brick", "grass", "gravel", "cell", "text")
@@ -322,5 +323,5 @@ DATASETS: dict[str, Dataset] = {d.id: d for d in (
 def dataset(dataset_id: str) -> Dataset:
     """The dataset a card names; an unknown id is an error listing the known ones."""
     if dataset_id not in DATASETS:
-        raise KeyError(f"unknown dataset {dataset_id!r}; known: {', '.join(DATASETS)}")
+        raise UnknownName(f"unknown dataset {dataset_id!r}; known: {', '.join(DATASETS)}")
     return DATASETS[dataset_id]

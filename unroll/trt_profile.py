@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 import onnx
 
 from unroll.card import ModelCard
-from unroll.errors import UsageError
+from unroll.errors import UnknownDimError
 
 Shape = tuple[int, ...]
 
@@ -58,10 +58,6 @@ def dim_range_names(model: onnx.ModelProto) -> list[str]:
     axes = dynamic_axes(model)
     params = [p for p in dict.fromkeys(axes.values()) if p]
     return [*axes, *params]
-
-
-class UnknownDimError(UsageError, ValueError):
-    """A dim range names no dynamic axis of the graph; the message lists the names that exist."""
 
 
 def resolve_dim_ranges(model: onnx.ModelProto, ranges: Mapping[str, Sequence[int]] | None

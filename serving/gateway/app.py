@@ -19,6 +19,7 @@ from fastapi import APIRouter, FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from unroll import tasks
+from unroll.errors import ServingError
 from unroll.serving import malloc, tracing_env
 from unroll.serving.gateway import classify, denoise, errors, info, ops, tracing
 from unroll.serving.gateway.metrics import Metrics, MetricsMiddleware
@@ -42,7 +43,7 @@ def _warm_sigma_estimator() -> None:
         probe = np.random.default_rng(0).random((1, 32, 32), dtype=np.float32)
         images.estimate_sigma(images.Planes(probe, None, "L"))
     except ImportError as e:
-        raise RuntimeError(f"sigma estimation needs scikit-image with PyWavelets ({e}); pip install PyWavelets") from e
+        raise ServingError(f"sigma estimation needs scikit-image with PyWavelets ({e}); pip install PyWavelets") from e
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -68,7 +69,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             refresher.cancel()
             if watcher is not None:
                 watcher.cancel()
-            await gateway.backend.close()
+            await gateway.triton.close()
             tracing.shutdown()
 
     # redirect_slashes=False: `/v1/classify/` is a JSON 404 naming the route meant, not a 307 with an empty body

@@ -3,7 +3,7 @@
 A gateway that makes one Triton call per HTTP request pays the client's per-call cost (protobuf, HTTP/2 frames, a
 future, a Python-backend request) once per request; under load it would rather pay it once per batch, as Ray Serve's
 ``@serve.batch`` and BentoML's adaptive batching do. :class:`Batcher` wraps :class:`~.triton_client.TritonBackend`
-with the same ``infer`` signature, so the routes do not change:
+with the same ``infer`` signature: the gateway's one path to Triton's inference (its other calls go to the backend):
 
 - calls are grouped by model, requested outputs, ``class_count`` and every input's per-item shape and dtype (so each
   item's own λ/σ rides along as its own row of the batched tensor);
@@ -14,7 +14,7 @@ with the same ``infer`` signature, so the routes do not change:
   of its requests is retried alone so that only the faulty one fails; a call whose client left is dropped from its
   batch before it is sent.
 
-``UNROLL_BATCHING=false`` turns it off (one Triton call per request).
+``UNROLL_BATCHING=false`` turns it off (``enabled=False``: one Triton call per request, straight through).
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from unroll.errors import TritonRejected
+from unroll.serving import batch_rows
 from unroll.serving.gateway import tracing
-from unroll.serving.gateway.triton_client import TritonBackend, TritonRejected
+from unroll.serving.gateway.triton_client import TritonBackend
 
 log = logging.getLogger("unroll.gateway")
 
@@ -58,23 +60,22 @@ class _Group:
 
 
 class Batcher:
-    """:class:`TritonBackend` whose ``infer`` coalesces concurrent calls (module docstring); every other attribute is
-    the backend's own."""
+    """The inference calls to a :class:`TritonBackend`, coalesced while concurrent (module docstring)."""
 
     def __init__(self, backend: TritonBackend, limit_of: Callable[[str], int], max_in_flight: int = 2,
-                 delay_s: float = 0.0, observe: Callable[[str, int], None] | None = None) -> None:
+                 delay_s: float = 0.0, observe: Callable[[str, int], None] | None = None,
+                 enabled: bool = True) -> None:
         self._backend, self._limit_of = backend, limit_of
-        self.max_in_flight, self.delay_s = max_in_flight, delay_s
+        self.max_in_flight, self.delay_s, self.enabled = max_in_flight, delay_s, enabled
         self._observe = observe or (lambda model, items: None)
         self._groups: dict[Key, _Group] = {}
         self._tasks: set[asyncio.Task] = set()
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._backend, name)
-
     async def infer(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str],
                     class_count: int | None = None, version: str = "") -> dict[str, np.ndarray]:
         """As :meth:`TritonBackend.infer`; the call may travel to Triton inside a larger batch."""
+        if not self.enabled:
+            return await self._backend.infer(model, inputs, outputs, class_count, version)
         limit = self._limit_of(model)
         items = len(next(iter(inputs.values())))
         if limit <= 1 or items >= limit:
@@ -141,8 +142,7 @@ class Batcher:
         if len(batch) == 1:
             await self._alone(group, batch[0])
             return
-        names = list(batch[0].inputs)
-        joined = {n: np.concatenate([c.inputs[n] for c in batch]) for n in names}
+        joined, sizes = batch_rows.join([c.inputs for c in batch])
         try:
             with tracing.batch(batch):  # the batch's span: child of its first request's wait, linked to the others'
                 res = await self._backend.infer(group.model, joined, group.outputs, group.class_count, group.version)
@@ -153,10 +153,8 @@ class Batcher:
             for c in batch:
                 _settle(c.future, error=e)
             return
-        cuts = np.cumsum([c.items for c in batch])[:-1]
-        parts = {n: np.split(a, cuts) for n, a in res.items()}
-        for i, c in enumerate(batch):
-            _settle(c.future, {n: p[i] for n, p in parts.items()})
+        for c, rows in zip(batch, batch_rows.split(res, sizes), strict=True):
+            _settle(c.future, rows)
 
     async def _alone(self, group: _Group, call: _Call) -> None:
         try:

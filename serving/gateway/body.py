@@ -69,9 +69,9 @@ async def _counted(request: Request, limit: int, idle_s: float | None) -> AsyncG
 
 
 async def read_image_bytes(request: Request, limit: int, timeout_s: float, idle_s: float | None = None) -> bytes:
-    """The uploaded file's bytes; 413 over ``limit``, 415 for other media types, 400 for bad multipart,
-    408 when the whole body takes over ``timeout_s`` or a pause between two pieces over ``idle_s``."""
-    check_declared_length(request, limit)
+    """The uploaded file's bytes; 413 over ``limit`` as read, 415 for other media types, 400 for bad multipart,
+    408 when the whole body takes over ``timeout_s`` or a pause between two pieces over ``idle_s``. The declared
+    length is the caller's to check first (:func:`check_declared_length`, before it takes an upload permit)."""
     ctype = media_type(request.headers.get("content-type"))
     try:
         async with asyncio.timeout(timeout_s):

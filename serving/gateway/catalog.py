@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 from unroll import tasks
 from unroll.card import CARD_KEY, CardError, ModelCard
-from unroll.errors import UnrollError
+from unroll.errors import TritonError, UnrollError
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.settings import ENV_PREFIX, Settings
-from unroll.serving.gateway.triton_client import ModelInfo, TritonBackend, TritonError, model_info
+from unroll.serving.gateway.triton_client import ModelInfo, TritonBackend, model_info
 from unroll.serving.versions import TRAFFIC_KEY, parse_traffic
 
 log = logging.getLogger("unroll.gateway")

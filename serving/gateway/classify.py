@@ -6,7 +6,7 @@ aspect ratio: 400/413/415/422, no pixel decoded) → Triton (503/504/502). Cheap
 
 Where the model takes encoded images (its CPU config has ``image_bytes``: :mod:`unroll.serving.imaging.wire`) the
 upload's bytes go to Triton as they came, with λ and ``invert``; the model decodes and fits them exactly as the
-gateway would and answers the same 4xx for what only the pixels show (``image_graph.forward_errors``). Elsewhere (GPU
+gateway would and answers the same 4xx for what only the pixels show (``wire.forward_errors``). Elsewhere (GPU
 configs, and ``lam=auto``, whose λ rule needs the decoded image here) the gateway decodes and fits the image to the
 card's input itself (400/413/422; a dynamic-size input on a GPU model against its TensorRT profile's H×W range,
 ``invert`` resolved from the image's border for ``invert=auto``) → [λ rule for ``lam=auto``] → float tensors.
@@ -27,16 +27,15 @@ from starlette.concurrency import run_in_threadpool
 
 from unroll import tasks
 from unroll.card import InputCard, ModelCard
+from unroll.errors import TritonRejected
 from unroll.serving.gateway import tracing
-from unroll.serving.gateway.body import check_declared_length
 from unroll.serving.gateway.catalog import Entry
 from unroll.serving.gateway.errors import ApiError
-from unroll.serving.gateway.image_graph import forward_errors, image_row, per_item
 from unroll.serving.gateway.iterations import ItersQuery, iteration_graph
 from unroll.serving.gateway.openapi import IMAGE_BODY, errors
 from unroll.serving.gateway.query import WholeNumber
 from unroll.serving.gateway.state import Gateway, GatewayDep, route_task, v1_router
-from unroll.serving.gateway.triton_client import TritonRejected, fit_shape
+from unroll.serving.gateway.triton_client import fit_shape
 from unroll.serving.imaging import images, prepare, wire
 from unroll.serving.imaging.prepare import check_invert
 from unroll.tasks import Task
@@ -152,7 +151,6 @@ async def classify(
     card, info = entry.card, entry.info
     assert card is not None and info is not None
     settings = gw.settings
-    check_declared_length(request, settings.max_body_bytes)
     with tracing.span("receive"):
         data = await gw.read_image(request)  # before the slot: a slow upload never holds an inference slot
     hw = info.profile.hw(card.input.name) if info.profile is not None else None
@@ -160,11 +158,11 @@ async def classify(
         async with tracing.queued(gw.admission.slot()):
             with tracing.span("decode"):  # the header's checks; the model decodes
                 prepare.check_header(data, settings.max_pixels, settings.max_aspect_ratio, hw, entry.name)
-            inputs = {wire.IMAGE_BYTES: image_row(data, info),
-                      wire.INVERT: per_item(wire.code_of(wire.INVERT_CODES, inv), np.int32, info)}
+            inputs = {wire.IMAGE_BYTES: wire.image_row(data, info.batched),
+                      wire.INVERT: wire.per_item(wire.code_of(wire.INVERT_CODES, inv), np.int32, info.batched)}
             if card.lam is not None:
-                inputs[card.lam.input] = per_item(lam_v, np.float32, info)
-            async with forward_errors():
+                inputs[card.lam.input] = wire.per_item(lam_v, np.float32, info.batched)
+            async with wire.forward_errors():
                 res = await gw.infer(entry, inputs, [card.output, wire.IMAGE_INFO],
                                              class_count=n_classes)
         inverted = bool(wire.read_info(res[wire.IMAGE_INFO][0])["inverted"])

@@ -31,10 +31,9 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from unroll.serving.gateway import tracing
-from unroll.serving.gateway.body import check_declared_length
 from unroll.serving.gateway.catalog import Entry
 from unroll.serving.gateway.errors import ApiError
-from unroll.serving.gateway.image_graph import forward_errors, image_row, per_item, run_image_graph, tiler_for
+from unroll.serving.gateway.image_graph import run_image_graph, tiler_for
 from unroll.serving.gateway.iterations import ItersQuery, iteration_graph
 from unroll.serving.gateway.openapi import IMAGE_BODY, errors
 from unroll.serving.gateway.state import Gateway, GatewayDep, route_task, v1_router
@@ -101,7 +100,6 @@ async def _answer(request: Request, gw: Gateway, entry: Entry, sigma: float | No
         raise ApiError(406, "not_acceptable", f"Accept {request.headers.get('accept')!r}: this route answers "
                                               f"{', '.join(wire.OUTPUT_FORMATS.values())}")
     settings = gw.settings
-    check_declared_length(request, settings.max_body_bytes)
     with tracing.span("receive"):
         data = await gw.read_image(request)  # before the slot: a slow upload never holds an inference slot
     given = SigmaEstimate(float(sigma) / 255.0) if sigma is not None and card.sigma is not None else None
@@ -118,11 +116,12 @@ async def _answer(request: Request, gw: Gateway, entry: Entry, sigma: float | No
         # holding it for the whole image (image_graph).
         tiler = tiler_for(entry, h, w)
         if wire.IMAGE_BYTES in info.inputs and (tiler is None or len(tiler.windows()) <= info.batch_limit):
-            inputs = {wire.IMAGE_BYTES: image_row(data, info),
-                      wire.FORMAT: per_item(wire.code_of(wire.FORMAT_CODES, fmt), np.int32, info)}
+            inputs = {wire.IMAGE_BYTES: wire.image_row(data, info.batched),
+                      wire.FORMAT: wire.per_item(wire.code_of(wire.FORMAT_CODES, fmt), np.int32, info.batched)}
             if given is not None:
-                inputs[card.sigma.input] = per_item(given.value * 255.0 / card.sigma.scale, np.float32, info)
-            async with forward_errors():
+                level = given.value * 255.0 / card.sigma.scale
+                inputs[card.sigma.input] = wire.per_item(level, np.float32, info.batched)
+            async with wire.forward_errors():
                 res = await gw.infer(entry, inputs, [wire.ENCODED, wire.IMAGE_INFO])
             with tracing.span("encode"):  # the model encoded it: the file is cut from its answer
                 meta = wire.read_info(res[wire.IMAGE_INFO][0])

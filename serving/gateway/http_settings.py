@@ -21,7 +21,8 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from unroll.serving.gateway.settings import ENV_PREFIX, SettingsError
+from unroll.errors import SettingsError
+from unroll.serving.gateway.settings import ENV_PREFIX
 
 #: The variable that turns the access log on (also ``--access-log``; :attr:`HttpSettings.access_log`).
 ACCESS_LOG_ENV = ENV_PREFIX + "ACCESS_LOG"

@@ -11,23 +11,19 @@ On a GPU model the window is also capped at its TensorRT profile's largest H×W,
 profile is cut to fit instead of being refused.
 
 A model that takes encoded images (:mod:`unroll.serving.imaging.wire`) gets the upload's bytes instead
-(:func:`image_row`) and does all of this itself; :func:`forward_errors` turns the client errors it finds back into
-the gateway's 4xx.
+(:func:`~unroll.serving.imaging.wire.image_row`) and does all of this itself.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import numpy as np
 from starlette.concurrency import run_in_threadpool
 
-from unroll.errors import ApiError
+from unroll.errors import TritonRejected
 from unroll.serving.gateway.catalog import Entry
-from unroll.serving.gateway.triton_client import ModelInfo, TritonRejected
-from unroll.serving.imaging import wire
 from unroll.tiling import Job, Tiler
 
 #: Triton calls one request keeps in flight: one computing, one queued behind it.
@@ -106,30 +102,3 @@ def _raise_first(done: set[asyncio.Task]) -> None:
     errors = [e for e in (d.exception() for d in done) if e is not None]
     if errors:
         raise errors[0]
-
-
-def image_row(data: bytes, info: ModelInfo) -> np.ndarray:
-    """One upload as the ``image_bytes`` input: a ``[1, L]`` ``uint8`` row (``[L]`` for a model that does not batch),
-    zero-padded to :func:`~unroll.serving.imaging.wire.padded_length` so that uploads of similar sizes batch
-    together (every accepted format ignores bytes after its end)."""
-    row = np.zeros(wire.padded_length(len(data)), np.uint8)
-    row[:len(data)] = np.frombuffer(data, np.uint8)
-    return row[None] if info.max_batch_size > 0 else row
-
-
-def per_item(value: float | int, dtype: type, info: ModelInfo) -> np.ndarray:
-    """One per-item value as a dims-``[1]`` input (``[1, 1]``; ``[1]`` for a model that does not batch)."""
-    return np.full((1, 1) if info.max_batch_size > 0 else (1,), value, dtype)
-
-
-@contextlib.asynccontextmanager
-async def forward_errors() -> AsyncIterator[None]:
-    """A client error the model found in the image (``[STATUS CODE] message``, :mod:`.wire`) → the gateway's
-    own 4xx, as if it had decoded the image itself; anything else stays a Triton error."""
-    try:
-        yield
-    except TritonRejected as e:
-        found = wire.parse_error(str(e))
-        if found is None:
-            raise
-        raise ApiError(found.status, found.code, found.message) from None

@@ -9,10 +9,10 @@ import time
 from typing import Any
 
 from unroll import tasks
+from unroll.errors import TritonError
 from unroll.serving.gateway.catalog import Entry, routed_tasks
 from unroll.serving.gateway.openapi import API_VERSION, errors
 from unroll.serving.gateway.state import GatewayDep, v1_router
-from unroll.serving.gateway.triton_client import TritonError
 
 router = v1_router()
 
@@ -38,7 +38,7 @@ async def models(gw: GatewayDep) -> dict[str, Any]:
     served = [(task, i, snap.entries[name]) for task in routed_tasks() for i, name in enumerate(snap.served(task))]
     ready = [False] * len(served)
     if triton["ready"]:
-        up, *ready = await asyncio.gather(gw.backend.server_ready(t), *(gw.backend.model_ready(e.name, t)
+        up, *ready = await asyncio.gather(gw.triton.server_ready(t), *(gw.triton.model_ready(e.name, t)
                                                                          for _, _, e in served))
         triton["ready"] = up
     out = [_served(e, task, default=i == 0, ready=ok) for (task, i, e), ok in zip(served, ready, strict=True)]

@@ -9,11 +9,11 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from unroll.errors import TritonError
 from unroll.serving.gateway.catalog import Snapshot, routed_tasks
 from unroll.serving.gateway.errors import error_response
 from unroll.serving.gateway.openapi import error_doc
 from unroll.serving.gateway.state import GatewayDep
-from unroll.serving.gateway.triton_client import TritonError
 
 router = APIRouter(tags=["ops"])
 
@@ -28,7 +28,7 @@ async def healthz() -> dict[str, str]:
 async def readyz(gw: GatewayDep) -> JSONResponse:
     t = gw.settings.ready_timeout_s
     retry = {"Retry-After": str(gw.settings.retry_after_s)}
-    if not await gw.backend.server_ready(t):
+    if not await gw.triton.server_ready(t):
         return error_response(503, "not_ready", "Triton is not reachable or not ready", retry, triton=False, models={})
     try:
         async with asyncio.timeout(t):
@@ -37,7 +37,7 @@ async def readyz(gw: GatewayDep) -> JSONResponse:
         return error_response(503, "not_ready", f"cannot list Triton's models: {e or 'timed out'}", retry,
                               triton=True, models={})
     names = _required(snap, tuple(m for task in routed_tasks() for m in gw.settings.configured(task)))
-    states = await asyncio.gather(*(gw.backend.model_ready(m, t) for m in names))
+    states = await asyncio.gather(*(gw.triton.model_ready(m, t) for m in names))
     ready = dict(zip(names, states, strict=True))
     if not names:
         return error_response(503, "not_ready", "Triton serves no model whose card says " + " or ".join(routed_tasks())

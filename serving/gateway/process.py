@@ -15,16 +15,12 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from unroll.errors import ServingError
+from unroll.errors import GatewayStartError
 from unroll.serving.gateway.http_settings import HttpSettings
 from unroll.serving.gateway.settings import ENV_PREFIX, Settings
 from unroll.serving.triton import free_ports
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-class GatewayStartError(ServingError):
-    """The gateway process exited, or a server did not answer in time; the message holds the end of its log."""
 
 
 @contextlib.contextmanager

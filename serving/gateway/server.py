@@ -49,7 +49,7 @@ import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from unroll.errors import UnrollError
+from unroll.errors import Refusal
 from unroll.serving.gateway.http_settings import HttpSettings
 from unroll.serving.gateway.metrics import HTTP_REFUSED
 from unroll.serving.gateway.request_id import HEADER, log_config
@@ -58,15 +58,6 @@ log = logging.getLogger("unroll.gateway")
 #: Where the one-line-per-request JSON records go when ``access_log`` is on (stdout, the message alone).
 access_log = logging.getLogger("unroll.gateway.access")
 REQUEST_ID_KEY = HEADER.lower().encode()
-
-
-class Refusal(UnrollError):
-    """A request refused by the HTTP layer, before the app: status, stable code, message."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-        self.http_status = status
 
 
 def error_bytes(status: int, code: str, message: str) -> bytes:

@@ -17,17 +17,13 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from unroll import tasks
-from unroll.errors import UsageError
+from unroll.errors import SettingsError
 from unroll.serving.imaging import wire
 
 #: Environment variable for each setting: ``UNROLL_`` + the upper-case field name.
 ENV_PREFIX = "UNROLL_"
 
 _Names = Annotated[tuple[str, ...], NoDecode]  # comma-separated in the environment, not JSON
-
-
-class SettingsError(UsageError, ValueError):
-    """Invalid settings; the message names each offending ``UNROLL_*`` variable and the value it got."""
 
 
 class Settings(BaseSettings):

@@ -20,7 +20,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from unroll.serving.gateway.triton_client import TritonBackend, TritonUnavailable
+from unroll.errors import TritonUnavailable
+from unroll.serving.gateway.triton_client import TritonBackend
 
 log = logging.getLogger("unroll.gateway")
 

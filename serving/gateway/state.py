@@ -21,6 +21,7 @@ from fastapi import APIRouter, Depends, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from unroll import tasks
+from unroll.errors import TritonUnavailable
 from unroll.serving.gateway.batching import Batcher
 from unroll.serving.gateway.body import check_declared_length, read_image_bytes
 from unroll.serving.gateway.catalog import Catalog, Entry
@@ -31,7 +32,7 @@ from unroll.serving.gateway.openapi import COMMON_ERRORS
 from unroll.serving.gateway.rate_limit import Buckets, buckets_for
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.gateway.stall import TritonWatch
-from unroll.serving.gateway.triton_client import TritonBackend, TritonUnavailable
+from unroll.serving.gateway.triton_client import TritonBackend
 
 log = logging.getLogger("unroll.gateway")
 
@@ -97,8 +98,10 @@ class Gateway:
     """Per-process state shared by the routes."""
 
     settings: Settings
-    #: Triton, through the HTTP-tier batcher unless ``settings.batching`` is off (same ``infer`` either way).
-    backend: TritonBackend | Batcher
+    #: Triton: health, metadata, the repository index (inference goes through :attr:`batcher`).
+    triton: TritonBackend
+    #: Triton's inference, coalesced at the HTTP tier unless ``settings.batching`` is off (:mod:`.batching`).
+    batcher: Batcher
     catalog: Catalog
     metrics: Metrics
     admission: Admission
@@ -118,11 +121,9 @@ class Gateway:
         triton = TritonBackend(settings.triton_url, settings.triton_protocol, settings.request_timeout_s,
                                observe=metrics.observe_triton)
         catalog = Catalog(triton, settings)
-        backend: TritonBackend | Batcher = triton
-        if settings.batching:
-            backend = Batcher(triton, catalog.batch_limit, settings.batch_max_in_flight,
-                              settings.batch_delay_ms / 1000.0, observe=metrics.observe_batch)
-        return cls(settings, backend, catalog, metrics,
+        batcher = Batcher(triton, catalog.batch_limit, settings.batch_max_in_flight, settings.batch_delay_ms / 1000.0,
+                          observe=metrics.observe_batch, enabled=settings.batching)
+        return cls(settings, triton, batcher, catalog, metrics,
                    Admission(settings.max_concurrency, settings.max_queue, settings.busy_retry_after_s, metrics),
                    http, Uploads(http.max_uploads, settings.busy_retry_after_s, metrics),
                    buckets_for(settings.rate_limit),
@@ -140,14 +141,14 @@ class Gateway:
             await self.watch.admit()  # a stalled Triton: 503 now, not at the deadline (.stall)
         with self.watch.waiting() if self.watch is not None else nullcontext():
             try:
-                return await self.backend.infer(entry.name, inputs, outputs, class_count, version)
+                return await self.batcher.infer(entry.name, inputs, outputs, class_count, version)
             except TritonUnavailable as e:
                 other = entry.pick_version(exclude=version) if version and f"version {version}" in str(e) else ""
                 if not other:
                     raise
                 log.info("gateway: %s version %s is gone; answered by version %s", entry.name, version, other)
                 self.catalog.invalidate()
-            return await self.backend.infer(entry.name, inputs, outputs, class_count, other)
+            return await self.batcher.infer(entry.name, inputs, outputs, class_count, other)
 
     async def read_image(self, request: Request) -> bytes:
         """The request's image bytes (see :mod:`.body`), read under an upload permit and *outside* any inference

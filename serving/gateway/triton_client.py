@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from unroll.errors import ServingError
+from unroll.errors import ProfileError, TritonError, TritonRejected, TritonTimeout, TritonUnavailable
 from unroll.serving.gateway import request_id, tracing
-from unroll.serving.profile import PROFILE_KEY, ProfileError, ServedProfile
+from unroll.serving.profile import PROFILE_KEY, ServedProfile
 
 log = logging.getLogger("unroll.gateway")
 
@@ -40,31 +40,6 @@ TRITON_API_KEY_ENV = "UNROLL_TRITON_API_KEY"
 #: expects it with the prefix ``triton-grpc-protocol-`` (``--grpc-restricted-protocol``).
 TRITON_KEY_HEADER = "unroll-triton-key"
 TRITON_GRPC_KEY_HEADER = "triton-grpc-protocol-" + TRITON_KEY_HEADER
-
-
-class TritonError(ServingError):
-    """Base of the errors the gateway maps to 5xx responses (by their ``http_status`` and ``code``)."""
-
-    http_status = 502
-    code = "triton_error"
-
-
-class TritonUnavailable(TritonError):
-    """Triton cannot be reached, or the model is not loaded/ready (→ 503 with Retry-After)."""
-
-    http_status = 503
-    code = "triton_unavailable"
-
-
-class TritonTimeout(TritonError):
-    """Triton did not answer within the deadline (→ 504)."""
-
-    http_status = 504
-    code = "triton_timeout"
-
-
-class TritonRejected(TritonError):
-    """Triton answered this request with an error (→ 502, Triton's message kept)."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +63,11 @@ class ModelInfo:
     labelled_outputs: frozenset[str] = frozenset()
     #: The TensorRT optimization profile a GPU config is served with (``unroll.profile``); ``None`` on the CPU.
     profile: ServedProfile | None = None
+
+    @property
+    def batched(self) -> bool:
+        """Whether the model's tensors carry a batch axis (Triton's ``max_batch_size`` > 0)."""
+        return self.max_batch_size > 0
 
     @property
     def batch_limit(self) -> int:

@@ -19,11 +19,15 @@ it, :func:`parse_error` finds it again in whatever Triton and its clients wrap a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import numpy as np
+
+from unroll.errors import ApiError, ImageRejected, TritonRejected
 
 #: Input: one encoded image file (PNG, JPEG, WebP, TIFF or BMP) per batch item, ``TYPE_UINT8`` dims ``[-1]`` (the
 #: file's bytes; zero-padded rows). Not ``image``: that is the float input's name on the classifiers' cards.
@@ -78,7 +82,7 @@ class WireError:
 
 def format_error(status: int, code: str, message: str) -> str:
     """``[413 image_too_large] message``: the text of an ``INVALID_ARG`` the gateway maps back to its 4xx."""
-    return f"[{status} {code}] {message}"
+    return ImageRejected.wire_text(status, code, message)
 
 
 def parse_error(text: str) -> WireError | None:
@@ -163,3 +167,33 @@ def media_format(accept: str | None) -> str | None:
         if fmt is not None and (best is None or q > best[0]):
             best = (q, pos, fmt)
     return None if best is None else best[2]
+
+
+# ---------------------------------------------------------------- the gateway's side: a request out, its errors back
+
+
+def image_row(data: bytes, batched: bool) -> np.ndarray:
+    """One upload as the ``image_bytes`` input: a ``[1, L]`` ``uint8`` row (``[L]`` for a model that does not batch),
+    zero-padded to :func:`padded_length` so that uploads of similar sizes batch together (every accepted format
+    ignores bytes after its end)."""
+    row = np.zeros(padded_length(len(data)), np.uint8)
+    row[:len(data)] = np.frombuffer(data, np.uint8)
+    return row[None] if batched else row
+
+
+def per_item(value: float | int, dtype: type, batched: bool) -> np.ndarray:
+    """One per-item value as a dims-``[1]`` input (``[1, 1]``; ``[1]`` for a model that does not batch)."""
+    return np.full((1, 1) if batched else (1,), value, dtype)
+
+
+@contextlib.asynccontextmanager
+async def forward_errors() -> AsyncIterator[None]:
+    """A client error the model found in the image (``[STATUS CODE] message``) → the gateway's own 4xx, as if it
+    had decoded the image itself; anything else stays a Triton error."""
+    try:
+        yield
+    except TritonRejected as e:
+        found = parse_error(str(e))
+        if found is None:
+            raise
+        raise ApiError(found.status, found.code, found.message) from None

@@ -7,20 +7,9 @@ object) passed to :func:`register`. No stage and no PyTorch is imported here (th
 
 from __future__ import annotations
 
+from unroll.errors import UnknownTask
 from unroll.tasks import block, classification, denoising, lambda_rule
-from unroll.tasks.base import (
-                               Answer,
-                               DataKind,
-                               Route,
-                               Task,
-                               UnknownTask,
-                               all_tasks,
-                               get,
-                               names,
-                               register,
-                               routed,
-                               unregister,
-)
+from unroll.tasks.base import Answer, DataKind, Route, Task, all_tasks, get, names, register, routed, unregister
 
 #: The shipped tasks' names, for code that declares or picks a model of one of them.
 CLASSIFICATION = classification.NAME

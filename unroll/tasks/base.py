@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from unroll.errors import UsageError
+from unroll.errors import UnknownTask
 
 if TYPE_CHECKING:
     import numpy as np
@@ -41,15 +41,6 @@ class ModelCard(Protocol):
     sigma: Any  #: ``unroll.card.SigmaCard | None``
     iters: Any  #: ``unroll.card.IterCard | None``: ``default``, ``counts``
     companion_of: str | None
-
-
-class UnknownTask(UsageError, KeyError):
-    """A card or an option names a task nobody registered."""
-
-    code = "unknown_task"
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from unroll.errors import TrainError
+from unroll.errors import RecipeError
 from unroll.registry import REGISTRY, get_spec
 
 #: ``update(done, total, loss=nan)``: what a training loop reports to a progress bar.
@@ -40,10 +40,6 @@ def counted(progress: ProgressFactory, description: str, total: int) -> Iterator
             update(done, total)
 
         yield tick
-
-
-class RecipeError(TrainError, ValueError):
-    """A model has no recipe, or a recipe option is unknown or malformed (the message lists the valid ones)."""
 
 
 @dataclass(frozen=True)

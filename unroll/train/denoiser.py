@@ -19,9 +19,10 @@ import torch.nn.functional as F
 
 from unroll import data
 from unroll.baselines import bm3d_psnr
+from unroll.errors import RecipeError
 from unroll.metrics import psnr
 from unroll.models.denoiser import CSCDenoiser
-from unroll.train import Evaluation, Option, ProgressFactory, RecipeError, Table, TrainRun, counted, slice_option
+from unroll.train import Evaluation, Option, ProgressFactory, Table, TrainRun, counted, slice_option
 
 EVAL_SIGMAS = (15.0, 25.0, 50.0)
 
