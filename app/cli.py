@@ -33,6 +33,7 @@ from unroll.app.bench_cli import (
     bench_iters,
     bench_memory,
     bench_models,
+    bench_ood,
     bench_png_level,
     bench_quality,
     bench_robustness,
@@ -513,6 +514,7 @@ def _register_subsystem_commands() -> None:
     bench_app.command("stress")(bench_stress)
     bench_app.command("ham-draws")(bench_ham_draws)
     bench_app.command("robustness")(bench_robustness)
+    bench_app.command("ood")(bench_ood)
     bench_app.command("iters")(bench_iters)
     bench_app.command("gateway-profile")(bench_gateway_profile)
     bench_app.command("all")(bench_all)

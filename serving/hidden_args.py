@@ -46,7 +46,7 @@ def shim() -> tuple[Path | None, str]:
         return None, f"the shim's source {SOURCE} is not installed"
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
     target = cache_dir() / f"{SHIM_STEM}-{digest}.so"
-    if target.is_file():
+    if _trusted(target):
         return target, ""
     compiler = shutil.which(os.environ.get("CC") or "cc")
     if compiler is None:
@@ -64,6 +64,16 @@ def shim() -> tuple[Path | None, str]:
         return None, f"{compiler} could not build the argument shim: {run.stderr.strip()[-400:]}"
     os.replace(tmp, target)  # atomic: concurrent starts each build, the last one wins, every reader sees a whole file
     return target, ""
+
+
+def _trusted(path: Path) -> bool:
+    """Whether ``path`` is a shim this user built: a file it owns that nobody else may write (it will run inside
+    tritonserver, so a file planted by someone else is rebuilt, never loaded)."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return path.is_file() and not path.is_symlink() and st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def launch(command: list[str], secret_args: list[str], env: dict[str, str]) -> Launch:

@@ -59,3 +59,14 @@ def test_an_argument_with_a_newline_is_refused() -> None:
 
 def test_no_secret_arguments_no_shim() -> None:
     assert hidden_args.launch(["true"], [], {}) == hidden_args.Launch(["true"], {}, None)
+
+
+def test_a_shim_others_could_have_written_is_rebuilt_not_loaded(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built, _ = hidden_args.shim()
+    assert built is not None
+    built.chmod(0o666)  # group/world-writable: anyone could have replaced it
+    built.write_bytes(b"not a shared object")
+    again, why = hidden_args.shim()
+    assert again == built and why == "" and again.stat().st_mode & 0o022 == 0
+    assert again.read_bytes().startswith(b"\x7fELF")  # rebuilt from the source

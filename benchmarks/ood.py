@@ -1,0 +1,287 @@
+"""What the solver knows: an out-of-distribution score from the first solver layer's reconstruction residual.
+
+For each trained digit classifier with a solver layer (:func:`unroll.solvers.residual.first_solver`), in PyTorch
+(in-process, FP32): the relative residual ``‖target − D·z‖ / ‖target‖`` per image, beside the two scores a user
+would try first, the maximum softmax probability (MSP) and the energy (``−logsumexp`` of the logits).
+
+Chosen on validation data only (validation digits and :func:`unroll.ood_sets.ood_sets` ``validation``): whether the
+residual is read one-sided (high = out of distribution) or two-sided (far from the typical residual either way,
+``|r − median| / MAD`` of the validation digits), by the mean AUROC over the validation sets; and the threshold,
+the :data:`FLAG_QUANTILE` quantile of the validation digits' scores. Reported on test data only: AUROC and FPR95
+(the share of out-of-distribution images taken for digits at the threshold that keeps 95 % of the test digits)
+per test set for every score; the share of clean test digits flagged; the three whole photos; the corrupted test
+digits of the robustness benchmark by severity; and the added work (the reconstruction and its norms, batch 1,
+against the model's forward).
+
+Not yet served: the graphs, Triton and the gateway do not carry the residual (issue 40 stays open for that).
+``unroll bench ood`` writes ``ood.{json,md,png}`` and the README's table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from unroll import data, ood_sets, registry
+from unroll.benchmarks.common import RESULTS, machine_info, time_call, write_readme_block, write_results
+from unroll.corruptions import CORRUPTIONS, SEVERITIES, corrupt
+from unroll.solvers.residual import first_solver, forward_with_residual, relative_residual
+
+STEM = "ood"
+#: The digit classifiers with a solver layer (SDNet's CSC, VARS, Dic-Attn, Hamburger's NMF).
+MODELS = ("sdnet-mnist", "vars-vit-mnist", "dic-vit-mnist", "ham-cnn-mnist")
+#: Threshold: this quantile of the validation digits' residual scores (≈1 % of in-distribution images flagged).
+FLAG_QUANTILE = 0.99
+SCORES = ("residual", "msp", "energy")
+BATCH = 256
+#: The issue's targets for SDNet (the model the score was built for first).
+TARGET_AUROC, TARGET_CLEAN_FLAGGED, TARGET_ADDED = 0.95, 0.02, 0.05
+#: Corrupted test digits per corruption and severity (the robustness benchmark's corruptions, seed 0).
+CORRUPTED_DIGITS = 200
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How a residual becomes a score, and where the score says "not a digit"."""
+
+    sided: str  #: ``high`` (a large residual) or ``both`` (an atypical one, either way)
+    center: float
+    scale: float
+    threshold: float
+
+    def score(self, residual: np.ndarray) -> np.ndarray:
+        return residual if self.sided == "high" else np.abs(residual - self.center) / self.scale
+
+
+def auroc(inside: np.ndarray, outside: np.ndarray) -> float:
+    """Probability that an out-of-distribution image scores above a digit (higher score = more out)."""
+    from sklearn.metrics import roc_auc_score
+
+    return float(roc_auc_score(np.r_[np.zeros(len(inside)), np.ones(len(outside))], np.r_[inside, outside]))
+
+
+def fpr95(inside: np.ndarray, outside: np.ndarray) -> float:
+    """Share of out-of-distribution images taken for digits at the threshold that keeps 95 % of the digits."""
+    return float((outside <= np.quantile(inside, 0.95)).mean())
+
+
+@torch.no_grad()
+def scores(model: torch.nn.Module, x: np.ndarray) -> dict[str, np.ndarray]:
+    """Per image: the raw residual, the MSP score (``1 − max softmax``) and the energy score (``−logsumexp``)."""
+    out: dict[str, list[np.ndarray]] = {"residual": [], "msp": [], "energy": []}
+    for i in range(0, len(x), BATCH):
+        logits, r, _ = forward_with_residual(model, torch.from_numpy(np.ascontiguousarray(x[i:i + BATCH])))
+        out["residual"].append(r.numpy())
+        out["msp"].append(1.0 - torch.softmax(logits, 1).amax(1).numpy())
+        out["energy"].append(-torch.logsumexp(logits, 1).numpy())
+    return {k: np.concatenate(v).astype(np.float64) for k, v in out.items()}
+
+
+def choose_rule(val_digits: np.ndarray, val_ood: dict[str, np.ndarray]) -> tuple[Rule, dict[str, float]]:
+    """One-sided or two-sided, by mean AUROC over the validation sets; threshold at :data:`FLAG_QUANTILE`."""
+    center = float(np.median(val_digits))
+    scale = float(np.median(np.abs(val_digits - center))) or 1e-12
+    mean_auroc = {}
+    for sided in ("high", "both"):
+        probe = Rule(sided, center, scale, 0.0)
+        mean_auroc[sided] = float(np.mean([auroc(probe.score(val_digits), probe.score(r)) for r in val_ood.values()]))
+    sided = max(mean_auroc, key=mean_auroc.get)
+    probe = Rule(sided, center, scale, 0.0)
+    return Rule(sided, center, scale, float(np.quantile(probe.score(val_digits), FLAG_QUANTILE))), mean_auroc
+
+
+def added_cost(model: torch.nn.Module, x: np.ndarray) -> dict[str, float]:
+    """Batch 1, in-process: the model's forward and the reconstruction + norms alone (the work a served residual
+    output adds), median ms, and their ratio."""
+    one = torch.from_numpy(np.ascontiguousarray(x[:1]))
+    _, _, fit = forward_with_residual(model, one)
+    with torch.no_grad():
+        forward = time_call(lambda: model(one), budget_s=2.0)["median_ms"]
+        extra = time_call(lambda: relative_residual(fit), budget_s=1.0)["median_ms"]
+    return {"forward_ms": forward, "residual_ms": extra, "added": extra / forward}
+
+
+def evaluate(name: str, digits: int | None = None, tick: Callable[[str], None] = lambda m: None) -> dict:
+    """One model's rule (chosen on validation) and its test results (module docstring)."""
+    model = registry.load(name).eval()
+    layer = first_solver(model)
+    roles = data.mnist_roles()
+    val_x, test_x = roles["validation"][0][:digits], roles["test"][0][:digits]
+    tick(f"{name}: validation")
+    val_in = scores(model, val_x)
+    val_ood = {k: scores(model, v) for k, v in ood_sets.ood_sets("validation").items()}
+    rule, val_auroc = choose_rule(val_in["residual"], {k: v["residual"] for k, v in val_ood.items()})
+    tick(f"{name}: test")
+    test_in = scores(model, test_x)
+    as_score = {"residual": rule.score, "msp": lambda a: a, "energy": lambda a: a}
+    sets = {}
+    for kind, imgs in ood_sets.ood_sets("test").items():
+        s = scores(model, imgs)
+        sets[kind] = {"n": len(imgs), "flagged": float((rule.score(s["residual"]) > rule.threshold).mean()),
+                      **{k: {"auroc": auroc(as_score[k](test_in[k]), as_score[k](s[k])),
+                             "fpr95": fpr95(as_score[k](test_in[k]), as_score[k](s[k]))} for k in SCORES}}
+    photos = {}
+    for photo, img in ood_sets.photos().items():
+        s = scores(model, img)
+        logits = model(torch.from_numpy(img))
+        photos[photo] = {"residual": float(s["residual"][0]), "score": float(rule.score(s["residual"])[0]),
+                         "flagged": bool(rule.score(s["residual"])[0] > rule.threshold),
+                         "top_label": int(logits.argmax(1)[0]), "max_softmax": float(1.0 - s["msp"][0])}
+    tick(f"{name}: corrupted digits")
+    corrupted = {}
+    base = test_x[:CORRUPTED_DIGITS]
+    for sev in SEVERITIES:
+        per = {c: float((rule.score(scores(model, corrupt(base, c, sev))["residual"]) > rule.threshold).mean())
+               for c in CORRUPTIONS}
+        corrupted[str(sev)] = {"mean_flagged": float(np.mean(list(per.values()))), "per_corruption": per}
+    return {"layer": type(layer).__name__, "rule": asdict(rule), "validation_mean_auroc": val_auroc,
+            "digits": {"validation": len(val_x), "test": len(test_x)},
+            "clean_flagged": float((rule.score(test_in["residual"]) > rule.threshold).mean()),
+            "test_residual_median": float(np.median(test_in["residual"])),
+            "sets": sets, "photos": photos, "corrupted": corrupted, "cost": added_cost(model, test_x)}
+
+
+def verdicts(p: dict) -> list[dict]:
+    """The issue's targets for SDNet, each with what was measured and whether it holds."""
+    m = p["models"].get("sdnet-mnist")
+    if m is None:
+        return []
+    aurocs = {k: v["residual"]["auroc"] for k, v in m["sets"].items()}
+    above = {k: v["residual"]["auroc"] > v["msp"]["auroc"] for k, v in m["sets"].items()}
+    return [
+        {"target": f"SDNet: residual AUROC ≥ {TARGET_AUROC} on every test set",
+         "measured": ", ".join(f"{k} {a:.3f}" for k, a in aurocs.items()),
+         "met": all(a >= TARGET_AUROC for a in aurocs.values())},
+        {"target": "SDNet: residual above the maximum-softmax baseline on every test set",
+         "measured": ", ".join(f"{k} {'above' if ok else 'not above'}" for k, ok in above.items()),
+         "met": all(above.values())},
+        {"target": "SDNet: the three photos come back out of distribution",
+         "measured": ", ".join(f"{k} {'flagged' if v['flagged'] else 'not flagged'}" for k, v in m["photos"].items()),
+         "met": all(v["flagged"] for v in m["photos"].values())},
+        {"target": f"SDNet: ≤ {TARGET_CLEAN_FLAGGED:.0%} of the clean test digits flagged",
+         "measured": f"{m['clean_flagged']:.1%}", "met": m["clean_flagged"] <= TARGET_CLEAN_FLAGGED},
+        {"target": f"SDNet: added work ≤ {TARGET_ADDED:.0%} of the forward (in-process, batch 1)",
+         "measured": f"{m['cost']['added']:.1%} ({m['cost']['residual_ms']:.3f} of {m['cost']['forward_ms']:.3f} ms)",
+         "met": m["cost"]["added"] <= TARGET_ADDED},
+    ]
+
+
+def run(models: list[str] | None = None, digits: int | None = None, out_dir: Path | None = RESULTS,
+        tick: Callable[[str], None] = lambda m: None) -> dict:
+    """Evaluate ``models`` (default :data:`MODELS`); write the results (and the README's table when writing into
+    the committed results folder)."""
+    names = list(models or MODELS)
+    payload = {"benchmark": STEM, "machine": machine_info(torch.get_num_threads()),
+               "flag_quantile": FLAG_QUANTILE, "ood_sets": _describe_sets(),
+               "models": {n: evaluate(n, digits, tick) for n in names}}
+    payload["targets"] = verdicts(payload)
+    if out_dir is not None:
+        write_results(STEM, payload, markdown(payload), Path(out_dir))
+        plot(payload, Path(out_dir))
+        if Path(out_dir).resolve() == RESULTS.resolve():
+            write_readme_block(RESULTS.parent.parent / "README.md", README_BEGIN, README_END, readme_block(payload))
+    return payload
+
+
+def _describe_sets() -> dict:
+    return {"validation": {"photos": list(ood_sets.VALIDATION_PHOTOS), "fonts": list(ood_sets.VALIDATION_FONTS),
+                           "characters": ood_sets.VALIDATION_CHARS, "noise": "uniform", "blank": "flat levels",
+                           "seed": ood_sets.SEEDS["validation"]},
+            "test": {"photos": list(ood_sets.TEST_PHOTOS), "fonts": list(ood_sets.TEST_FONTS),
+                     "characters": ood_sets.TEST_CHARS, "noise": "Gaussian and salt-and-pepper",
+                     "blank": "linear gradients", "seed": ood_sets.SEEDS["test"]},
+            "whole_photos": list(ood_sets.WHOLE_PHOTOS)}
+
+
+# ------------------------------------------------------------------------------------------------- reports
+
+
+def _row(kind: str, s: dict) -> str:
+    cells = " | ".join(f"{s[k]['auroc']:.3f} / {s[k]['fpr95']:.2f}" for k in SCORES)
+    return f"| {kind} | {s['n']} | {cells} | {s['flagged']:.0%} |"
+
+
+def markdown(p: dict) -> str:
+    m0 = p["machine"]
+    lines = ["# Out-of-distribution score from the solver's residual", "",
+             f"{m0.get('cpu', '?')}; `unroll bench ood`, in-process PyTorch FP32 (not yet served). Rule and threshold "
+             f"chosen on validation data (validation digits + validation sets), reported on test data. Score cells: "
+             "AUROC / FPR95 (share of out-of-distribution images taken for digits at the threshold keeping 95 % of "
+             f"the test digits); flagged: share above the residual threshold (validation digits' "
+             f"{p['flag_quantile']:.0%} quantile).", ""]
+    for name, m in p["models"].items():
+        r = m["rule"]
+        side = "two-sided (|r − median| / MAD)" if r["sided"] == "both" else "one-sided (high residual)"
+        lines += [f"## {name} ({m['layer']})", "",
+                  f"- rule chosen on validation: {side}; validation mean AUROC one-sided "
+                  f"{m['validation_mean_auroc']['high']:.3f}, two-sided {m['validation_mean_auroc']['both']:.3f}; "
+                  f"median residual of the validation digits {r['center']:.4f}",
+                  f"- clean test digits flagged: {m['clean_flagged']:.1%} ({m['digits']['test']} digits)",
+                  "- photos: " + ", ".join(
+                      f"{k} {'flagged' if v['flagged'] else 'not flagged'} (residual {v['residual']:.3f}; the "
+                      f"classifier says {v['top_label']} at {v['max_softmax']:.3f})" for k, v in m["photos"].items()),
+                  "- corrupted test digits flagged, mean over corruptions, by severity: " + ", ".join(
+                      f"{s}: {v['mean_flagged']:.1%}" for s, v in m["corrupted"].items()),
+                  f"- added work, batch 1: {m['cost']['residual_ms']:.3f} ms for the residual against "
+                  f"{m['cost']['forward_ms']:.3f} ms for the forward ({m['cost']['added']:.1%})", "",
+                  "| test set | images | residual | MSP | energy | flagged |", "|---|---|---|---|---|---|",
+                  *(_row(k, s) for k, s in m["sets"].items()), ""]
+    if p.get("targets"):
+        lines += ["## Targets", "", "| target | measured | met |", "|---|---|---|",
+                  *(f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else '**no**'} |" for t in p["targets"]),
+                  ""]
+    return "\n".join(lines)
+
+
+README_BEGIN = "<!-- ood: generated from benchmarks/results/ood.json -->"
+README_END = "<!-- /ood -->"
+
+
+def readme_block(p: dict) -> str:
+    """The README's summary: per model, the mean test AUROC of each score and what the threshold flags."""
+    lines = ["| model | solver layer | rule | mean AUROC: residual / MSP / energy | clean digits flagged | "
+             "photos flagged |", "|---|---|---|---|---|---|"]
+    for name, m in p["models"].items():
+        mean = {k: np.mean([s[k]["auroc"] for s in m["sets"].values()]) for k in SCORES}
+        lines.append(f"| {name} | {m['layer']} | {'two-sided' if m['rule']['sided'] == 'both' else 'one-sided'} | "
+                     f"{mean['residual']:.3f} / {mean['msp']:.3f} / {mean['energy']:.3f} | "
+                     f"{m['clean_flagged']:.1%} | {sum(v['flagged'] for v in m['photos'].values())} of "
+                     f"{len(m['photos'])} |")
+    first, m = next(iter(p["models"].items()))
+    said = "; ".join(f"{k}: **{v['top_label']}** at maximum softmax {v['max_softmax']:.3f}, residual score "
+                     f"{v['score']:.1f} ({'flagged' if v['flagged'] else 'not flagged'})"
+                     for k, v in m["photos"].items())
+    return "\n".join([*lines, "", f"What {first} says of the three whole photos — {said}.", "",
+                      "Per test set, corrupted digits by severity and the targets: "
+                      "[`ood.md`](benchmarks/results/ood.md) (`unroll bench ood`)."])
+
+
+def plot(p: dict, out_dir: Path) -> Path:
+    """AUROC per test set and score, one panel per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(p["models"])
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False, sharey=True)
+    for ax, name in zip(axes[0], names, strict=True):
+        sets = p["models"][name]["sets"]
+        kinds = list(sets)
+        for j, k in enumerate(SCORES):
+            ax.bar(np.arange(len(kinds)) + (j - 1) * 0.27, [sets[s][k]["auroc"] for s in kinds], 0.27, label=k)
+        ax.set_xticks(np.arange(len(kinds)), kinds, rotation=35, ha="right", fontsize=8)
+        ax.set_title(name, fontsize=10)
+        ax.set_ylim(0, 1.02)
+        ax.axhline(0.5, color="grey", lw=0.6, ls=":")
+    axes[0][0].set_ylabel("test AUROC (higher: told apart)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / f"{STEM}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

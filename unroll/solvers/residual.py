@@ -1,0 +1,109 @@
+"""How well a model's first solver layer reconstructs what it was given: ``‖target − D·z‖ / ‖target‖`` per sample.
+
+Each unrolled solver fits a code ``z`` to a target over a dictionary ``D``; on inputs like its training data the fit
+is typical, on others it is not (an out-of-distribution signal that costs one reconstruction, no second model):
+
+- CSC (SDNet's ``DictBlock``): the layer's input ``x`` and its code ``c``: ``x − Dᵀ⊛c`` (a transposed convolution);
+- VARS attention: each head's values ``v`` and the ISTA codes over the random-feature dictionary: ``v − D·codes``;
+- Dic-Attn: the tokens and their elastic-net codes: ``x − φ·Dᵀ``;
+- Hamburger's NMF: ``relu(x)`` (flattened, ``[B, D, N]``) and its factors: ``X − bases·coefᵀ``.
+
+:func:`forward_with_residual` runs the model once, catching the first solver layer's input (and the CSC layer's
+code) with a forward hook; for the attention and NMF layers, whose codes stay inside their ``forward``, the codes
+are recomputed from that input with the layer's own solver (deterministic in eval: the same numbers). Nothing here
+changes a layer's ``forward`` or its exported graph. :func:`reconstruct` is the added work alone (what serving the
+score would add to a graph), timed separately by the benchmark.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from unroll.solvers.csc import DictBlock, output_padding
+from unroll.solvers.dic_attn import DicAttention, elastic_net_codes
+from unroll.solvers.nmf import NMFHam
+from unroll.solvers.vars_attn import VARSAttention, vars_codes
+
+SOLVERS = (DictBlock, VARSAttention, DicAttention, NMFHam)
+
+
+@dataclass
+class Fit:
+    """A solver layer's target, dictionary and code: what :func:`reconstruct` needs (``kind`` says how)."""
+
+    kind: str
+    target: Tensor
+    dictionary: Tensor
+    code: Tensor
+    layer: nn.Module
+
+
+def first_solver(model: nn.Module) -> nn.Module | None:
+    """The model's first solver layer (module order), or ``None``: then it has no residual to give."""
+    return next((m for m in model.modules() if isinstance(m, SOLVERS)), None)
+
+
+@torch.no_grad()
+def _fit(layer: nn.Module, x: Tensor, out: Tensor) -> Fit:
+    if isinstance(layer, DictBlock):
+        return Fit("csc", x, layer.weight, out, layer)
+    if isinstance(layer, VARSAttention):
+        qv = layer.qkv(x).unflatten(-1, (2, layer.num_heads, layer.head_dim)).permute(2, 0, 3, 1, 4)
+        q, v = qv[0], qv[1]
+        D = layer.dictionary(q)
+        Dt = D.transpose(-1, -2)
+        codes = vars_codes(Dt @ D, Dt @ v, layer.lam * layer.learned_lam, layer.n_steps, layer.shrink,
+                           layer.learned_k, layer.learned_L, nonneg=layer.mode == "d")
+        return Fit("vars", v, D, codes, layer)
+    if isinstance(layer, DicAttention):
+        phi = elastic_net_codes(layer.dictionary, x, layer.beta, layer.mu, layer.n_steps, layer.lipschitz)
+        return Fit("dic", x, layer.dictionary, phi, layer)
+    X = torch.relu(x.flatten(2))
+    bases, coef = layer.decompose(x)
+    return Fit("nmf", X, bases, coef, layer)
+
+
+def reconstruct(fit: Fit) -> Tensor:
+    """``D·z`` in the target's layout (the one extra operation a served residual costs)."""
+    if fit.kind == "csc":
+        layer = fit.layer
+        return F.conv_transpose2d(fit.code, fit.dictionary, stride=layer.stride, padding=layer.padding,
+                                  output_padding=output_padding(layer.stride))
+    if fit.kind == "vars":
+        return fit.dictionary @ fit.code
+    if fit.kind == "dic":
+        return fit.code @ fit.dictionary.transpose(0, 1)
+    return fit.dictionary @ fit.code.transpose(-1, -2)
+
+
+def relative_residual(fit: Fit) -> Tensor:
+    """``‖target − D·z‖ / ‖target‖`` per sample ``[B]`` (a zero target counts as fully unexplained: 1)."""
+    diff = (fit.target - reconstruct(fit)).flatten(1).norm(dim=1)
+    norm = fit.target.flatten(1).norm(dim=1)
+    return torch.where(norm > 0, diff / norm.clamp_min(1e-12), torch.ones_like(norm))
+
+
+@torch.no_grad()
+def forward_with_residual(model: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Fit]:
+    """The model's output on ``x``, its first solver layer's relative residual ``[B]``, and the fit behind it.
+    Raises ``ValueError`` for a model with no solver layer (:func:`first_solver`)."""
+    layer = first_solver(model)
+    if layer is None:
+        raise ValueError(f"{type(model).__name__} has no solver layer, so no reconstruction residual")
+    caught: dict[str, Tensor] = {}
+
+    def hook(_: nn.Module, inputs: tuple, output: Tensor) -> None:
+        if "x" not in caught:  # the first call (a layer run twice per forward keeps its first input)
+            caught["x"], caught["out"] = inputs[0], output
+
+    handle = layer.register_forward_hook(hook)
+    try:
+        y = model(x)
+    finally:
+        handle.remove()
+    fit = _fit(layer, caught["x"], caught["out"])
+    return y, relative_residual(fit), fit
