@@ -355,8 +355,8 @@ def bench_ham_draws(
 @handles_errors
 def bench_ood(
     model: Annotated[list[str] | None, typer.Option("--model", "-m", help="Classifier(s) with a solver layer "
-                                                                          "[default: sdnet-mnist, vars-vit-mnist, "
-                                                                          "dic-vit-mnist, ham-cnn-mnist]")] = None,
+                                                                          "[default: every trained digit classifier "
+                                                                          "that has one]")] = None,
     digits: Annotated[int | None, typer.Option(help="Use the first N validation and test digits only (a smoke "
                                                     "run) [default: all]")] = None,
     out: OutOpt = RESULTS,
@@ -370,7 +370,7 @@ def bench_ood(
     """
     from unroll.benchmarks import ood
 
-    names = model or list(ood.MODELS)
+    names = model or ood.scored_models()
     with err.status("scoring digits and out-of-distribution sets") as status:
         payload = ood.run(names, digits=digits, out_dir=out, tick=lambda m: status.update(m))
     _wrote(out, ["ood"])

@@ -6,6 +6,7 @@ A real gateway process (no Triton needed: the docs and their assets are served b
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -28,7 +29,16 @@ def test_docs_static_files_are_counted_under_their_mount(tmp_path: Path) -> None
             assert client.get(asset).status_code == 200, asset
         assert client.get(f"{DOCS_STATIC}/no-such-file.js").status_code == 404
         assert client.get("/no/such/path").status_code == 404
-        text = client.get("/metrics").text
+        expected = [
+            f'unroll_gateway_requests_total{{method="GET",route="{DOCS_STATIC}",status="200"}} {float(len(assets))}',
+            f'unroll_gateway_requests_total{{method="GET",route="{DOCS_STATIC}",status="404"}} 1.0',
+            'unroll_gateway_requests_total{method="GET",route="unmatched",status="404"} 1.0']
+        deadline = time.monotonic() + 5  # a response can reach the client just before its count is recorded (CI)
+        while True:
+            text = client.get("/metrics").text
+            if all(e in text for e in expected) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
     counts = {m["route"]: m for m in re.finditer(
         r'unroll_gateway_requests_total\{method="GET",route="(?P<route>[^"]*)",status="(?P<status>\d+)"\} '
         r"(?P<n>[\d.]+)", text)}
