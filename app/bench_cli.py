@@ -236,22 +236,27 @@ def bench_soak(
                                                 "is slow: a round ends once traffic has recovered)")] = 10_000,
     concurrency: Annotated[int, typer.Option(help="Clients in closed loop")] = 32,
     rounds: Annotated[int, typer.Option(help="Kills per phase (each phase kills, waits for recovery, again)")] = 3,
+    standby_rounds: Annotated[int, typer.Option(
+        min=0, help="Kills of each kind in phase 5, against `unroll serve --standby` (0: no phase 5)")] = 3,
     out: OutOpt = RESULTS,
 ) -> None:
     """Traffic through a real `unroll serve` while parts of Triton are killed (SIGKILL), several times.
 
     Phase 1: the denoiser's Python-backend process is killed under 512×512 denoise load (once per round). Phase 2:
-    mixed traffic with tritonserver killed halfway through each round. Passes when no request is lost (each one
-    succeeded or got the documented 503), phase 1's 503s ended within 3 s of each kill, traffic went on after each
-    restart, and no process or /dev/shm region of any Triton server is left. Writes soak.json and soak.md (and the
-    README's soak paragraph when writing the committed results); exits 1 when the run did not pass.
+    mixed traffic with tritonserver killed halfway through each round. Phase 3: tritonserver stopped (SIGSTOP).
+    Phase 4: `unroll deploy` under load. Phase 5: phases 1 to 4 again against a new `unroll serve --standby`.
+    Passes when no request is lost (each one succeeded or got the documented 503), phase 1's 503s ended within 3 s
+    of each kill, traffic went on after each restart, and no process or /dev/shm region of any Triton server is left.
+    Writes soak.json and soak.md (and the README's soak paragraph when writing the committed results); exits 1 when
+    the run did not pass.
     """
     from unroll.benchmarks import soak
 
     if requests < 100 or concurrency < 1 or rounds < 1:
         raise typer.BadParameter("--requests must be ≥ 100, --concurrency ≥ 1 and --rounds ≥ 1")
     with err.status("soak") as status:
-        payload = soak.run(requests, concurrency, out, progress=lambda m: status.update(m), rounds=rounds)
+        payload = soak.run(requests, concurrency, out, progress=lambda m: status.update(m), rounds=rounds,
+                           standby_rounds=standby_rounds)
     _wrote(out, ["soak"])
     err.print(soak.markdown(payload))
     if not payload["passed"]:

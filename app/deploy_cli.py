@@ -35,13 +35,14 @@ def triton_key(key: str | None, key_file: Path) -> str | None:
 
 
 def find_triton(given: str | None, state_file: Path) -> tuple[str, str]:
-    """Triton's HTTP address and how it was found: ``--triton-url`` (or its variable), else the running
-    ``unroll serve``'s state file, else the default port."""
+    """Triton's HTTP address (with a warm standby: both, comma-separated) and how it was found: ``--triton-url``
+    (or its variable), else the running ``unroll serve``'s state file, else the default port."""
     if given:
         return given, f"--triton-url/{TRITON_HTTP_URL_ENV}"
     state = read_state(state_file)
     if state is not None:
-        return state.triton_http, f"{state_file} (unroll serve, pid {state.pid})"
+        urls = [state.triton_http] + ([state.standby_http] if state.standby_http else [])
+        return ",".join(urls), f"{state_file} (unroll serve, pid {state.pid})"
     why = "stale: its unroll serve is gone" if state_file.is_file() else "missing: no unroll serve runs from here"
     return DEFAULT_TRITON_HTTP, f"the default port ({state_file} {why})"
 
@@ -63,7 +64,8 @@ def deploy(
                                                               "back, the canary is unloaded and removed")] = False,
     triton_url: Annotated[str | None, typer.Option(
         envvar=TRITON_HTTP_URL_ENV, show_envvar=True,
-        help="Triton's HTTP address (HOST:PORT); its model control must be explicit, as `unroll serve` starts it. "
+        help="Triton's HTTP address (HOST:PORT; with a warm standby both, comma-separated: every load goes to "
+             "each); its model control must be explicit, as `unroll serve` starts it. "
              f"Default: the Triton of the `unroll serve` running from this folder ({artifacts.SERVE_STATE}, whatever "
              f"ports it was given), else {DEFAULT_TRITON_HTTP}")] = None,
     triton_key_file: Annotated[Path, typer.Option(
@@ -92,8 +94,9 @@ def deploy(
     if (promote or rollback) and (graph is not None or version is not None or canary is not None):
         raise fail("--promote/--rollback take no --graph, --version or --canary")
     url, found_by = find_triton(triton_url, onnx_dir.parent / artifacts.SERVE_STATE.name)
-    triton = rollout.TritonControl(url, triton_key(os.environ.get(TRITON_API_KEY_ENV), triton_key_file),
-                                   found_by=found_by)
+    first, *mirrors = [u.strip() for u in url.split(",") if u.strip()]
+    triton = rollout.TritonControl(first, triton_key(os.environ.get(TRITON_API_KEY_ENV), triton_key_file),
+                                   found_by=found_by, mirrors=tuple(mirrors))
     say = (lambda msg: None) if as_json else (lambda msg: typer.echo(f"==> {msg}"))
     if promote:
         out = rollout.promote(name, repo, triton, drain_s, say)

@@ -5,6 +5,10 @@ name: brings their graphs and the Triton repository up to date, starts the bundl
 :class:`~unroll.serving.supervisor.TritonSupervisor` (or uses ``--triton-url``), loading exactly those models and
 locked with a key only the gateway gets, writes a sample input per model to ``build/samples``, and runs the gateway
 (``--workers`` processes on one port). Ctrl-C or SIGTERM stops the gateway gracefully, then Triton.
+
+``--standby`` runs a second tritonserver on the same repository and models (other ports, a supervisor of its own):
+when the one the gateway uses loses a backend process or dies, the gateway's calls go to the other at once instead of
+waiting for a restart, at the cost of a second copy of every model in memory.
 """
 
 from __future__ import annotations
@@ -137,7 +141,7 @@ def _check_port_free(host: str, port: int, what: str) -> None:
             s.bind((host, port))
         except OSError as e:
             raise ServeError(f"{what} port {host}:{port} is not free ({e.strerror}); pick another with the "
-                             "matching --…-port option") from None
+                             "matching --…-port option (a standby's: --standby-ports)") from None
 
 
 def served_as(cards: list[ModelCard], target: str) -> dict[str, str]:
@@ -233,7 +237,8 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
           triton_protocol: str = "grpc", api_key: str | None = None, repo: Path = artifacts.REPOSITORY_DIR,
           onnx_dir: Path = artifacts.ONNX_DIR, samples_dir: Path = artifacts.SAMPLES_DIR, rebuild: bool = False,
           log_level: str = "info", on_ready: Callable[[str], None] | None = None,
-          models: list[str] | None = None, workers: int | None = None, access_log: bool = False) -> None:
+          models: list[str] | None = None, workers: int | None = None, access_log: bool = False,
+          standby_ports: tuple[int, int, int] | None = None) -> None:
     """Build what is missing, start Triton (unless ``triton_url``) and the gateway; block until Ctrl-C/SIGTERM.
 
     ``workers``: gateway processes behind ``port`` (default ``UNROLL_WORKERS``, else half the cores, 1 to 4;
@@ -244,9 +249,13 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
     Gateway limits (body size, pixels, concurrency, timeouts) come from ``UNROLL_*`` variables
     (see :class:`unroll.serving.gateway.settings.Settings`); ``api_key`` defaults to ``UNROLL_API_KEY``.
     ``access_log``: one JSON line per request (else as ``UNROLL_ACCESS_LOG`` says, off by default).
+    ``standby_ports``: run a warm standby tritonserver on these HTTP, gRPC and metrics ports (module doc).
     """
     if target not in ("cpu", "gpu"):
         raise ServeError(f"--target must be cpu or gpu, not {target!r}")
+    if triton_url is not None and standby_ports is not None:
+        raise ServeError("--standby runs a second bundled tritonserver; with --triton-url list both of your Tritons "
+                         "instead (comma-separated)")
     if triton_url is None and target != "cpu":
         raise ServeError("the bundled tritonserver has only the Python backend, so it serves --target cpu; for "
                          "--target gpu run `unroll repo --target gpu` in the NGC container and pass --triton-url")
@@ -258,7 +267,8 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
         _check_port_free(host, port, "gateway")
         if triton_url is None:
             url = _start_triton(run, models, onnx_dir, repo, target, rebuild,
-                                (triton_http_port, triton_grpc_port, triton_metrics_port), triton_protocol)
+                                (triton_http_port, triton_grpc_port, triton_metrics_port), triton_protocol,
+                                standby_ports)
         else:
             url = triton_url
         cards = served_cards(models, None if triton_url else onnx_dir)
@@ -284,9 +294,9 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
     finally:
         if run.state is not None:
             remove_state(run.state)
-        if run.supervisor is not None:
-            run.supervisor.stop()
-            _say("tritonserver stopped")
+        for supervisor in run.supervisors:
+            supervisor.stop()
+            _say(f"{supervisor.name} stopped")
         signal.signal(signal.SIGTERM, previous)
 
 
@@ -294,7 +304,8 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
 class _Run:
     """What :func:`serve` started, shared with the supervisor's give-up callback that must stop the gateway."""
 
-    supervisor: TritonSupervisor | None = None
+    #: One per tritonserver (two with ``--standby``).
+    supervisors: list[TritonSupervisor] = field(default_factory=list)
     server: Any = None  # the one-process uvicorn.Server, or the Stopper of the worker processes
     gave_up: list[str] = field(default_factory=list)
     #: The file that tells `unroll deploy` where this run's Triton is (written once Triton is up).
@@ -319,12 +330,18 @@ def write_key_file(path: Path, key: str) -> None:
 
 
 def _start_triton(run: _Run, models: list[str], onnx_dir: Path, repo: Path, target: str, rebuild: bool,
-                  ports: tuple[int, int, int], protocol: str) -> str:
+                  ports: tuple[int, int, int], protocol: str,
+                  standby_ports: tuple[int, int, int] | None = None) -> str:
     """Bring the graphs and the repository up to date, then start the bundled tritonserver under a supervisor
-    (locked with a fresh key that only the gateway gets); its gRPC or HTTP address."""
-    http_port, grpc_port, metrics_port = ports
-    for p, what in ((http_port, "Triton HTTP"), (grpc_port, "Triton gRPC"), (metrics_port, "Triton metrics")):
-        _check_port_free("127.0.0.1", p, what)
+    (locked with a fresh key that only the gateway gets), and its warm standby on ``standby_ports``; the gRPC or
+    HTTP address of each, comma-separated (the gateway's ``triton_url``)."""
+    servers = [("tritonserver", ports, artifacts.TRITON_LOG)]
+    if standby_ports is not None:
+        servers = [("tritonserver A", ports, artifacts.TRITON_LOG),
+                   ("tritonserver B", standby_ports, artifacts.TRITON_STANDBY_LOG)]
+    for name, (http_port, grpc_port, metrics_port), _ in servers:
+        for p, what in ((http_port, "HTTP"), (grpc_port, "gRPC"), (metrics_port, "metrics")):
+            _check_port_free("127.0.0.1", p, f"{name} {what}")
     onnx_dir.mkdir(parents=True, exist_ok=True)
     try:
         pipeline.run(serve_plan(models, onnx_dir, repo, target, rebuild), _say)
@@ -332,27 +349,33 @@ def _start_triton(run: _Run, models: list[str], onnx_dir: Path, repo: Path, targ
         raise ServeError(str(e)) from None
     graphs = graphs_of(models, onnx_dir)
     control, load_args = triton_load_args(graphs)
-    log_file = (onnx_dir.parent / artifacts.TRITON_LOG.name).resolve()
-    _say(f"start tritonserver on 127.0.0.1:{http_port} (log: {log_file}, rotated at each start)")
     triton_key = new_api_key()  # this run's: Triton's APIs but health need it; only the gateway has it
     os.environ[TRITON_API_KEY_ENV] = triton_key
     write_key_file(onnx_dir.parent / artifacts.TRITON_KEY.name, triton_key)  # and the operator, for `unroll deploy`
-
-    def launch() -> TritonHandle:
-        return start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host="127.0.0.1",
-                     log_file=log_file, api_key=triton_key, any_thread=True, model_control=control,
-                     extra_args=[*load_args, *triton_trace_args()])  # OTEL_* on: Triton's spans too
-
     _log_supervisor()
-    run.supervisor = TritonSupervisor(launch, on_give_up=run.give_up)
-    triton = run.supervisor.start()
-    if triton.key_exposed:
-        _say(f"warning: Triton's key is on its command line, readable by every local user ({triton.key_exposed}); "
+    handles = []
+    for name, (http_port, grpc_port, metrics_port), log_name in servers:
+        log_file = (onnx_dir.parent / log_name.name).resolve()
+        role = ", the warm standby," if handles else ""
+        _say(f"start {name}{role} on 127.0.0.1:{http_port} (log: {log_file}, rotated at each start)")
+
+        def launch(http_port: int = http_port, grpc_port: int = grpc_port, metrics_port: int = metrics_port,
+                   log_file: Path = log_file) -> TritonHandle:
+            return start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                         host="127.0.0.1", log_file=log_file, api_key=triton_key, any_thread=True,
+                         model_control=control, extra_args=[*load_args, *triton_trace_args()])  # OTEL_*: Triton's too
+
+        supervisor = TritonSupervisor(launch, on_give_up=run.give_up, name=name)
+        run.supervisors.append(supervisor)
+        handles.append(supervisor.start())
+    if handles[0].key_exposed:
+        _say(f"warning: Triton's key is on its command line, readable by every local user ({handles[0].key_exposed}); "
              "install a C compiler, or run the service in its own container or with /proc mounted hidepid=2")
     run.state = onnx_dir.parent / artifacts.SERVE_STATE.name  # where `unroll deploy` finds this Triton
-    ServeState(os.getpid(), triton.url, triton.grpc_url, f"127.0.0.1:{metrics_port}", str(repo.resolve())) \
-        .write(run.state)
-    return triton.url if protocol == "http" else triton.grpc_url
+    first = handles[0]
+    ServeState(os.getpid(), first.url, first.grpc_url, f"127.0.0.1:{first.metrics_port}", str(repo.resolve()),
+               standby_http=handles[1].url if len(handles) > 1 else None).write(run.state)
+    return ",".join(h.url if protocol == "http" else h.grpc_url for h in handles)
 
 
 def _run_gateway(run: _Run, settings: Settings, host: str, port: int, workers: int, log_level: str,
@@ -387,6 +410,19 @@ def _run_gateway(run: _Run, settings: Settings, host: str, port: int, workers: i
     return server.started
 
 
+def parse_standby_ports(given: str | None, triton_ports: tuple[int, int, int]) -> tuple[int, int, int]:
+    """``--standby-ports HTTP,GRPC,METRICS``, or the Triton ports + 100 when not given."""
+    if given is None:
+        return triton_ports[0] + 100, triton_ports[1] + 100, triton_ports[2] + 100
+    parts = [p.strip() for p in given.split(",")]
+    if len(parts) != 3 or not all(p.isascii() and p.isdigit() and 0 < int(p) < 65536 for p in parts):
+        raise ServeError(f"--standby-ports takes three ports, HTTP,GRPC,METRICS (e.g. 8100,8101,8102), not {given!r}")
+    ports = (int(parts[0]), int(parts[1]), int(parts[2]))
+    if set(ports) & set(triton_ports):
+        raise ServeError(f"--standby-ports {given} share a port with Triton's own ({triton_ports}); choose others")
+    return ports
+
+
 @handles_errors
 def serve_command(
     models: Annotated[str | None, typer.Option(
@@ -419,6 +455,14 @@ def serve_command(
     access_log: Annotated[bool, typer.Option(
         "--access-log", envvar=ACCESS_LOG_ENV, show_envvar=True,
         help="One JSON line per request on stdout (method, path, status, ms, client, bytes); default: off")] = False,
+    standby: Annotated[bool, typer.Option(
+        "--standby", envvar="UNROLL_STANDBY", show_envvar=True,
+        help="Run a second tritonserver, warm, on --standby-ports: when the one in use loses a model's backend "
+             "process or dies, requests go to the other at once instead of waiting for its restart (twice the "
+             "models' memory); default: off")] = False,
+    standby_ports: Annotated[str | None, typer.Option(
+        metavar="HTTP,GRPC,METRICS",
+        help="The standby's three ports; default: the Triton ports + 100")] = None,
 ) -> None:
     """Build what is missing, start Triton and the REST gateway, print a curl per endpoint; Ctrl-C stops both."""
     try:
@@ -426,7 +470,9 @@ def serve_command(
               triton_grpc_port=triton_grpc_port, triton_metrics_port=triton_metrics_port, triton_url=triton_url,
               triton_protocol=triton_protocol, api_key=api_key, repo=repo, onnx_dir=onnx_dir, rebuild=rebuild,
               log_level=log_level, models=models.split(",") if models is not None else None, workers=workers,
-              access_log=access_log)
+              access_log=access_log,
+              standby_ports=parse_standby_ports(standby_ports, (triton_http_port, triton_grpc_port,
+                                                                triton_metrics_port)) if standby else None)
     except UnrollError:
         raise
     except ValueError as e:  # a set-up value the steps reject (ports, settings): still one line, exit 1

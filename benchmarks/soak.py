@@ -27,11 +27,12 @@ from pathlib import Path
 import numpy as np
 
 from unroll import artifacts, data, tasks
-from unroll.benchmarks import soak_ops, soak_stub
+from unroll.benchmarks import soak_ops, soak_standby, soak_stub
 from unroll.benchmarks.common import RESULTS, demo_model, machine_info, png_bytes, unroll_command, write_readme_block
 from unroll.errors import BenchError
 from unroll.registry import get_spec
 from unroll.serving.gateway.settings import Settings
+from unroll.serving.process_watch import read_stat
 from unroll.serving.triton import SHM_DIR, free_ports, group_members, processes_with, shm_regions
 
 READY_TIMEOUT_S = 300.0
@@ -45,6 +46,8 @@ BACKOFF_ON_503_S = 0.25
 AFTER_RECOVERY = 100
 #: A round that has not recovered this long after its kill ends anyway (and the soak fails).
 ROUND_TIMEOUT_S = 60.0
+#: How long :meth:`ServeProcess.triton_pid` watches the servers' CPU to tell which one serves the traffic.
+BUSY_SAMPLE_S = 0.3
 #: Share of the traffic per kind (the rest is /v1/models).
 MIX = {"classify": 0.55, "classify-auto": 0.15, "denoise": 0.25}
 
@@ -60,29 +63,45 @@ class ServeProcess:
     onnx_dir: Path
     #: Triton's HTTP, gRPC and metrics ports.
     triton_ports: tuple[int, int, int]
+    #: The warm standby's (``--standby``), if there is one.
+    standby_ports: tuple[int, int, int] | None = None
     output: list[str] = field(default_factory=list)
     regions: set[str] = field(default_factory=set)
     server_pids: set[int] = field(default_factory=set)
 
-    def triton_pid(self) -> int | None:
-        for pid, argv in processes_with(f"--model-repository={self.repo}").items():
-            if argv[0].endswith("tritonserver"):
-                return pid
-        return None
+    def triton_pids(self) -> list[int]:
+        """Every tritonserver of this service (two with ``--standby``)."""
+        return sorted(pid for pid, argv in processes_with(f"--model-repository={self.repo}").items()
+                      if argv[0].endswith("tritonserver"))
 
-    def stub_pid(self, model: str) -> int | None:
-        """The Python-backend stub serving ``model`` in the current server (its ``model.py`` path names it)."""
-        server = self.triton_pid()
+    def triton_pid(self) -> int | None:
+        """The tritonserver that serves the traffic now: the only one, or with a standby the one whose processes
+        used the most CPU over the last :data:`BUSY_SAMPLE_S` (the gateway sends every call to one of them)."""
+        pids = self.triton_pids()
+        if len(pids) < 2:
+            return pids[0] if pids else None
+        before = {pid: _group_cpu_s(pid) for pid in pids}
+        time.sleep(BUSY_SAMPLE_S)
+        return max(pids, key=lambda pid: _group_cpu_s(pid) - before[pid])
+
+    def stub_pid(self, model: str, server: int | None = None) -> int | None:
+        """The Python-backend stub serving ``model`` (its ``model.py`` path names it) in ``server``, by default the
+        one that serves the traffic."""
+        server = server if server is not None else self.triton_pid()
         members = group_members(server) if server is not None else {}
         return next((p for p, argv in members.items() if p != server and any(f"/{model}/" in a for a in argv)), None)
 
     def record(self) -> None:
-        """Remember the current server, its stubs and their shared-memory regions (to check clean-up later)."""
-        pid = self.triton_pid()
-        if pid is not None:
+        """Remember the current servers, their stubs and their shared-memory regions (to check clean-up later)."""
+        for pid in self.triton_pids():
             members = group_members(pid)
             self.server_pids |= set(members)
             self.regions |= shm_regions(list(members.values()))
+
+
+def _group_cpu_s(pid: int) -> float:
+    """CPU seconds used so far by the process group ``pid`` leads (a tritonserver and its stubs)."""
+    return sum(stat.cpu_s for p in group_members(pid) if (stat := read_stat(p)) is not None)
 
 
 def _still_there(pids: set[int], grace_s: float) -> dict[str, str]:
@@ -107,19 +126,23 @@ def _still_there(pids: set[int], grace_s: float) -> dict[str, str]:
 
 
 def start_serve(root: Path, models: list[str], log: Callable[[str], None],
-                settings: dict[str, str] | None = None, onnx_dir: Path | None = None) -> ServeProcess:
+                settings: dict[str, str] | None = None, onnx_dir: Path | None = None,
+                standby: bool = False) -> ServeProcess:
     """``unroll serve`` from ``root`` (its build/ and repository go there) on spare ports; ``settings``:
     ``UNROLL_*`` variables for it (none are inherited); ``onnx_dir``: its graphs (default ``root/onnx``; its parent
-    gets the Triton key and the state file ``unroll deploy`` reads)."""
-    port, http, grpc, metrics = free_ports(4)
+    gets the Triton key and the state file ``unroll deploy`` reads); ``standby``: with a warm standby Triton."""
+    port, http, grpc, metrics, *spare = free_ports(7 if standby else 4)
     repo = root / artifacts.REPOSITORY_DIR.name
     env = {k: v for k, v in os.environ.items() if not k.startswith("UNROLL_")} | (settings or {})
     env["PYTHONUNBUFFERED"] = "1"
     cmd = [unroll_command(), "serve", "--models", ",".join(models), "--port", str(port),
            "--triton-http-port", str(http), "--triton-grpc-port", str(grpc), "--triton-metrics-port", str(metrics),
            "--repo", str(repo), "--onnx-dir", str(onnx_dir or root / "onnx"), "--log-level", "warning"]
+    if standby:
+        cmd += ["--standby", "--standby-ports", ",".join(map(str, spare))]
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    s = ServeProcess(proc, f"http://127.0.0.1:{port}", repo, onnx_dir or root / "onnx", (http, grpc, metrics))
+    s = ServeProcess(proc, f"http://127.0.0.1:{port}", repo, onnx_dir or root / "onnx", (http, grpc, metrics),
+                     (spare[0], spare[1], spare[2]) if standby else None)
     ready = threading.Event()
 
     def pump() -> None:
@@ -252,12 +275,13 @@ def round_summary(results: list[dict], kill: dict, until: float | None) -> dict:
 
 def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = RESULTS,
         progress: Callable[[str], None] | None = None, stub_phase: bool = True, rounds: int = 1,
-        ops: bool = True) -> dict:
+        ops: bool = True, standby_rounds: int = 0) -> dict:
     """The soak; returns the payload (and writes ``soak.json`` / ``soak.md`` into ``out_dir`` unless None).
 
     ``stub_phase``: run phase 1 (the denoiser's backend process killed) before the mixed traffic; ``rounds``: how many
     times each phase kills (phase 2: ``requests`` spread over the rounds, see :func:`_traffic`); ``ops``: then
-    phases 3 and 4 (:mod:`.soak_ops`: Triton stopped, a model update)."""
+    phases 3 and 4 (:mod:`.soak_ops`: Triton stopped, a model update); ``standby_rounds``: then phase 5
+    (:mod:`.soak_standby`) with that many kills of each kind, ``requests`` // 3 requests in its mixed traffic."""
     log = progress or (lambda m: None)
     classifier, denoiser = demo_model(tasks.CLASSIFICATION), demo_model(tasks.DENOISING)
     root = Path(tempfile.mkdtemp(prefix="unroll-soak-")).resolve()
@@ -282,10 +306,13 @@ def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = RE
         serve_log = "".join(s.output)
     finally:
         stop_serve(s)
-    left = _still_there(s.server_pids, LEFTOVER_GRACE_S)
-    leaked = sorted(r for r in s.regions if (SHM_DIR / r).exists())
-    orphans = processes_with(str(root))
-    shutil.rmtree(root, ignore_errors=True)
+    left, leaked, orphans = _leftovers(s, root)
+    standby = None
+    if standby_rounds:
+        standby = standby_phase(classifier, denoiser, standby_rounds, requests // 3, concurrency, log)
+        left |= standby.pop("left_processes")
+        leaked += standby.pop("leaked_shm")
+        orphans |= standby.pop("orphans")
 
     ends = [k["started"] for k in kills[1:]] + [None]
     per_round = [round_summary(results, k, until) for k, until in zip(kills, ends, strict=True)]
@@ -315,11 +342,11 @@ def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = RE
         "restart_logged": "restart" in serve_log,
         "seconds": round(time.perf_counter() - t_start, 1),
         "stub_kills": stubs,
-        "stall": stall, "deploy": deploy,
+        "stall": stall, "deploy": deploy, "standby": standby,
     }
     payload["passed"] = (len(kills) == rounds and not lost and payload["requests_after_recovery"] >= AFTER_RECOVERY
                          and not left and not leaked and not orphans and all(p["passed"] for p in stubs)
-                         and all(p["passed"] for p in (stall, deploy) if p is not None))
+                         and all(p["passed"] for p in (stall, deploy, standby) if p is not None))
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "soak.json").write_text(json.dumps(payload, indent=2) + "\n")
@@ -327,6 +354,63 @@ def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = RE
         if out_dir.resolve() == RESULTS.resolve():  # the committed results: the README quotes them
             write_readme_paragraph(payload, RESULTS.parent.parent / "README.md")
     return payload
+
+
+def _leftovers(s: ServeProcess, root: Path) -> tuple[dict[str, str], list[str], dict[int, list[str]]]:
+    """After ``s`` stopped: its servers' processes still there, their ``/dev/shm`` regions still there, and
+    processes still running from ``root`` (which is then removed)."""
+    left = _still_there(s.server_pids, LEFTOVER_GRACE_S)
+    leaked = sorted(r for r in s.regions if (SHM_DIR / r).exists())
+    orphans = processes_with(str(root))
+    shutil.rmtree(root, ignore_errors=True)
+    return left, leaked, orphans
+
+
+def standby_phase(classifier: str, denoiser: str, rounds: int, requests: int, concurrency: int,
+                   log: Callable[[str], None]) -> dict:
+    """Phase 5 (:mod:`.soak_standby`) on a new ``unroll serve --standby``: stub kills, tritonserver kills, a deploy;
+    its summary with what the service left behind."""
+    root = Path(tempfile.mkdtemp(prefix="unroll-soak-standby-")).resolve()
+    s = start_serve(root, [classifier, denoiser], log, standby=True)
+    assert s.standby_ports is not None
+    ports = [s.triton_ports[0], s.standby_ports[0]]
+    waits: list[float] = []
+    try:
+        memory = {f"tritonserver on :{port}": soak_standby.rss_mb(pid)
+                  for port, pid in zip(ports, _servers_by_port(s, ports), strict=True)}
+        stubs = []
+        for k in range(rounds):
+            waits.append(soak_standby.both_ready(ports))
+            log(f"phase 5 (standby), stub kill {k + 1}/{rounds}")
+            stubs.append(soak_stub.run_phase(s, denoiser, log))
+        payloads = _payloads(classifier, denoiser, 1000)
+        per_round = []
+        for k in range(rounds):
+            waits.append(soak_standby.both_ready(ports))
+            log(f"phase 5 (standby), tritonserver kill {k + 1}/{rounds}")
+            results, kills = asyncio.run(_traffic(s, payloads, max(requests // rounds, 2), concurrency, 1, log))
+            per_round.append(round_summary(results, kills[0], None) | {"round": k + 1})
+            s.record()
+        waits.append(soak_standby.both_ready(ports))
+        path, digit = payloads["classify"][0]
+        stall = soak_ops.stall_phase(s, path, digit, Settings().triton_stall_s, log)
+        waits.append(soak_standby.both_ready(ports))
+        deploy = soak_ops.deploy_phase(s, classifier, log)
+        key = (s.onnx_dir.parent / artifacts.TRITON_KEY.name).read_text().strip()
+        versions = {f"tritonserver on :{port}": soak_standby.served_versions(port, key, classifier) for port in ports}
+        s.record()
+    finally:
+        stop_serve(s)
+    left, leaked, orphans = _leftovers(s, root)
+    return soak_standby.summary(stubs, per_round, stall, deploy, versions, memory, waits, soak_stub.TARGET_503_S) | {
+        "left_processes": left, "leaked_shm": leaked, "orphans": orphans}
+
+
+def _servers_by_port(s: ServeProcess, http_ports: list[int]) -> list[int]:
+    """The tritonserver pid listening on each of ``http_ports`` (from its ``--http-port`` argument)."""
+    argvs = {pid: argv for pid, argv in processes_with(f"--model-repository={s.repo}").items()
+             if argv[0].endswith("tritonserver")}
+    return [next(pid for pid, argv in argvs.items() if f"--http-port={port}" in argv) for port in http_ports]
 
 
 def markdown(p: dict) -> str:
@@ -366,6 +450,7 @@ def markdown(p: dict) -> str:
         f"{p['shm_regions_seen']} seen (every server of the run)",
         "",
         *soak_ops.markdown(p.get("stall"), p.get("deploy")),
+        *soak_standby.markdown(p.get("standby")),
         f"- **{'passed' if p['passed'] else 'FAILED'}**" + (" (every phase)" if stubs else ""),
         "",
     ])
@@ -400,7 +485,7 @@ def readme_paragraph(p: dict) -> str:
              f"`Retry-After`, **{p['lost']} lost**; the last 503 came at most {p['recovery_s']} s after a kill "
              f"(backoff included) and every request started after it succeeded (clients pause "
              f"{p['backoff_on_503_s']} s after a 503). "
-             + _ops_sentence(p) + "After stopping, "
+             + _ops_sentence(p) + _standby_sentence(p.get("standby")) + "After stopping, "
              + ("no process and no `/dev/shm` region of any of its Triton servers was left."
                 if not (p["left_processes"] or p["orphans"] or p["leaked_shm"]) else
                 f"{len(p['left_processes'])} processes and {len(p['leaked_shm'])} `/dev/shm` regions were left."))
@@ -423,6 +508,20 @@ def _ops_sentence(p: dict) -> str:
                  + ("the same tritonserver throughout" if not deploy["triton_replaced"] else "tritonserver replaced")
                  + ". ")
     return text
+
+
+def _standby_sentence(sb: dict | None) -> str:
+    """Phase 5 in a sentence of the README's paragraph (empty when the run had none)."""
+    if not sb:
+        return ""
+    mem = max(sb["memory_mb"].values())
+    return (f"Phase 5, the same with a warm standby (`unroll serve --standby`): {len(sb['stub_kills'])} stub kills and "
+            f"{len(sb['rounds'])} `tritonserver` kills: {sb['ok']:,} succeeded, {sb['unavailable_503']:,} got 503, "
+            f"**{sb['lost']} lost**, the longest run of 503s after a kill {sb['longest_503_s']} s; stopped, the server "
+            f"in use was stood in for by the other ({sb['stall']['served_while_stopped']:,} requests answered while it "
+            f"was stopped); `unroll deploy` reached both servers "
+            + ("(the same versions on each)" if sb["same_versions_everywhere"] else "(**their versions differ**)")
+            + f"; each server holds up to {mem:,.0f} MiB resident. ")
 
 
 def write_readme_paragraph(p: dict, readme: Path) -> bool:

@@ -92,15 +92,20 @@ def stall_phase(s: ServeProcess, path: str, body: bytes, stall_s: float, log: Ca
 
     results, m = asyncio.run(_drive(s, path, body, stop_and_resume))
     during = [r for r in results if r["end"] > m["stopped"] and r["start"] < m["resumed"]]
-    # how long a request waited for an answer once Triton had stopped (from the later of its start and the stop)
-    waits = [r["end"] - max(r["start"], m["stopped"]) for r in during if r["end"] < m["resumed"]]
+    # how long a request waited for an answer once Triton had stopped (from the later of its start and the stop;
+    # one held until Triton resumed counts its whole wait)
+    waits = [r["end"] - max(r["start"], m["stopped"]) for r in during]
     first_503 = min((r["end"] for r in during if r["status"] == 503), default=None)
     p = {"clients": CLIENTS, "stall_s": STALL_S, "detection_s": stall_s, **_counts(results),
          "first_503_after_stop_s": None if first_503 is None else round(first_503 - m["stopped"], 2),
          "longest_wait_s": round(max(waits, default=0.0), 2),
          "target_s": stall_s + ANSWER_MARGIN_S,
-         "triton_replaced": s.triton_pid() != m["pid"],
-         "served_after": sum(1 for r in results if r["start"] > m["resumed"] and r["status"] == 200)}
+         "triton_replaced": m["pid"] not in s.triton_pids(),
+         "served_after": sum(1 for r in results if r["start"] > m["resumed"] and r["status"] == 200),
+         # sent after the stall was detected and answered while the server was still stopped: only a warm standby
+         # can answer these (the other server)
+         "served_while_stopped": sum(1 for r in during if r["status"] == 200 and r["start"] > m["stopped"] + stall_s
+                                     and r["end"] < m["resumed"])}
     p["passed"] = (not p["lost"] and p["longest_wait_s"] <= p["target_s"] and not p["triton_replaced"]
                    and p["served_after"] > 0 and p["unavailable_503"] == p["unavailable_with_retry_after"])
     return p
@@ -127,7 +132,7 @@ def deploy_phase(s: ServeProcess, model: str, log: Callable[[str], None]) -> dic
     serve_log = "".join(s.output[m["lines"]:])  # what unroll serve logged from the deployment on
     p = {"clients": CLIENTS, "model": model, "deploy_rc": m["rc"], "deploy_s": m["seconds"],
          "deploy_output": m["output"], **_counts(results),
-         "triton_replaced": s.triton_pid() != m["pid"] or "lost its Python-backend stub" in serve_log}
+         "triton_replaced": m["pid"] not in s.triton_pids() or "lost its Python-backend stub" in serve_log}
     p["passed"] = m["rc"] == 0 and not p["lost"] and not p["unavailable_503"] and not p["triton_replaced"]
     return p
 

@@ -77,7 +77,8 @@ async def _drive(s: ServeProcess, path: str, body: bytes, victim_model: str,
     async def conductor() -> None:
         await asyncio.sleep(LOAD_BEFORE_S)
         s.record()
-        kill["server_before"], pid = s.triton_pid(), s.stub_pid(victim_model)
+        kill["server_before"] = server = s.triton_pid()
+        pid = s.stub_pid(victim_model, server)
         if pid is None:
             log(f"no stub of {victim_model} found; nothing killed")
             done.set()
@@ -90,7 +91,7 @@ async def _drive(s: ServeProcess, path: str, body: bytes, victim_model: str,
             last_failure = max((r["end"] for r in results if r["status"] != 200), default=kill["at"])
             if sum(1 for r in results if r["start"] > last_failure) >= SERVED_AFTER:
                 break
-        kill["server_after"] = s.triton_pid()
+        kill["servers_after"] = s.triton_pids()
         s.record()
         done.set()
 
@@ -136,7 +137,7 @@ def run_phase(s: ServeProcess, denoiser: str, log: Callable[[str], None]) -> dic
         # of it as 503s: a 512×512 request spends a while in the gateway before it reaches Triton)
         "restart_ready_s": float(restarts[-1]) if restarts else None,
         "target_503_s": TARGET_503_S, "backoff_on_503_s": BACKOFF_ON_503_S,
-        "triton_replaced": kill.get("server_after") not in (None, kill.get("server_before")),
+        "triton_replaced": "servers_after" in kill and kill.get("server_before") not in kill["servers_after"],
         "stub_loss_logged": "lost its Python-backend stub" in serve_log,
         "triton_crash_logged": "was killed by SIGSEGV" in serve_log or "was killed by SIGABRT" in serve_log,
     }

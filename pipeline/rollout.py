@@ -17,6 +17,10 @@ Against a Triton in explicit model-control mode (``unroll serve`` starts it so, 
 Any failure before traffic moves rolls back: the policy and traffic the model had, version N's files removed, the
 model reloaded. The gateway reads versions and the split from Triton (``GET /v1/models``), and its
 ``unroll_gateway_triton_request_duration_seconds`` histogram is labelled by version.
+
+A service with a warm standby (``unroll serve --standby``) runs two Tritons on one repository: every load goes to
+both (:attr:`TritonControl.mirrors`), the gate and the checks to the first. A standby that is restarting at that
+moment is skipped: it loads the folder as it then stands when it comes up.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ class TritonControl:
     timeout_s: float = 120.0
     #: How ``url`` was found (named when Triton cannot be reached).
     found_by: str = "--triton-url"
+    #: Other Tritons serving the same repository (a warm standby's HTTP ``HOST:PORT``): every load goes to them too.
+    mirrors: tuple[str, ...] = ()
     _client: Any = field(default=None, repr=False)
 
     @property
@@ -91,8 +97,20 @@ class TritonControl:
                               "--triton-url its Triton's HTTP port?") from None
 
     def load(self, name: str) -> None:
-        """(Re)load ``name`` as its directory now says; raises :class:`DeployError` with Triton's reason."""
+        """(Re)load ``name`` as its directory now says, here and in each mirror that is up; raises
+        :class:`DeployError` with Triton's reason."""
         self.call(f"loading {name}", lambda: self.client.load_model(name, headers=self.headers))
+        for url in self.mirrors:
+            mirror = TritonControl(url, self.key, self.timeout_s, f"{self.found_by}, standby")
+            if mirror.live():
+                mirror.load(name)
+
+    def live(self) -> bool:
+        """Whether this Triton answers at all (a standby being restarted does not)."""
+        try:
+            return bool(self.client.is_server_live(headers=self.headers))
+        except Exception:  # noqa: BLE001 - refused, reset, a half-started server: not live, whatever the error
+            return False
 
     def index(self) -> list[dict[str, Any]]:
         """Triton's repository index: one row per model version (``name``, ``version``, ``state``)."""

@@ -15,13 +15,15 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class ServeState:
-    """A running ``unroll serve``: its process and its Triton's addresses (``HOST:PORT``)."""
+    """A running ``unroll serve``: its process and its Triton's addresses (``HOST:PORT``); with ``--standby``, the
+    standby's HTTP address too (``unroll deploy`` loads what it loads into both)."""
 
     pid: int
     triton_http: str
     triton_grpc: str
     triton_metrics: str
     repository: str
+    standby_http: str | None = None
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,8 +5,10 @@ that started it). It is woken the moment the server or one of its Python-backend
 (:class:`~unroll.serving.process_watch.ExitWatch`) and probes readiness; it then kills and reaps what is left,
 removes that server's shared-memory regions, and starts a new server on the same ports after a growing back-off,
 giving up (``on_give_up``) after ``max_restarts`` within ``window_s``. A dead stub replaces the whole server,
-because Triton 2.45's in-place stub restart reuses the dead stub's unmapped shared memory (issue 22). The gateway
-reconnects by itself and answers 503 with ``Retry-After`` meanwhile.
+because Triton 2.45's in-place stub restart reuses the dead stub's unmapped shared memory (issue 22; unloading and
+reloading only that model does not help: requests already queued for the dead instance reach it, and Triton
+crashes the same way). The gateway reconnects by itself and answers 503 with ``Retry-After`` meanwhile, or, with
+``unroll serve --standby``, sends its calls to the second server, which a supervisor of its own keeps running.
 """
 
 from __future__ import annotations
@@ -121,10 +123,12 @@ class TritonSupervisor:
                  backoff_s: Sequence[float] = (0, 0.5, 1, 2, 4, 8, 15, 30),
                  max_restarts: int = 10, window_s: float = 600.0, stable_s: float = 60.0,
                  probe_every_s: float = 0.5, unready_restart_s: float = 20.0, restart_on_stub_exit: bool = True,
-                 on_give_up: Callable[[str], None] | None = None) -> None:
+                 on_give_up: Callable[[str], None] | None = None, name: str = "tritonserver") -> None:
         if not backoff_s or min(backoff_s) < 0 or max_restarts < 0:
             raise ValueError("backoff_s must be non-empty and non-negative, max_restarts >= 0")
         self._launch = launch
+        #: How the log names this server (``unroll serve --standby`` runs two supervisors).
+        self.name = name
         self.backoff_s, self.max_restarts, self.window_s = tuple(backoff_s), max_restarts, window_s
         self.stable_s, self.probe_every_s, self.unready_restart_s = stable_s, probe_every_s, unready_restart_s
         self.restart_on_stub_exit = restart_on_stub_exit
@@ -196,12 +200,12 @@ class TritonSupervisor:
                     self._handle = None
                     if grace_s == 0:  # the server still runs: end it before reading its log
                         handle.stop(grace_s=grace_s)
-                    log.warning("tritonserver (pid %d) %s; last lines of its log %s:\n%s", handle.pid, reason,
+                    log.warning("%s (pid %d) %s; last lines of its log %s:\n%s", self.name, handle.pid, reason,
                                 handle.log_path, handle.log_tail(15))
                     handle.stop(grace_s=grace_s)
                     self._leftovers |= set(group_members(handle.pid, zombies=True))
-                    log.warning("tritonserver (pid %d): stopped what was left of its process group and removed its "
-                                "shared memory (%d regions)", handle.pid, len(handle.regions))
+                    log.warning("%s (pid %d): stopped what was left of its process group and removed its "
+                                "shared memory (%d regions)", self.name, handle.pid, len(handle.regions))
                     handle = None
                     if time.monotonic() - up_since >= self.stable_s:
                         in_a_row = 0
@@ -210,12 +214,12 @@ class TritonSupervisor:
                 while crashes and now - crashes[0] > self.window_s:
                     crashes.popleft()
                 if len(crashes) > self.max_restarts:
-                    self._give_up(f"tritonserver failed {len(crashes)} times within {self.window_s:g} s; "
+                    self._give_up(f"{self.name} failed {len(crashes)} times within {self.window_s:g} s; "
                                   "not restarting it again")
                     break
                 delay = self.backoff_s[min(in_a_row, len(self.backoff_s) - 1)]
                 in_a_row += 1
-                log.warning("restarting tritonserver in %g s (restart %d; at most %d within %g s)", delay,
+                log.warning("restarting %s in %g s (restart %d; at most %d within %g s)", self.name, delay,
                             len(crashes), self.max_restarts, self.window_s)
                 if self._stop.wait(delay):
                     break
@@ -223,11 +227,12 @@ class TritonSupervisor:
                 try:
                     handle = self._launch()
                 except TritonStartError as e:
-                    log.error("tritonserver did not restart: %s", e.reason)
+                    log.error("%s did not restart: %s", self.name, e.reason)
                     continue
                 self._handle = handle
                 self.restarts += 1
-                log.warning("tritonserver restarted (pid %d) and ready in %.1f s", handle.pid, time.monotonic() - t0)
+                log.warning("%s restarted (pid %d) and ready in %.1f s", self.name, handle.pid,
+                            time.monotonic() - t0)
         except BaseException:
             log.exception("the Triton supervisor failed")
             self._give_up("the Triton supervisor failed (see the traceback above)")
@@ -287,8 +292,8 @@ class TritonSupervisor:
             index = handle.index(timeout_s=INDEX_RETRY_S)
         planned = [p for p in exited if planned_exit(stubs[p], p, index, members, exited_by)]
         for p in planned:
-            log.info("tritonserver ended the Python-backend stub %s (pid %d) on purpose (its model was unloaded or "
-                     "reloaded); nothing to replace", stub_name(stubs[p]), p)
+            log.info("%s ended the Python-backend stub %s (pid %d) on purpose (its model was unloaded or "
+                     "reloaded); nothing to replace", self.name, stub_name(stubs[p]), p)
             stubs.pop(p)
         watch.forget(planned)
         return [p for p in exited if p not in planned]

@@ -2,7 +2,8 @@
 denoiser's Python-backend stub under 512×512 denoise load (issue 22: Triton crashed), phase 2 sends mixed traffic at
 concurrency 32 and kills tritonserver halfway through each round; three rounds of each, nothing lost in any, traffic
 recovers each time; phase 3 stops tritonserver (SIGSTOP) and phase 4 deploys a new version of the classifier, both
-under load; nothing left behind."""
+under load; phase 5 does it all again against `unroll serve --standby` (a warm second tritonserver): the kills cost
+(next to) no 503, the stall is answered by the other server, the deployment reaches both; nothing left behind."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ ROUNDS = 3
 
 @pytest.mark.triton
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # about 2 minutes here; a machine twice as slow, with its cores shared, takes 3 times that
 def test_soak_with_killed_backend_processes_and_killed_tritons_loses_nothing_and_leaves_nothing() -> None:
     p = soak.run(requests=3_000, concurrency=32, out_dir=None, rounds=ROUNDS)
     summary = {k: p[k] for k in ("status_counts", "error_codes", "lost_examples", "rounds", "left_processes",
@@ -53,10 +55,32 @@ def test_soak_with_killed_backend_processes_and_killed_tritons_loses_nothing_and
     assert not deploy["triton_replaced"], deploy
 
 
+@pytest.mark.triton
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_with_a_warm_standby_the_same_faults_lose_nothing_and_the_deployment_reaches_both_servers() -> None:
+    """Phase 5 (one kill of each kind) against `unroll serve --standby`, as the soak runs it."""
+    from unroll import tasks
+    from unroll.benchmarks.common import demo_model
+
+    sb = soak.standby_phase(demo_model(tasks.CLASSIFICATION), demo_model(tasks.DENOISING), rounds=1, requests=1_000,
+                            concurrency=32, log=lambda m: None)
+    # the same faults lose nothing; a stopped server's traffic goes to the other while it is still stopped; the
+    # deployment reaches both servers; nothing is left behind
+    assert sb["lost"] == 0 and sb["longest_503_s"] < STUCK_S, {k: sb[k] for k in ("stub_kills", "rounds")}
+    assert all(x["triton_replaced"] for x in sb["stub_kills"]), sb["stub_kills"]  # the supervisor replaced it
+    assert sb["stall"]["served_while_stopped"] > 0 and not sb["stall"]["triton_replaced"], sb["stall"]
+    assert sb["deploy"]["deploy_rc"] == 0 and sb["same_versions_everywhere"], (sb["deploy"], sb["versions"])
+    assert all(v == [2] for v in sb["versions"].values()), sb["versions"]
+    assert len(sb["memory_mb"]) == 2 and all(m > 0 for m in sb["memory_mb"].values()), sb["memory_mb"]
+    assert not sb["left_processes"] and not sb["orphans"] and not sb["leaked_shm"], sb
+
+
 def test_committed_soak_results_lose_nothing_in_any_phase() -> None:
     """The committed run (benchmarks/results/soak.json, what the README quotes): three rounds of each kill, nothing
     lost in any phase or round, the stall answered and the deployment clean. The 3 s target of phase 1 is reported per
-    round, met or not (issue 38 item 6 is open: the last round of the committed run missed it), never asserted here."""
+    round, met or not (without a standby a restart loads every model, 2-6 s here), never asserted here; with a standby
+    (phase 5) the target is the claim, and is asserted."""
     import json
 
     from unroll.benchmarks.common import RESULTS
@@ -71,6 +95,10 @@ def test_committed_soak_results_lose_nothing_in_any_phase() -> None:
                                   stub["requests_after_recovery"] >= soak_stub.SERVED_AFTER), stub
     assert all(r["lost"] == 0 for r in p["rounds"]) and p["lost"] == 0, p["rounds"]
     assert p["stall"]["passed"] and p["deploy"]["passed"], (p["stall"], p["deploy"])
+    sb = p.get("standby")
+    assert sb and len(sb["stub_kills"]) == len(sb["rounds"]) >= 3, "soak.json has no phase 5: rerun `unroll bench soak`"
+    # issue 38 item 6's claim: with a standby, every kill's 503s end within the target (3 s), nothing lost
+    assert sb["passed"] and sb["lost"] == 0 and sb["longest_503_s"] <= sb["target_503_s"], sb
     assert not p["left_processes"] and not p["leaked_shm"] and not p["orphans"], p
 
 

@@ -37,6 +37,8 @@ REPOSITORY_DIR = Path("model_repository")  #: the Triton model repository ``unro
 GPU_REPOSITORY_DIR = Path("model_repository_gpu")  #: the GPU repository staged for the NGC image
 #: Triton's log, rotated at each start (``unroll triton``; ``unroll serve`` writes it beside its graphs' folder)
 TRITON_LOG = BUILD_DIR / "triton.log"
+#: The warm standby's log (``unroll serve --standby``), beside :data:`TRITON_LOG`
+TRITON_STANDBY_LOG = BUILD_DIR / "triton-standby.log"
 #: The key of the Triton ``unroll serve`` runs (owner-only file, a new key each start), for ``unroll deploy``
 TRITON_KEY = BUILD_DIR / "triton.key"
 #: Where a running ``unroll serve`` says what it runs (its pid, Triton's ports, the repository), for ``unroll deploy``

@@ -12,7 +12,10 @@ with the same ``infer`` signature: the gateway's one path to Triton's inference 
   to the model's batch limit (``max_batch_size`` and its TensorRT profile's max batch);
 - every request keeps its own answer (its rows of each output) and its own errors: when Triton rejects a batch, each
   of its requests is retried alone so that only the faulty one fails; a call whose client left is dropped from its
-  batch before it is sent.
+  batch before it is sent;
+- a batch at Triton waits inside ``waiting`` (the stall watch's, :meth:`.stall.TritonWatch.waiting`) as requests do:
+  when Triton stalls, its calls are answered 503 and its place is free at once, so the next batches go to a standby
+  (or to the same Triton once it answers) instead of queueing behind a call that hangs.
 
 ``UNROLL_BATCHING=false`` turns it off (``enabled=False``: one Triton call per request, straight through).
 """
@@ -22,12 +25,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from unroll.errors import TritonRejected
+from unroll.errors import TritonRejected, TritonUnavailable
 from unroll.serving import batch_rows
 from unroll.serving.gateway import tracing
 from unroll.serving.gateway.triton_client import TritonBackend
@@ -64,8 +68,8 @@ class Batcher:
 
     def __init__(self, backend: TritonBackend, limit_of: Callable[[str], int], max_in_flight: int = 2,
                  delay_s: float = 0.0, observe: Callable[[str, int], None] | None = None,
-                 enabled: bool = True) -> None:
-        self._backend, self._limit_of = backend, limit_of
+                 enabled: bool = True, waiting: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
+        self._backend, self._limit_of, self._waiting = backend, limit_of, waiting
         self.max_in_flight, self.delay_s, self.enabled = max_in_flight, delay_s, enabled
         self._observe = observe or (lambda model, items: None)
         self._groups: dict[Key, _Group] = {}
@@ -126,7 +130,11 @@ class Batcher:
 
     async def _run(self, key: Key, group: _Group, batch: list[_Call]) -> None:
         try:
-            await self._answer(group, batch)
+            with self._waiting():
+                await self._answer(group, batch)
+        except TritonUnavailable as e:  # the stall watch gave up on this batch's Triton: the same 503 for each call
+            for c in batch:
+                _settle(c.future, error=e)
         finally:
             group.in_flight -= 1
             if group.waiting:

@@ -33,7 +33,9 @@ class Settings(BaseSettings):
                                       use_attribute_docstrings=True)
 
     triton_url: str = "127.0.0.1:8001"
-    """Triton address without scheme: its gRPC port for ``grpc``, its HTTP port for ``http``."""
+    """Triton address without scheme: its gRPC port for ``grpc``, its HTTP port for ``http``. Several,
+    comma-separated, for Tritons that serve the same repository (a warm standby): calls go to one and move to the
+    next when it is unavailable (:class:`~.triton_client.TritonBackend`)."""
     triton_protocol: Literal["http", "grpc"] = "grpc"
     """``grpc`` (the default: measured faster here than tritonclient's aiohttp client, most of all for images)
     or ``http`` (binary tensor extension)."""
@@ -104,9 +106,10 @@ class Settings(BaseSettings):
     @field_validator("triton_url")
     @classmethod
     def _url(cls, v: str) -> str:
-        if "://" in v or not v.strip():
-            raise ValueError("must be HOST:PORT without a scheme")
-        return v.strip()
+        urls = [u.strip() for u in v.split(",")]
+        if any("://" in u or not u for u in urls):
+            raise ValueError("must be HOST:PORT without a scheme (several: comma-separated)")
+        return ",".join(urls)
 
     @field_validator("rate_limit")
     @classmethod

@@ -8,8 +8,9 @@ other call: a gateway whose own event loop was busy for a while sees its probe t
 the inferences meanwhile) and a confirming probe goes unanswered too, the
 requests waiting for Triton are cancelled and answered 503 ``triton_unavailable`` with ``Retry-After``, and new ones
 are refused the same way unless a fresh probe (one at a time, shared by the requests that arrive meanwhile) finds it
-back. The supervisor of ``unroll serve`` decides
-separately whether to replace the server (after 20 s unready with no model loading).
+back. With a warm standby (several Tritons in ``triton_url``) the stall moves calls to the next one instead, and
+the first probe that finds it answering ends the stall. The supervisor of ``unroll serve`` decides separately
+whether to replace the stalled server (after 20 s unready with no model loading).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class TritonWatch:
             for task in self._waiting:
                 self._cancelled.add(task)
                 task.cancel()
+            self.backend.fail_over()  # a standby, if there is one, is asked from the next probe on
 
     async def admit(self) -> None:
         """Before a request waits for Triton: during a stall, Triton is asked again first (one probe shared by every

@@ -121,13 +121,13 @@ class Gateway:
         triton = TritonBackend(settings.triton_url, settings.triton_protocol, settings.request_timeout_s,
                                observe=metrics.observe_triton)
         catalog = Catalog(triton, settings)
+        watch = TritonWatch(triton, settings.triton_stall_s)
         batcher = Batcher(triton, catalog.batch_limit, settings.batch_max_in_flight, settings.batch_delay_ms / 1000.0,
-                          observe=metrics.observe_batch, enabled=settings.batching)
+                          observe=metrics.observe_batch, enabled=settings.batching, waiting=watch.waiting)
         return cls(settings, triton, batcher, catalog, metrics,
                    Admission(settings.max_concurrency, settings.max_queue, settings.busy_retry_after_s, metrics),
                    http, Uploads(http.max_uploads, settings.busy_retry_after_s, metrics),
-                   buckets_for(settings.rate_limit),
-                   TritonWatch(triton, settings.triton_stall_s))
+                   buckets_for(settings.rate_limit), watch)
 
     async def infer(self, entry: Entry, inputs: dict[str, np.ndarray], outputs: list[str],
                     class_count: int | None = None) -> dict[str, np.ndarray]:

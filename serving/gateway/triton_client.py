@@ -91,11 +91,19 @@ class ModelInfo:
 
 
 class TritonBackend:
-    """Async Triton client with deadlines, error translation and round-trip metrics."""
+    """Async Triton client with deadlines, error translation and round-trip metrics.
+
+    ``url`` may list several Tritons serving the same repository, comma-separated (``unroll serve --standby``: the
+    live server first, then its warm standby). Calls go to one of them, the *active* one; a call that finds it
+    unavailable (refused, reset, its model's backend process gone) is sent once to the next one, which becomes the
+    active one. Inference is a pure function of its inputs, so sending it again is safe."""
 
     def __init__(self, url: str, protocol: str, timeout_s: float,
                  observe: Callable[[str, str, str, float], None] | None = None, api_key: str | None = None) -> None:
-        self.url, self.protocol, self.timeout_s = url, protocol, timeout_s
+        self.urls = tuple(u.strip() for u in url.split(",") if u.strip())
+        if not self.urls:
+            raise ValueError("url names no Triton (HOST:PORT, or several comma-separated)")
+        self.protocol, self.timeout_s = protocol, timeout_s
         key = api_key if api_key is not None else os.environ.get(TRITON_API_KEY_ENV) or None
         #: Sent with every call (Triton ignores a header it does not restrict on).
         header = TRITON_GRPC_KEY_HEADER if protocol == "grpc" else TRITON_KEY_HEADER
@@ -104,38 +112,72 @@ class TritonBackend:
         #: How many calls found Triton unavailable: the model catalog re-discovers when this moves, since
         #: the server may come back with another repository.
         self.unavailable_count = 0
+        #: How many times calls moved to another of :attr:`urls`.
+        self.failovers = 0
         #: ``time.monotonic()`` of Triton's latest answer to any call (inferences included): the stall watch's
         #: evidence that Triton answers even when its own probe was slow (:mod:`.stall`).
         self.last_answer = time.monotonic()
         if protocol == "http":
             import tritonclient.http as mod
-            import tritonclient.http.aio as aio
-
-            # aiohttp's own total timeout is only a backstop behind our per-call deadline.
-            self._client: Any = aio.InferenceServerClient(url, conn_timeout=timeout_s + 30.0)
         elif protocol == "grpc":
             import tritonclient.grpc as mod
-            import tritonclient.grpc.aio as aio
-
-            self._client = aio.InferenceServerClient(url, channel_args=[
-                ("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1),
-                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", GRPC_MAX_RECONNECT_BACKOFF_MS)])
         else:
             raise ValueError(f"protocol must be http or grpc, not {protocol!r}")
         self._mod = mod
+        self._clients = [self._new_client(u) for u in self.urls]
+        self._active = 0
+
+    def _new_client(self, url: str) -> Any:
+        if self.protocol == "http":
+            import tritonclient.http.aio as aio
+
+            # aiohttp's own total timeout is only a backstop behind our per-call deadline.
+            return aio.InferenceServerClient(url, conn_timeout=self.timeout_s + 30.0)
+        import tritonclient.grpc.aio as aio
+
+        return aio.InferenceServerClient(url, channel_args=[
+            ("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1),
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", GRPC_MAX_RECONNECT_BACKOFF_MS)])
+
+    @property
+    def url(self) -> str:
+        """The Triton calls go to now (one of :attr:`urls`)."""
+        return self.urls[self._active]
+
+    def fail_over(self, from_index: int | None = None) -> bool:
+        """Make the next of :attr:`urls` the active one (if the active one is still ``from_index``: requests that
+        fail together move once, not once each); whether there is another to move to."""
+        if len(self.urls) < 2:
+            return False
+        if from_index is None or from_index == self._active:
+            before = self.url
+            self._active = (self._active + 1) % len(self.urls)
+            self.failovers += 1
+            log.warning("gateway: Triton at %s is unavailable; calls go to %s now", before, self.url)
+        return True
 
     async def close(self) -> None:
-        await self._client.close()
+        for client in self._clients:
+            await client.close()
 
-    async def _call(self, what: str, coro: Any, timeout_s: float) -> Any:
+    async def _call(self, what: str, make: Callable[[Any], Any], timeout_s: float) -> Any:
+        """``make(client)``'s coroutine on the active Triton, under ``timeout_s``; when that Triton is unavailable
+        and there is another, once more on the next one."""
+        index = self._active
         try:
-            return await self._translated(what, coro, timeout_s)
+            return await self._translated(what, make(self._clients[index]), timeout_s, self.urls[index])
+        except TritonUnavailable:
+            self.unavailable_count += 1
+            if not self.fail_over(index):
+                raise
+        try:
+            return await self._translated(what, make(self._clients[self._active]), timeout_s, self.url)
         except TritonUnavailable:
             self.unavailable_count += 1
             raise
 
-    async def _translated(self, what: str, coro: Any, timeout_s: float) -> Any:
+    async def _translated(self, what: str, coro: Any, timeout_s: float, url: str) -> Any:
         try:
             async with asyncio.timeout(timeout_s):
                 out = await coro
@@ -146,56 +188,56 @@ class TritonBackend:
         except InferenceServerException as e:
             raise _translate(e, what) from None
         except (OSError, ConnectionError) as e:  # aiohttp's ClientConnectionError family is OSError
-            raise TritonUnavailable(f"cannot reach Triton at {self.url} ({type(e).__name__}: {e})") from None
+            raise TritonUnavailable(f"cannot reach Triton at {url} ({type(e).__name__}: {e})") from None
         except Exception as e:
             if type(e).__module__.startswith(("aiohttp", "grpc")):  # e.g. ServerDisconnectedError
-                raise TritonUnavailable(f"connection to Triton at {self.url} failed ({type(e).__name__}: {e})") \
+                raise TritonUnavailable(f"connection to Triton at {url} failed ({type(e).__name__}: {e})") \
                     from None
             raise
 
-    async def _probe(self, what: str, coro: Any, timeout_s: float) -> bool:
+    async def _probe(self, what: str, make: Callable[[Any], Any], timeout_s: float) -> bool:
         """A yes/no question to Triton: its answer, ``False`` when it is down, says no or is slow."""
         try:
-            return bool(await self._call(what, coro, timeout_s))
+            return bool(await self._call(what, make, timeout_s))
         except TritonError:
             return False
 
     async def server_ready(self, timeout_s: float) -> bool:
         """``True`` when Triton answers ready; ``False`` when it is down, not ready or slow."""
-        return await self._probe("a readiness probe", self._client.is_server_ready(headers=self._headers), timeout_s)
+        return await self._probe("a readiness probe", lambda c: c.is_server_ready(headers=self._headers), timeout_s)
 
     async def server_live(self, timeout_s: float) -> bool:
         """``True`` when Triton answers its liveness probe (it may be loading models: not ready, but answering)."""
-        return await self._probe("a liveness probe", self._client.is_server_live(headers=self._headers), timeout_s)
+        return await self._probe("a liveness probe", lambda c: c.is_server_live(headers=self._headers), timeout_s)
 
     async def model_ready(self, name: str, timeout_s: float) -> bool:
-        return await self._probe("a readiness probe", self._client.is_model_ready(name, headers=self._headers),
+        return await self._probe("a readiness probe", lambda c: c.is_model_ready(name, headers=self._headers),
                                  timeout_s)
 
     async def repository_index(self) -> list[dict[str, str]]:
         """Every model in Triton's repository: ``{"name", "version", "state", "reason"}`` (state ``READY`` when
         loaded; a model that failed to load is listed with its reason)."""
         if self.protocol == "grpc":
-            raw = await self._call("the repository index", self._client.get_model_repository_index(
+            raw = await self._call("the repository index", lambda c: c.get_model_repository_index(
                 headers=self._headers, as_json=True), self.timeout_s)
             raw = raw.get("models", [])
         else:
             raw = await self._call("the repository index",
-                                   self._client.get_model_repository_index(headers=self._headers), self.timeout_s)
+                                   lambda c: c.get_model_repository_index(headers=self._headers), self.timeout_s)
         return [{k: str(m.get(k, "")) for k in ("name", "version", "state", "reason")} for m in raw]
 
     async def model_metadata(self, name: str) -> dict[str, Any]:
         kw = {"as_json": True} if self.protocol == "grpc" else {}
         return await self._call(f"metadata of {name}",
-                                self._client.get_model_metadata(name, headers=self._headers, **kw), self.timeout_s)
+                                lambda c: c.get_model_metadata(name, headers=self._headers, **kw), self.timeout_s)
 
     async def model_config(self, name: str) -> dict[str, Any]:
         if self.protocol == "grpc":
-            cfg = await self._call(f"config of {name}", self._client.get_model_config(name, headers=self._headers,
-                                                                                    as_json=True),
+            cfg = await self._call(f"config of {name}", lambda c: c.get_model_config(name, headers=self._headers,
+                                                                                 as_json=True),
                                    self.timeout_s)
             return cfg["config"]
-        return await self._call(f"config of {name}", self._client.get_model_config(name, headers=self._headers),
+        return await self._call(f"config of {name}", lambda c: c.get_model_config(name, headers=self._headers),
                                 self.timeout_s)
 
     @tracing.client_span  # the Triton call's span when tracing is on (its context goes in the headers)
@@ -221,7 +263,7 @@ class TritonBackend:
         t0 = time.perf_counter()
         outcome = "error"
         try:
-            res = await self._call(f"inference on {model}", self._client.infer(
+            res = await self._call(f"inference on {model}", lambda c: c.infer(
                 model, reqs, model_version=version, outputs=outs, headers=tracing.inject(self._headers),
                 request_id=request_id.current() or ""),
                 self.timeout_s)
