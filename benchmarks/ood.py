@@ -62,6 +62,10 @@ class Rule:
     def score(self, residual: np.ndarray) -> np.ndarray:
         return residual if self.sided == "high" else np.abs(residual - self.center) / self.scale
 
+    def flags(self, residual: np.ndarray) -> np.ndarray:
+        """Which images the rule calls out of distribution (score above the threshold)."""
+        return self.score(residual) > self.threshold
+
 
 def auroc(inside: np.ndarray, outside: np.ndarray) -> float:
     """Probability that an out-of-distribution image scores above a digit (higher score = more out)."""
@@ -77,14 +81,16 @@ def fpr95(inside: np.ndarray, outside: np.ndarray) -> float:
 
 @torch.no_grad()
 def scores(model: torch.nn.Module, x: np.ndarray) -> dict[str, np.ndarray]:
-    """Per image: the raw residual, the MSP score (``1 − max softmax``) and the energy score (``−logsumexp``)."""
-    out: dict[str, list[np.ndarray]] = {"residual": [], "msp": [], "energy": []}
+    """Per image: the raw residual, the MSP score (``1 − max softmax``), the energy score (``−logsumexp``) and the
+    top label (``label``, integers)."""
+    out: dict[str, list[np.ndarray]] = {"residual": [], "msp": [], "energy": [], "label": []}
     for i in range(0, len(x), BATCH):
         logits, r, _ = forward_with_residual(model, torch.from_numpy(np.ascontiguousarray(x[i:i + BATCH])))
         out["residual"].append(r.numpy())
         out["msp"].append(1.0 - torch.softmax(logits, 1).amax(1).numpy())
         out["energy"].append(-torch.logsumexp(logits, 1).numpy())
-    return {k: np.concatenate(v).astype(np.float64) for k, v in out.items()}
+        out["label"].append(logits.argmax(1).numpy())
+    return {k: np.concatenate(v) if k == "label" else np.concatenate(v).astype(np.float64) for k, v in out.items()}
 
 
 def choose_rule(val_digits: np.ndarray, val_ood: dict[str, np.ndarray]) -> tuple[Rule, dict[str, float]]:
@@ -111,42 +117,49 @@ def added_cost(model: torch.nn.Module, x: np.ndarray) -> dict[str, float]:
     return {"forward_ms": forward, "residual_ms": extra, "added": extra / forward}
 
 
-def evaluate(name: str, digits: int | None = None, tick: Callable[[str], None] = lambda m: None) -> dict:
-    """One model's rule (chosen on validation) and its test results (module docstring)."""
+def images() -> dict[str, dict[str, np.ndarray]]:
+    """The out-of-distribution images every model is scored on: ``validation`` and ``test`` sets by kind, and the
+    whole ``photos`` (built once per run)."""
+    return {"validation": ood_sets.ood_sets("validation"), "test": ood_sets.ood_sets("test"),
+            "photos": ood_sets.photos()}
+
+
+def evaluate(name: str, digits: int | None = None, tick: Callable[[str], None] = lambda m: None,
+             ood: dict[str, dict[str, np.ndarray]] | None = None) -> dict:
+    """One model's rule (chosen on validation) and its test results (module docstring); ``ood``: :func:`images`."""
+    ood = ood if ood is not None else images()
     model = registry.load(name).eval()
     layer = first_solver(model)
     roles = data.mnist_roles()
     val_x, test_x = roles["validation"][0][:digits], roles["test"][0][:digits]
     tick(f"{name}: validation")
     val_in = scores(model, val_x)
-    val_ood = {k: scores(model, v) for k, v in ood_sets.ood_sets("validation").items()}
+    val_ood = {k: scores(model, v) for k, v in ood["validation"].items()}
     rule, val_auroc = choose_rule(val_in["residual"], {k: v["residual"] for k, v in val_ood.items()})
     tick(f"{name}: test")
     test_in = scores(model, test_x)
     as_score = {"residual": rule.score, "msp": lambda a: a, "energy": lambda a: a}
     sets = {}
-    for kind, imgs in ood_sets.ood_sets("test").items():
+    for kind, imgs in ood["test"].items():
         s = scores(model, imgs)
-        sets[kind] = {"n": len(imgs), "flagged": float((rule.score(s["residual"]) > rule.threshold).mean()),
+        sets[kind] = {"n": len(imgs), "flagged": float(rule.flags(s["residual"]).mean()),
                       **{k: {"auroc": auroc(as_score[k](test_in[k]), as_score[k](s[k])),
                              "fpr95": fpr95(as_score[k](test_in[k]), as_score[k](s[k]))} for k in SCORES}}
     photos = {}
-    for photo, img in ood_sets.photos().items():
+    for photo, img in ood["photos"].items():
         s = scores(model, img)
-        logits = model(torch.from_numpy(img))
         photos[photo] = {"residual": float(s["residual"][0]), "score": float(rule.score(s["residual"])[0]),
-                         "flagged": bool(rule.score(s["residual"])[0] > rule.threshold),
-                         "top_label": int(logits.argmax(1)[0]), "max_softmax": float(1.0 - s["msp"][0])}
+                         "flagged": bool(rule.flags(s["residual"])[0]),
+                         "top_label": int(s["label"][0]), "max_softmax": float(1.0 - s["msp"][0])}
     tick(f"{name}: corrupted digits")
     corrupted = {}
     base = test_x[:CORRUPTED_DIGITS]
     for sev in SEVERITIES:
-        per = {c: float((rule.score(scores(model, corrupt(base, c, sev))["residual"]) > rule.threshold).mean())
-               for c in CORRUPTIONS}
+        per = {c: float(rule.flags(scores(model, corrupt(base, c, sev))["residual"]).mean()) for c in CORRUPTIONS}
         corrupted[str(sev)] = {"mean_flagged": float(np.mean(list(per.values()))), "per_corruption": per}
     return {"layer": type(layer).__name__, "rule": asdict(rule), "validation_mean_auroc": val_auroc,
             "digits": {"validation": len(val_x), "test": len(test_x)},
-            "clean_flagged": float((rule.score(test_in["residual"]) > rule.threshold).mean()),
+            "clean_flagged": float(rule.flags(test_in["residual"]).mean()),
             "test_residual_median": float(np.median(test_in["residual"])),
             "sets": sets, "photos": photos, "corrupted": corrupted, "cost": added_cost(model, test_x)}
 
@@ -183,9 +196,10 @@ def run(models: list[str] | None = None, digits: int | None = None, out_dir: Pat
     """Evaluate ``models`` (default :func:`scored_models`); write the results (and the README's table when writing into
     the committed results folder)."""
     names = list(models or scored_models())
+    ood = images()
     payload = {"benchmark": STEM, "machine": machine_info(torch.get_num_threads()),
                "flag_quantile": FLAG_QUANTILE, "ood_sets": _describe_sets(),
-               "models": {n: evaluate(n, digits, tick) for n in names}}
+               "models": {n: evaluate(n, digits, tick, ood) for n in names}}
     payload["targets"] = verdicts(payload)
     if out_dir is not None:
         write_results(STEM, payload, markdown(payload), Path(out_dir))

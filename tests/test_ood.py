@@ -71,7 +71,7 @@ def test_the_scores_and_the_rule() -> None:
     assert ood.auroc(inside, inside - 1) == 0.0 and ood.fpr95(inside, inside - 1) == 1.0
     rule, mean = ood.choose_rule(inside, {"low": inside - 1, "high": inside + 1})  # out on both sides: two-sided
     assert rule.sided == "both" and mean["both"] > mean["high"]
-    assert (rule.score(inside) > rule.threshold).mean() <= 1 - ood.FLAG_QUANTILE + 1e-9
+    assert rule.flags(inside).mean() <= 1 - ood.FLAG_QUANTILE + 1e-9
     rule, _ = ood.choose_rule(inside, {"high": inside + 1})
     assert rule.sided == "high"
 

@@ -99,6 +99,7 @@ def test_committed_soak_results_lose_nothing_in_any_phase() -> None:
     assert sb and len(sb["stub_kills"]) == len(sb["rounds"]) >= 3, "soak.json has no phase 5: rerun `unroll bench soak`"
     # issue 38 item 6's claim: with a standby, every kill's 503s end within the target (3 s), nothing lost
     assert sb["passed"] and sb["lost"] == 0 and sb["longest_503_s"] <= sb["target_503_s"], sb
+    assert p["passed"] and p["stub_target_met_by"] == "standby", p["stub_target_met_by"]
     assert not p["left_processes"] and not p["leaked_shm"] and not p["orphans"], p
 
 
