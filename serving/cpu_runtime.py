@@ -21,9 +21,10 @@ import numpy as np
 
 from unroll.errors import RuntimeUnavailable
 
-RUNTIMES = ("onnxruntime", "openvino", "aotinductor")
-#: Import name of each runtime (AOTInductor packages run on PyTorch).
-_MODULES = {"onnxruntime": "onnxruntime", "openvino": "openvino", "aotinductor": "torch"}
+RUNTIMES = ("onnxruntime", "openvino", "aotinductor", "torch")
+#: Import name of each runtime (AOTInductor packages run on PyTorch; ``torch`` is the registered module itself,
+#: :mod:`unroll.serving.torch_runtime`, the one that also runs on a GPU).
+_MODULES = {"onnxruntime": "onnxruntime", "openvino": "openvino", "aotinductor": "torch", "torch": "torch"}
 DEFAULT_RUNTIME = "onnxruntime"
 
 Session = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
@@ -47,12 +48,15 @@ def unavailable_reason(runtime: str) -> str | None:
 
 
 def open_session(path: str | Path, runtime: str = DEFAULT_RUNTIME, threads: int = 2, spinning: bool = False,
-                 release_idle_s: float | None = None, static_shapes: bool = False, bf16: bool = False) -> Session:
+                 release_idle_s: float | None = None, static_shapes: bool = False, bf16: bool = False,
+                 device: str = "cpu") -> Session:
     """A callable running the graph at ``path`` on ``runtime`` with ``threads`` threads.
 
     ``static_shapes`` (OpenVINO): compile one static-shape model per input shape met instead of running the
     dynamic-shape graph (faster per call once compiled; :class:`_StaticShapes`). ``aotinductor``: ``path`` is an
     AOTInductor package (``export/aoti.py``). ``bf16`` (OpenVINO): bfloat16 maths (:func:`openvino_config`).
+    ``torch``: the registered PyTorch module ``path``'s card names, checked against ``path`` before it serves, on
+    ``device`` (``cpu`` or ``cuda:N``; the other runtimes run on the CPU only).
 
     OpenVINO gives its intermediate buffers back after ``release_idle_s`` seconds without an inference
     (:class:`IdleRelease`; default :data:`RELEASE_IDLE_S`); ONNX Runtime's are bounded by the largest input it
@@ -69,6 +73,12 @@ def open_session(path: str | Path, runtime: str = DEFAULT_RUNTIME, threads: int 
         raise ValueError(f"threads must be ≥ 1, got {threads}")
     if bf16 and runtime != "openvino":
         raise ValueError(f"bf16 maths is an OpenVINO setting, not one of {runtime}")
+    if device != "cpu" and runtime != "torch":
+        raise ValueError(f"{runtime} runs on the CPU here; device {device!r} takes the torch runtime")
+    if runtime == "torch":
+        from unroll.serving.torch_runtime import torch_session  # (PyTorch only when this runtime is asked for)
+
+        return torch_session(path, threads, device)
     if runtime == "onnxruntime":
         return _ort_session(str(path), threads, spinning)
     if runtime == "aotinductor":

@@ -26,6 +26,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from unroll import artifacts, tasks
 from unroll.card import CARD_KEY, CardError, ModelCard, from_onnx
 from unroll.errors import RepositoryError  # re-exported: callers import it from here
+from unroll.serving import torch_runtime
 from unroll.serving.imaging import prepare, wire
 from unroll.serving.profile import PROFILE_KEY, Range, ServedProfile
 from unroll.serving.repository_check import (
@@ -57,6 +58,8 @@ INTRA_OP_SPINNING = True
 VERSION = "1"
 #: The AOTInductor package's file name in a version directory (with its ``.json`` sidecar beside it).
 AOTI_PACKAGE = "model.pt2"
+#: Config parameter that says why a model asked to run on the ``torch`` runtime is served by its card's instead.
+TORCH_NOTE_KEY = "unroll.runtime_note"
 LABELS_FILE = "labels.txt"
 BACKEND_MODEL = Path(__file__).with_name("triton_backend_model.py")
 #: Where the NGC container keeps ONNX Runtime's TensorRT engines (must be writable inside it).
@@ -244,6 +247,9 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
                       "intra_op_spinning": "1" if spinning else "0"}
     if target == "cpu":
         runtime = runtime or src.card.cpu_runtime
+        if runtime == "torch" and (why := torch_runtime.why_not(src.card)) is not None:
+            runtime = src.card.cpu_runtime  # said in the config's header and served as such (/v1/models: runtime)
+            params[TORCH_NOTE_KEY] = f"torch was asked for; {runtime} serves it: {why}"
         static = src.card.cpu_static_shapes if static_shapes is None else static_shapes
         if bf16 and runtime != "openvino":
             raise RepositoryError(f"{src.name}: bf16 maths is an OpenVINO setting, not one of {runtime}")
@@ -322,6 +328,8 @@ def _header(src: Source, target: Target, precision: str, cfg: mc.ModelConfig, cp
         lines.append("TEST-ONLY CPU STAND-IN (write_repository(cpu_stand_in=True)): the GPU config with the Python "
                      "backend running this graph with ONNX Runtime on the CPU, refusing inputs outside "
                      f"{PROFILE_KEY} as TensorRT would. Never deploy it.")
+    if TORCH_NOTE_KEY in cfg.parameters:
+        lines.append(cfg.parameters[TORCH_NOTE_KEY].string_value)
     lines += ["dims exclude the batch dimension (-1 = dynamic); a [B] graph tensor is dims [1] + reshape [] "
               "(clients send it as [B, 1]).",
               "max_queue_delay_microseconds and max_batch_size: defaults explained in serving/repository.py "

@@ -58,6 +58,13 @@ from unroll.serving.imaging import images, prepare, wire
 from unroll.tiling import Tiler, run_tiled
 
 
+def _device(args: dict) -> str:
+    """The instance's device: ``cuda:N`` for a ``KIND_GPU`` instance (the ``torch`` runtime), else ``cpu``."""
+    if args.get("model_instance_kind") == "GPU":
+        return f"cuda:{args.get('model_instance_device_id', '0')}"
+    return "cpu"
+
+
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         cfg = json.loads(args["model_config"])
@@ -74,7 +81,8 @@ class TritonPythonModel:
             self.session = open_session(onnx_path, runtime, int(params["intra_op_num_threads"]),
                                         spinning=params.get("intra_op_spinning", "0") == "1",
                                         static_shapes=params.get("static_shapes", "0") == "1",
-                                        bf16=params.get("inference_precision", "f32") == "bf16")
+                                        bf16=params.get("inference_precision", "f32") == "bf16",
+                                        device=_device(args))
         except RuntimeUnavailable as e:  # e.g. the card names OpenVINO and it is not installed here
             raise pb_utils.TritonModelException(f"cpu_runtime {runtime!r}: {e}") from None
         self.max_batch = int(cfg.get("max_batch_size", 0))

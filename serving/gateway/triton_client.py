@@ -63,6 +63,9 @@ class ModelInfo:
     labelled_outputs: frozenset[str] = frozenset()
     #: The TensorRT optimization profile a GPU config is served with (``unroll.profile``); ``None`` on the CPU.
     profile: ServedProfile | None = None
+    #: What runs the model in Triton: a Python-backend runtime (``onnxruntime``, ``openvino``, ``aotinductor``,
+    #: ``torch``) or Triton's platform (``tensorrt_plan``, ``onnxruntime_onnx``); ``None`` when the config says neither.
+    runtime: str | None = None
 
     @property
     def batched(self) -> bool:
@@ -83,7 +86,7 @@ class ModelInfo:
             return {"name": x.name, "datatype": x.datatype, "shape": list(x.shape), "optional": x.optional}
 
         out = {"inputs": [t(x) for x in self.inputs.values()], "outputs": [t(x) for x in self.outputs.values()],
-               "max_batch_size": self.max_batch_size, "input_defaults": self.input_defaults}
+               "max_batch_size": self.max_batch_size, "input_defaults": self.input_defaults, "runtime": self.runtime}
         if self.profile is not None:
             out["trt_profile"] = {n: {"min": list(r.min), "opt": list(r.opt), "max": list(r.max)}
                                   for n, r in self.profile.inputs.items()}
@@ -330,6 +333,7 @@ def model_info(name: str, meta: dict[str, Any], cfg: dict[str, Any]) -> ModelInf
         input_defaults=defaults,
         labelled_outputs=labelled,
         profile=profile,
+        runtime=(params.get("cpu_runtime") or {}).get("string_value") or cfg.get("platform") or None,
     )
 
 
