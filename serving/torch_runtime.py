@@ -9,7 +9,7 @@ same seeded input (the card's shape, value range, λ default, σ gate level) and
 tolerance (:data:`PARITY_MAX_ABS`). A graph exported from another checkpoint, or one with no PyTorch code behind it
 (a third-party ONNX, a λ rule), is refused with the reason — it is never answered by another model.
 
-On CUDA, small unrolled models are launch-bound (``gpu_check``: ``sdnet-mnist`` eager at batch 1 spends its time
+On CUDA, small unrolled models are launch-bound (``gpu_check``: the eager digit classifier at batch 1 spends its time
 launching kernels), so each input shape met gets a CUDA graph (:class:`_Graphs`): static input buffers, a warm-up on
 a side stream, one capture, then each call copies its inputs in, replays and clones the outputs; at most
 :data:`MAX_GRAPHS` shapes are kept (least recently used dropped). PyTorch is imported only when a session opens.
