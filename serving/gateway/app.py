@@ -1,7 +1,8 @@
 """The REST gateway (FastAPI): classification and denoising over HTTP in front of Triton.
 
 ``create_app(settings)`` assembles the routers — :mod:`.classify`, :mod:`.denoise`, :mod:`.info` under
-``/v1`` (behind the API key, see :func:`.state.v1_router`), :mod:`.ops` at the root — around one
+``/v1`` and :mod:`.v2_front` (Triton's protocol, checked) under ``/v2``, both behind the API key
+(:func:`.state.keyed_router`), :mod:`.ops` at the root — around one
 :class:`~.state.Gateway` built in the lifespan (Triton client, model catalog, metrics, admission control)
 and handed to the routes as a dependency. What is served is discovered from Triton (each model's card),
 lazily, so the gateway may start before Triton.
@@ -14,14 +15,11 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
-import numpy as np
 from fastapi import APIRouter, FastAPI
-from starlette.concurrency import run_in_threadpool
 
 from unroll import tasks
-from unroll.errors import ServingError
 from unroll.serving import malloc, tracing_env
-from unroll.serving.gateway import classify, denoise, errors, info, ops, tracing
+from unroll.serving.gateway import classify, denoise, errors, info, ops, tracing, v2_front
 from unroll.serving.gateway.metrics import Metrics, MetricsMiddleware
 from unroll.serving.gateway.openapi import API_VERSION, DESCRIPTION, TAGS, install_docs
 from unroll.serving.gateway.rate_limit import RateLimitHeaders
@@ -35,15 +33,6 @@ from unroll.tasks import Task
 log = logging.getLogger("unroll.gateway")
 #: The router of each kind of answer a task's route gives (``Route.answer``): JSON predictions or a PNG image.
 ROUTES: dict[str, Callable[[Task], APIRouter]] = {"predictions": classify.routes, "image": denoise.routes}
-
-
-def _warm_sigma_estimator() -> None:
-    """Pay scikit-image/PyWavelets imports at start-up (any served denoiser may need them), and fail here if missing."""
-    try:
-        probe = np.random.default_rng(0).random((1, 32, 32), dtype=np.float32)
-        images.estimate_sigma(images.Planes(probe, None, "L"))
-    except ImportError as e:
-        raise ServingError(f"sigma estimation needs scikit-image with PyWavelets ({e}); pip install PyWavelets") from e
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -60,7 +49,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.gateway = gateway
         log.info("gateway: Triton %s at %s; models discovered from it on first use", settings.triton_protocol,
                  settings.triton_url)
-        await run_in_threadpool(_warm_sigma_estimator)
         refresher = asyncio.create_task(gateway.catalog.keep_fresh(settings.catalog_refresh_s))
         watcher = asyncio.create_task(gateway.watch.run()) if gateway.watch is not None else None
         try:
@@ -85,7 +73,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(RequestIdMiddleware)  # outside the metrics: its log lines name the request too
     for task in tasks.routed():  # one /v1 route per task that has one, answered as the route says
         app.include_router(ROUTES[task.route.answer](task))
-    for module in (info, ops):  # /v1/models (behind the API key), then /healthz, ...
+    for module in (info, v2_front, ops):  # /v1/models, /v2 (both behind the API key), then /healthz, ...
         app.include_router(module.router)
     install_docs(app)
     return app

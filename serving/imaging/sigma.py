@@ -1,12 +1,13 @@
 """Noise σ of an image for ``POST /v1/denoise`` without ``sigma``, and whether the image looks noise-like at all.
 
 scikit-image's ``estimate_sigma`` (wavelet MAD of the finest diagonal ``db2`` band, averaged over the channels),
-computed here so that the images where it means nothing are caught instead of giving NaN or a huge σ. Each rule
-that fires marks the estimate unreliable and is reported by name (``X-Sigma-Rule``): ``constant-channel`` (no
-detail: counted as noise-free), ``mostly-flat`` (over half exactly flat, e.g. line art: the median over all
-coefficients, zeros included), ``structured`` (one frequency holds most of the band, e.g. a checkerboard: removed
-first) and ``above-range`` (clipped to the card's ``sigma.max``). The value is always finite and within
-``[0, limit]``.
+computed here with NumPy alone — the band is PyWavelets' ``dwtn(…, "db2")["dd"]`` (tests/test_sigma_band.py holds
+them equal), so the serving path needs neither PyWavelets nor SciPy — and so that the images where it means nothing
+are caught instead of giving NaN or a huge σ. Each rule that fires marks the estimate unreliable and is reported by
+name (``X-Sigma-Rule``): ``constant-channel`` (no detail: counted as noise-free), ``mostly-flat`` (over half exactly
+flat, e.g. line art: the median over all coefficients, zeros included), ``structured`` (one frequency holds most of
+the band, e.g. a checkerboard: removed first) and ``above-range`` (clipped to the card's ``sigma.max``). The value is
+always finite and within ``[0, limit]``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+#: Daubechies-2's decomposition high-pass filter (PyWavelets' ``Wavelet("db2").dec_hi``).
+DB2_HIGH_PASS = np.array([-0.48296291314453416, 0.8365163037378079, -0.2241438680420134, -0.12940952255126037])
 #: Φ⁻¹(3/4): the MAD of a standard normal variable (scikit-image's ``scipy.stats.norm.ppf(0.75)``).
 MAD_OF_NORMAL = 0.6744897501960817
 #: Coefficients this small are float rounding, not detail (|coefficient| on the [0, 1] scale; one 16-bit step
@@ -64,12 +67,10 @@ class SigmaEstimate:
 def estimate(planes: np.ndarray, limit: float = math.inf) -> SigmaEstimate:
     """σ of ``planes`` ``[C, H, W]`` (values in [0, 1]) on the [0, 1] scale, clipped to ``limit``; see the module
     docstring for the rules."""
-    import pywt  # PyWavelets: scikit-image's own dependency for estimate_sigma
-
     sigmas: list[float] = []
     rules: set[str] = set()
     for plane in planes:
-        band = pywt.dwtn(plane, "db2")["dd"]
+        band = diagonal_band(plane)
         magnitude = np.abs(band)
         detail = magnitude[magnitude > ROUNDING]
         if detail.size == 0:
@@ -92,6 +93,25 @@ def estimate(planes: np.ndarray, limit: float = math.inf) -> SigmaEstimate:
     return SigmaEstimate(value, tuple(r for r in RULES if r in rules))
 
 
+def _high_pass(x: np.ndarray, axis: int) -> np.ndarray:
+    """One level of ``db2``'s detail along ``axis`` as PyWavelets' ``symmetric`` mode computes it: half-sample
+    symmetric extension, the filter, every other sample from the second, ``(n + 3) // 2`` coefficients, in the
+    input's float precision. Only the kept samples are computed (memory: the extension and the output)."""
+    x = np.moveaxis(x, axis, -1)
+    taps = len(DB2_HIGH_PASS)
+    ext = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(taps - 1, taps - 1)], mode="symmetric")
+    m = (x.shape[-1] + taps - 1) // 2
+    out = np.zeros(x.shape[:-1] + (m,), np.result_type(x.dtype, np.float32))
+    for j, h in enumerate(DB2_HIGH_PASS):  # output k is full-convolution sample 1 + 2k: ext[taps - j + 2k]·h[j]
+        out += float(h) * ext[..., taps - j:taps - j + 2 * m:2]
+    return np.moveaxis(out, -1, axis)
+
+
+def diagonal_band(plane: np.ndarray) -> np.ndarray:
+    """The finest diagonal ``db2`` wavelet band of a 2-D ``plane`` (PyWavelets' ``dwtn(plane, "db2")["dd"]``)."""
+    return _high_pass(_high_pass(np.asarray(plane), 0), 1)
+
+
 def _interior(band: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """The coefficients of a ``db2`` level-1 band computed from the image alone (index 1 … (n − 2) // 2 per axis):
     the others mix in the symmetric extension at the border."""
@@ -101,11 +121,9 @@ def _interior(band: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 def _without_peaks(band: np.ndarray) -> np.ndarray | None:
     """``band`` with every frequency (and its mirror) that holds over :data:`PEAK_SHARE` of the energy left removed,
     or ``None`` when no frequency does (the band looks like noise)."""
-    import scipy.fft
-
     if band.size < 4:
         return None
-    spectrum = scipy.fft.fft2(band)
+    spectrum = np.fft.fft2(band)
     power = np.abs(spectrum) ** 2
     removed = False
     while (total := float(power.sum())) > 0.0:
@@ -117,4 +135,4 @@ def _without_peaks(band: np.ndarray) -> np.ndarray | None:
         spectrum[peak] = spectrum[mirror] = 0.0
         power[peak] = power[mirror] = 0.0
         removed = True
-    return np.real(scipy.fft.ifft2(spectrum)) if removed else None
+    return np.real(np.fft.ifft2(spectrum)) if removed else None
