@@ -40,6 +40,7 @@ pytestmark = [pytest.mark.triton, pytest.mark.slow, pytest.mark.timeout(600)]
 class Clone:
     cwd: Path
     env: dict[str, str]
+    grpc: int
 
     def run(self, command: str) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", "-c", command], cwd=self.cwd, env=self.env, capture_output=True, timeout=180)
@@ -68,7 +69,7 @@ def clone(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     handle = triton.start(repo, http, grpc, metrics, log_file=root / "triton.log", timeout_s=120,
                           extra_args=["--exit-timeout-secs=2"])
     try:
-        yield Clone(root, env)
+        yield Clone(root, env, grpc)
     finally:
         handle.stop()
 
@@ -85,9 +86,10 @@ def test_section_has_the_curl_and_perf_analyzer_examples() -> None:
             assert url.startswith("http://127.0.0.1:8000/v2/models/"), url
 
 
-def test_section_commands_run_verbatim(clone: Clone) -> None:
+def _run_curls(clone: Clone, commands: list[str]) -> int:
+    """Run ``commands`` in the clone (each must exit 0); check the classifier's top label and the denoised file."""
     ran = 0
-    for cmd in _commands():
+    for cmd in commands:
         if "perf_analyzer-run" in cmd and not (clone.cwd / "build" / "perf_analyzer-venv").exists():
             continue  # reported by the test below
         r = clone.run(cmd)
@@ -104,7 +106,28 @@ def test_section_commands_run_verbatim(clone: Clone) -> None:
     with Image.open(clone.cwd / "denoised.png") as got, \
             Image.open(clone.cwd / "build" / "samples" / "csc-denoiser.png") as sent:
         assert got.format == "PNG" and got.size == sent.size and got.mode == sent.mode
-    assert ran >= 5
+    return ran
+
+
+def test_section_commands_run_verbatim(clone: Clone) -> None:
+    assert _run_curls(clone, _commands()) >= 5
+
+
+def test_the_same_requests_sent_to_the_gateways_v2_front_get_the_same_answers(clone: Clone) -> None:
+    """The section's promise for `unroll serve`, whose Triton needs a key: the gateway's ``/v2`` front takes these
+    very requests (curl pointed at the gateway instead of Triton; not one character rewritten) and answers them."""
+    from unroll.serving.gateway.process import gateway_process
+    from unroll.serving.gateway.settings import Settings
+
+    (clone.cwd / "denoised.png").unlink(missing_ok=True)
+    with gateway_process(Settings(triton_url=f"127.0.0.1:{clone.grpc}"), clone.cwd / "gateway.log") as base:
+        port = base.rsplit(":", 1)[1]
+        curl = clone.cwd / ".curl-gateway"
+        curl.mkdir(exist_ok=True)
+        (curl / ".curlrc").write_text(f'connect-to = "127.0.0.1:8000:127.0.0.1:{port}"\n'
+                                      "fail-with-body\nsilent\nshow-error\n")
+        gateway = Clone(clone.cwd, {**clone.env, "CURL_HOME": str(curl)}, clone.grpc)
+        assert _run_curls(gateway, [c for c in _commands() if "perf_analyzer" not in c]) >= 4
 
 
 def test_perf_analyzer_line_needs_the_tool(clone: Clone) -> None:

@@ -274,6 +274,56 @@ def test_a_shape_bomb_sent_to_tritons_own_port_without_the_key_is_refused_before
         assert serve.classify(client).status_code == 200
 
 
+@pytest.mark.triton
+def test_the_gateways_v2_front_serves_tritonclient_and_refuses_shape_bombs_before_any_stub(serve: Serve) -> None:
+    """Issue 38, item 5, checked: the way in to Triton's protocol for everyone without Triton's key is the gateway's
+    ``/v2`` front. ``tritonclient.http`` pointed at the gateway's port gets Triton's own answers (the same logits
+    as Triton direct with the key, image bytes and the classification extension included); the shapes that killed
+    a stub through Triton's port are refused with a JSON 4xx naming the input, and every stub lives on."""
+    import tritonclient.http as httpclient
+
+    server = tritonserver_pid(serve.repo)
+    stubs = set(stubs_of(server))
+    png_bytes = (serve.root / "build" / "samples" / f"{MODEL}.png").read_bytes()
+    row = np.frombuffer(png_bytes, np.uint8).reshape(1, -1)
+    x = np.random.default_rng(3).random((2, 1, 28, 28), dtype=np.float32)
+    front = httpclient.InferenceServerClient(serve.base.removeprefix("http://"))
+    direct = grpcclient.InferenceServerClient(f"127.0.0.1:{serve.ports[1]}")
+    try:
+        meta = front.get_model_metadata(MODEL)
+        assert {"image", "image_bytes"} <= {i["name"] for i in meta["inputs"]}, meta
+        i = httpclient.InferInput("image", list(x.shape), "FP32")
+        i.set_data_from_numpy(x)
+        got = front.infer(MODEL, [i], outputs=[httpclient.InferRequestedOutput("logits")]).as_numpy("logits")
+        d = grpcclient.InferInput("image", list(x.shape), "FP32")
+        d.set_data_from_numpy(x)
+        want = direct.infer(MODEL, [d], headers={GRPC_HEADER_PREFIX + RESTRICTED_HEADER: _triton_key(serve)}
+                            ).as_numpy("logits")
+        assert got.shape == (2, 10) and np.allclose(got, want, atol=1e-6)
+        b = httpclient.InferInput("image_bytes", list(row.shape), "UINT8")
+        b.set_data_from_numpy(row)
+        top3 = front.infer(MODEL, [b], outputs=[httpclient.InferRequestedOutput("logits", class_count=3)]
+                           ).as_numpy("logits")
+    finally:
+        front.close()
+        direct.close()
+    with httpx.Client(timeout=30) as client:
+        v1 = serve.classify(client).json()["predictions"]  # top 1, with the same invert=auto
+        assert top3.shape == (1, 3) and int(top3[0][0].split(b":")[1]) == v1[0]["index"], (top3, v1)
+        for shape, status in (([1, 2**40], 413), ([1, len(png_bytes) * 1000], 400)):
+            header = json.dumps({"inputs": [{"name": "image_bytes", "shape": shape, "datatype": "UINT8",
+                                             "parameters": {"binary_data_size": len(png_bytes)}}]}).encode()
+            r = client.post(f"{serve.base}/v2/models/{MODEL}/infer", content=header + png_bytes,
+                            headers={"Inference-Header-Content-Length": str(len(header)),
+                                     "Content-Type": "application/octet-stream"})
+            assert r.status_code == status, r.text
+            assert "image_bytes" in r.json()["error"]["message"] and str(shape[1]) in r.text, r.text
+    time.sleep(1.0)
+    assert tritonserver_pid(serve.repo) == server and set(stubs_of(server)) == stubs  # nothing died
+    with httpx.Client(timeout=30) as client:
+        assert serve.classify(client).status_code == 200
+
+
 # ---------------------------------------------------------------- Triton's log: no traceback per inference
 
 

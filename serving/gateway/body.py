@@ -78,14 +78,27 @@ async def read_image_bytes(request: Request, limit: int, timeout_s: float, idle_
             if ctype == "multipart/form-data":
                 return await _multipart(request, limit, idle_s)
             if ctype in CONTENT_TYPES:
-                buf = bytearray()
-                async for chunk in _counted(request, limit, idle_s):
-                    buf += chunk
-                return bytes(buf)
+                return await _all(request, limit, idle_s)
     except TimeoutError:
         raise _timed_out(f"the upload did not finish within {timeout_s:g} s") from None
     what = f"Content-Type {ctype!r}" if ctype else "a request without Content-Type"
     raise ApiError(415, "unsupported_media_type", f"{what} is not accepted; send {_ACCEPTED}")
+
+
+async def read_body(request: Request, limit: int, timeout_s: float, idle_s: float | None = None) -> bytes:
+    """The whole body whatever its type, within the same byte and time limits as :func:`read_image_bytes`."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _all(request, limit, idle_s)
+    except TimeoutError:
+        raise _timed_out(f"the upload did not finish within {timeout_s:g} s") from None
+
+
+async def _all(request: Request, limit: int, idle_s: float | None) -> bytes:
+    buf = bytearray()
+    async for chunk in _counted(request, limit, idle_s):
+        buf += chunk
+    return bytes(buf)
 
 
 async def _multipart(request: Request, limit: int, idle_s: float | None) -> bytes:

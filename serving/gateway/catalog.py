@@ -191,6 +191,17 @@ class Catalog:
                            f"unknown {task} model {model!r}{why}; served: {', '.join(served) or 'none'}")
         return snap.entries[model]
 
+    async def loaded(self, name: str) -> Entry:
+        """The model Triton has loaded as ``name``, served on a ``/v1`` route or not (the ``/v2`` front takes any);
+        404 when there is none, with the catalog's reason when it knows one."""
+        entry = None
+        for refresh in (False, True):  # it may have been loaded since (a refresh at most once per MIN_REFRESH_S)
+            entry = (await self.snapshot(refresh=refresh)).entries.get(name)
+            if entry is not None and entry.info is not None:
+                return entry
+        why = f" ({entry.reason})" if entry is not None and entry.reason else ""
+        raise ApiError(404, "unknown_model", f"Triton has no loaded model {name!r}{why}")
+
     async def companion(self, name: str, of: str, task: str) -> Entry:
         """The loaded model ``name`` that ``of``'s card names for ``task`` (e.g. its λ rule), with its own card."""
         snap = await self.snapshot()

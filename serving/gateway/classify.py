@@ -34,7 +34,7 @@ from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.iterations import ItersQuery, iteration_graph
 from unroll.serving.gateway.openapi import IMAGE_BODY, errors
 from unroll.serving.gateway.query import WholeNumber
-from unroll.serving.gateway.state import Gateway, GatewayDep, route_task, v1_router
+from unroll.serving.gateway.state import Gateway, GatewayDep, keyed_router, route_task
 from unroll.serving.gateway.triton_client import fit_shape
 from unroll.serving.imaging import images, prepare, wire
 from unroll.serving.imaging.prepare import check_invert
@@ -113,7 +113,7 @@ def check_lam(card: ModelCard, lam: float | str | None) -> float | str | None:
 def routes(task: Task) -> APIRouter:
     """``task``'s ``/v1`` route answered with the top-k labels of the model's logits (JSON)."""
     assert task.route is not None
-    router = v1_router()
+    router = keyed_router()
     router.post(task.route.path, response_model=ClassifyResponse, response_model_exclude_none=True,
                 tags=["inference"], summary=task.route.summary, openapi_extra=IMAGE_BODY,
                 responses=errors(400, 404, 408, 413, 415, 422, 429, 502, 503, 504))(classify)

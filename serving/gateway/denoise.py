@@ -36,7 +36,7 @@ from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.image_graph import run_image_graph, tiler_for
 from unroll.serving.gateway.iterations import ItersQuery, iteration_graph
 from unroll.serving.gateway.openapi import IMAGE_BODY, errors
-from unroll.serving.gateway.state import Gateway, GatewayDep, route_task, v1_router
+from unroll.serving.gateway.state import Gateway, GatewayDep, keyed_router, route_task
 from unroll.serving.gateway.triton_client import fit_shape
 from unroll.serving.imaging import images, prepare, wire
 from unroll.serving.imaging.sigma import QUERY_HELP, SigmaEstimate
@@ -60,7 +60,7 @@ def routes(task: Task) -> APIRouter:
     """``task``'s ``/v1`` route answered with a PNG of the input's size: with the ``sigma`` parameter when the task's
     route takes the card's noise level (denoising), else an image-to-image graph with the image as its only input."""
     assert task.route is not None
-    router = v1_router()
+    router = keyed_router()
     router.post(task.route.path, tags=["inference"], summary=task.route.summary, openapi_extra=IMAGE_BODY,
                 response_class=Response,
                 responses={200: {"content": {media: {} for media in wire.OUTPUT_FORMATS.values()},

@@ -12,9 +12,9 @@ from unroll import tasks
 from unroll.errors import TritonError
 from unroll.serving.gateway.catalog import Entry, routed_tasks
 from unroll.serving.gateway.openapi import API_VERSION, errors
-from unroll.serving.gateway.state import GatewayDep, v1_router
+from unroll.serving.gateway.state import GatewayDep, keyed_router
 
-router = v1_router()
+router = keyed_router()
 
 
 @router.get("/models", tags=["info"], summary="What this gateway serves (cards, Triton's tensors) and what it does "

@@ -50,11 +50,13 @@ dark on white reaches a model trained on white-on-black digits the right way rou
 is more than the server's aspect-ratio limit times the shorter are refused (422).
 
 **Errors** are always `{"error": {"code", "message"}}`. **Auth**: when the server has an API key,
-send `X-API-Key: KEY` or `Authorization: Bearer KEY` on `/v1/*` (health, readiness, metrics are open).
+send `X-API-Key: KEY` or `Authorization: Bearer KEY` on `/v1/*` and `/v2/*` (health, readiness, metrics are open).
 """
 
 TAGS = [{"name": "inference", "description": "Classification and denoising"},
         {"name": "info", "description": "Served models"},
+        {"name": "triton", "description": "Triton's own v2 inference protocol (tritonclient.http), every declared "
+                                          "tensor size checked against the bytes sent before Triton sees it"},
         {"name": "ops", "description": "Health, readiness and metrics (never need a key)"}]
 
 _BIN = {"schema": {"type": "string", "format": "binary"}}

@@ -73,8 +73,8 @@ class Settings(BaseSettings):
     busy_retry_after_s: int = Field(1, ge=1)
     """``Retry-After`` seconds sent with 429 (over the concurrency limit)."""
     rate_limit: str | None = None
-    """Per-client rate limit of the ``/v1`` routes: ``R/s,BURST`` (e.g. ``10/s,20``), ``R,BURST`` or ``R``; a
-    client is its API key, else its address (:mod:`.rate_limit`). Unset: none."""
+    """Per-client rate limit of the ``/v1`` and ``/v2`` routes: ``R/s,BURST`` (e.g. ``10/s,20``), ``R,BURST`` or
+    ``R``; a client is its API key, else its address (:mod:`.rate_limit`). Unset: none."""
     catalog_refresh_s: float = Field(2.0, gt=0, le=3600, allow_inf_nan=False)
     """How often the gateway re-reads what Triton serves (models, loaded versions, their traffic split) in the
     background, so a version ``unroll deploy`` loads or moves traffic to is picked up without a restart. A

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Annotated
@@ -23,7 +23,7 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 from unroll import tasks
 from unroll.errors import TritonUnavailable
 from unroll.serving.gateway.batching import Batcher
-from unroll.serving.gateway.body import check_declared_length, read_image_bytes
+from unroll.serving.gateway.body import check_declared_length, read_body, read_image_bytes
 from unroll.serving.gateway.catalog import Catalog, Entry
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.http_settings import HttpSettings
@@ -130,20 +130,22 @@ class Gateway:
                    buckets_for(settings.rate_limit), watch)
 
     async def infer(self, entry: Entry, inputs: dict[str, np.ndarray], outputs: list[str],
-                    class_count: int | None = None) -> dict[str, np.ndarray]:
-        """One inference on ``entry``'s model, on the version its traffic split draws (:meth:`Entry.pick_version`).
+                    class_count: int | None = None, version: str | None = None) -> dict[str, np.ndarray]:
+        """One inference on ``entry``'s model, on ``version`` when the request names one, else on the version its
+        traffic split draws (:meth:`Entry.pick_version`).
 
         A version Triton has unloaded since the catalog was read (``unroll deploy`` moved traffic off it and waited
         ``catalog_refresh_s``; a gateway that lagged behind) is answered once more by another ready version, and the
         catalog is re-read, so a rollout loses no request."""
-        version = entry.pick_version()
+        named, version = version is not None, version if version is not None else entry.pick_version()
         if self.watch is not None:
             await self.watch.admit()  # a stalled Triton: 503 now, not at the deadline (.stall)
         with self.watch.waiting() if self.watch is not None else nullcontext():
             try:
                 return await self.batcher.infer(entry.name, inputs, outputs, class_count, version)
             except TritonUnavailable as e:
-                other = entry.pick_version(exclude=version) if version and f"version {version}" in str(e) else ""
+                other = entry.pick_version(exclude=version) \
+                    if version and not named and f"version {version}" in str(e) else ""
                 if not other:
                     raise
                 log.info("gateway: %s version %s is gone; answered by version %s", entry.name, version, other)
@@ -153,10 +155,18 @@ class Gateway:
     async def read_image(self, request: Request) -> bytes:
         """The request's image bytes (see :mod:`.body`), read under an upload permit and *outside* any inference
         slot: call it before ``admission.slot()``. 413 (declared or streamed size), 415, 400, 408, 429."""
+        return await self._read(request, read_image_bytes)
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request's whole body whatever its type (the ``/v2`` front's tensors), as :meth:`read_image` reads."""
+        return await self._read(request, read_body)
+
+    async def _read(self, request: Request, reader: Callable[[Request, int, float, float | None], Awaitable[bytes]]
+                    ) -> bytes:
         limit = self.settings.max_body_bytes
         check_declared_length(request, limit)  # before taking a permit: refusing costs nothing
         async with self.uploads.permit():
-            return await read_image_bytes(request, limit, self.http.body_timeout_s, self.http.body_idle_timeout_s)
+            return await reader(request, limit, self.http.body_timeout_s, self.http.body_idle_timeout_s)
 
 
 async def get_gateway(request: Request) -> Gateway:
@@ -225,11 +235,12 @@ def route_task(request: Request) -> str:
     raise ApiError(404, "not_found", f"no task serves {path or request.url.path}")
 
 
-def v1_router() -> APIRouter:
-    """A router for one ``/v1`` concern: under ``/v1`` and behind the API key when one is configured.
+def keyed_router(prefix: str = "/v1") -> APIRouter:
+    """A router for one API concern: under ``prefix`` (``/v1``; ``/v2`` for the Triton-protocol front) and behind
+    the API key and the rate limit when they are configured.
 
     Each concern's router carries the prefix itself (rather than being nested in a ``/v1`` router) so the
     route a request matched keeps its full template (``/v1/classify``), which the metrics label by.
     """
-    return APIRouter(prefix="/v1", dependencies=[Depends(require_api_key), Depends(rate_limited)],
+    return APIRouter(prefix=prefix, dependencies=[Depends(require_api_key), Depends(rate_limited)],
                      responses={401: COMMON_ERRORS[401], 429: COMMON_ERRORS[429]})

@@ -167,18 +167,15 @@ class TritonBackend:
     async def _call(self, what: str, make: Callable[[Any], Any], timeout_s: float) -> Any:
         """``make(client)``'s coroutine on the active Triton, under ``timeout_s``; when that Triton is unavailable
         and there is another, once more on the next one."""
-        index = self._active
-        try:
-            return await self._translated(what, make(self._clients[index]), timeout_s, self.urls[index])
-        except TritonUnavailable:
-            self.unavailable_count += 1
-            if not self.fail_over(index):
-                raise
-        try:
-            return await self._translated(what, make(self._clients[self._active]), timeout_s, self.url)
-        except TritonUnavailable:
-            self.unavailable_count += 1
-            raise
+        for attempt in range(2):
+            index = self._active
+            try:
+                return await self._translated(what, make(self._clients[index]), timeout_s, self.urls[index])
+            except TritonUnavailable:
+                self.unavailable_count += 1
+                if attempt == 1 or not self.fail_over(index):
+                    raise
+        raise AssertionError("unreachable")  # the second attempt returns or raises
 
     async def _translated(self, what: str, coro: Any, timeout_s: float, url: str) -> Any:
         try:
