@@ -132,8 +132,8 @@ def _verdicts(c: dict[str, Component]) -> list[Verdict]:
     repo = _first(_need_packages(c, "onnx", "tritonclient"))
     serve = _first(_need(c, "triton", "onnxruntime"), _need_packages(c, *SERVE_PKGS, *EXPORT_PKGS))
     gpu_triton = None if c["gpu"].ok else (
-        "no NVIDIA GPU here: GPU repositories run in NGC's tritonserver container on a GPU machine "
-        "(point --triton-url at it)")
+        "no NVIDIA GPU here: GPU repositories run on a GPU machine (the bundled tritonserver with the torch "
+        "runtime, or NGC's container behind --triton-url)")
     ort_cuda = c["ort-cuda"]
     cuda_note = None
     if c["cuda"].ok:
@@ -154,11 +154,13 @@ def _verdicts(c: dict[str, Component]) -> list[Verdict]:
         ("build", None if c["tensorrt"].ok else c["tensorrt"].summary if c["tensorrt"].status != "unknown"
          else _need(c, "tensorrt"), None),
         ("repo", repo, None),
-        ("repo --target gpu", repo, "writes the configs here; they run in NGC's tritonserver on a GPU machine"),
+        ("repo --target gpu", repo, "writes the configs here: for NGC's tritonserver on a GPU machine, or with "
+         "--runtime torch for the bundled one there"),
         ("triton", _need(c, "triton"), None),
         ("serve", serve, None),
-        ("serve --target gpu", _first(gpu_triton, _need_packages(c, *SERVE_PKGS)),
-         "needs NGC's tritonserver with the GPU repository (--triton-url); the bundled one serves cpu only"),
+        ("serve --target gpu", _first(gpu_triton, _need(c, "cuda"), serve),
+         "the bundled tritonserver runs each model's PyTorch module on the GPU (the torch runtime; a model without "
+         "one stays on the CPU); NGC's tritonserver with `unroll repo --target gpu` is the other way (--triton-url)"),
         ("optimize", serve, "without perf_analyzer it keeps the hand-set Triton configuration (the report says so)"
          if not c["perf_analyzer"].ok else None),
         ("optimize --target gpu", _first(_need(c, "cuda"), export), cuda_note),

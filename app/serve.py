@@ -32,6 +32,7 @@ from unroll.data import dataset
 from unroll.errors import ExportError, ServeError, UnrollError
 from unroll.pipeline import choice, graphs_of
 from unroll.registry import get_spec, list_models
+from unroll.serving import torch_runtime
 from unroll.serving.gateway import Settings, create_app
 from unroll.serving.gateway.http_settings import ACCESS_LOG_ENV
 from unroll.serving.gateway.server import uvicorn_options
@@ -50,6 +51,8 @@ if TYPE_CHECKING:
 
 #: Noise level (0–255 scale) of the denoising samples in the printed ``curl`` lines (the denoising task's).
 SAMPLE_SIGMA = denoising.SAMPLE_SIGMA
+#: What runs the models of `unroll serve --target gpu` on the bundled Triton (its only backend is Python).
+GPU_RUNTIME = "torch"
 
 
 def _say(msg: str) -> None:
@@ -79,8 +82,9 @@ def serve_plan(models: list[str], onnx_dir: Path, repo: Path, target: str = "cpu
     """What ``unroll serve`` brings up to date before it starts Triton: the models' graphs and their directories
     in ``repo`` (default repository options), as :mod:`unroll.pipeline` plans them (the plan ``unroll repo``
     makes for the same models and options)."""
-    return pipeline.plan(models, onnx_dir=onnx_dir, repo=repo, options=pipeline.RepoOptions(target=target),
-                         force=rebuild)
+    gpu = target == "gpu"  # the bundled Triton on a GPU: the torch runtime, whatever `unroll optimize` chose
+    options = pipeline.RepoOptions(target=target, runtime=GPU_RUNTIME if gpu else None, optimized=not gpu)
+    return pipeline.plan(models, onnx_dir=onnx_dir, repo=repo, options=options, force=rebuild)
 
 
 def _first_sample(card: ModelCard) -> tuple[np.ndarray, int | None] | None:
@@ -146,9 +150,26 @@ def _check_port_free(host: str, port: int, what: str) -> None:
 
 def served_as(cards: list[ModelCard], target: str) -> dict[str, str]:
     """Per served model: ``unroll optimize``'s choice with the precision and what it loses on the gate data, or
-    the exported FP32 graph on the card's CPU runtime when nothing was chosen."""
+    the exported FP32 graph on the card's CPU runtime when nothing was chosen; on a GPU (the bundled Triton), the
+    PyTorch module on the GPU, or why a model runs on the CPU instead."""
+    if target == "gpu":
+        return {c.name: "torch on the GPU: its PyTorch module, fp32, a CUDA graph per input shape"
+                if (why := torch_runtime.why_not(c)) is None else f"{c.cpu_runtime} on the CPU, fp32: {why}"
+                for c in cards}
     return {c.name: choice.served_as(c.name, target) or f"{c.cpu_runtime}, fp32 graph as exported (no "
             "`unroll optimize` choice)" for c in cards}
+
+
+def check_cuda() -> None:
+    """``--target gpu`` with the bundled Triton needs a CUDA device PyTorch can use; say what is missing."""
+    import torch
+
+    if not torch.cuda.is_available():
+        built = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise ServeError(f"--target gpu: PyTorch sees no CUDA device here (torch {torch.__version__}, {built}); "
+                         "the bundled Triton runs each model's PyTorch module on the GPU. `unroll doctor` says what "
+                         "this machine has; for NVIDIA's container run `unroll repo --target gpu` there and pass "
+                         "--triton-url")
 
 
 def banner(base: str, cards: list[ModelCard], samples: dict[str, Path], api_key: bool, triton: str,
@@ -256,9 +277,8 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
     if triton_url is not None and standby_ports is not None:
         raise ServeError("--standby runs a second bundled tritonserver; with --triton-url list both of your Tritons "
                          "instead (comma-separated)")
-    if triton_url is None and target != "cpu":
-        raise ServeError("the bundled tritonserver has only the Python backend, so it serves --target cpu; for "
-                         "--target gpu run `unroll repo --target gpu` in the NGC container and pass --triton-url")
+    if triton_url is None and target == "gpu":
+        check_cuda()
     models = resolve_models(models, None if triton_url else onnx_dir)
     workers = check_workers(workers) if workers is not None else default_workers()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # finally-blocks run on SIGTERM during set-up
@@ -433,7 +453,11 @@ def serve_command(
     host: Annotated[str, typer.Option(help="Gateway address (0.0.0.0 to expose it; Triton stays on 127.0.0.1)")]
     = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Gateway port")] = 8080,
-    target: Annotated[str, typer.Option(help="Repository target; the bundled Triton serves cpu")] = "cpu",
+    target: Annotated[str, typer.Option(
+        help="cpu: every model on the CPU with its card's runtime; gpu (a CUDA machine): the bundled Triton runs each "
+             "model's PyTorch module on the GPU (the torch runtime, `unroll repo --target gpu --runtime torch`; a "
+             "model without one stays on the CPU, and the banner says so). With --triton-url: your Triton, e.g. "
+             "NVIDIA's container serving `unroll repo --target gpu`")] = "cpu",
     triton_http_port: Annotated[int, typer.Option(help="Triton HTTP port")] = 8000,
     triton_grpc_port: Annotated[int, typer.Option(help="Triton gRPC port")] = 8001,
     triton_metrics_port: Annotated[int, typer.Option(help="Triton metrics port")] = 8002,

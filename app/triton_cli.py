@@ -23,12 +23,14 @@ from unroll.card import CardError
 from unroll.errors import ExportError, ServingError, TritonStartError
 from unroll.export.card_attach import NO_CARD_HINT, attach_card_where_present
 from unroll.pipeline import choice
+from unroll.serving.cpu_runtime import RUNTIMES
 from unroll.serving.repository import (
     CPU_MAX_BATCH_SIZE,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_QUEUE_DELAY_US,
     INTRA_OP_SPINNING,
     PRECISIONS,
+    TORCH_NOTE_KEY,
     RepositoryError,
 )
 from unroll.serving.repository_check import validate_model, validate_repository
@@ -120,6 +122,12 @@ def repo(
              "unroll ModelCard. Repeatable")] = None,
     rebuild: Annotated[bool, typer.Option("--rebuild", help="Re-export and rewrite every model even if up to "
                                                             "date")] = False,
+    runtime: Annotated[str | None, typer.Option(
+        help="What runs every model, instead of each card's (and of `unroll optimize`'s choice): cpu: "
+             f"{', '.join(RUNTIMES)}; gpu: torch, the bundled Triton on a CUDA machine (Python-backend instances on "
+             "the GPU running each model's PyTorch module, a CUDA graph per input shape; a model without one is "
+             "served on the CPU and its config says why). Default: cpu each card's, gpu the NGC container's "
+             "TensorRT / ONNX Runtime configs")] = None,
 ) -> None:
     """Write a Triton model repository (config.pbtxt, version 1, labels) for the exported models and validate it.
 
@@ -138,10 +146,13 @@ def repo(
     if not names:
         raise fail("--models names no model" if models is not None else
                     "no registered model has committed weights; name the models with --models")
+    allowed = RUNTIMES if target == "cpu" else ("torch",)
+    if runtime is not None and runtime not in allowed:
+        raise fail(f"--runtime {runtime}: --target {target} takes {', '.join(allowed)}")
     _attach_cards(card or [], names, onnx_dir, precision)
     options = pipeline.RepoOptions(target=target, precision=precision, threads=threads, max_batch_size=max_batch_size,
                                    queue_delay_us=queue_delay_us, instances=instances, spinning=spinning,
-                                   optimized=optimized)
+                                   runtime=runtime, optimized=optimized and runtime is None)
     served = _bring_up_to_date(names, out, onnx_dir, plan_dir, options, autolam, rebuild)
     console.print(_summary(served, out, onnx_dir, f"{out} (target {target}, {precision})", optimized))
     others = sorted(p.name for p in Path(out).iterdir() if p.is_dir() and not p.name.startswith(".")
@@ -149,7 +160,7 @@ def repo(
     if others:
         console.print(f"[yellow]note:[/] {out} also holds {', '.join(others)} (not rewritten; Triton serves them too)")
     console.print(f"[green]✓[/] {len(served)} models written and validated against their ONNX graphs. "
-                  + (f"Serve them with `unroll triton --repo {out}`." if target == "cpu" else
+                  + (f"Serve them with `unroll triton --repo {out}`." if target == "cpu" or runtime == "torch" else
                      f"Serve them in the NGC container: docker run --gpus all --rm -p 8000-8002:8000-8002 "
                      f"-v {Path(out).resolve()}:/models nvcr.io/nvidia/tritonserver:<yy.mm>-py3 tritonserver "
                      f"--model-repository=/models"))
@@ -163,7 +174,10 @@ def _summary(served: list[str], out: Path, onnx_dir: Path, title: str, optimized
         runtime = cfg.parameters["cpu_runtime"].string_value if "cpu_runtime" in cfg.parameters else "onnxruntime"
         if "static_shapes" in cfg.parameters and cfg.parameters["static_shapes"].string_value == "1":
             runtime += ", static shapes"
-        runs = f"{cfg.backend} ({runtime}, CPU)" if cfg.backend == "python" else cfg.platform
+        device = "GPU" if cfg.instance_group[0].kind == cfg.instance_group[0].KIND_GPU else "CPU"
+        runs = f"{cfg.backend} ({runtime}, {device})" if cfg.backend == "python" else cfg.platform
+        if TORCH_NOTE_KEY in cfg.parameters:
+            runs += f" — {cfg.parameters[TORCH_NOTE_KEY].string_value}"
         applied = choice.apply(name, pipeline.RepoOptions(optimized=optimized), onnx_dir)
         if cfg.backend == "python" and applied.source is not None:
             runs += f"; configured by `unroll optimize` ({applied.source}{'; ' + applied.note if applied.note else ''})"

@@ -2,12 +2,15 @@
 
 Two targets, one layout (``<model>/config.pbtxt``, ``<model>/1/…``, ``labels.txt``). ``cpu`` serves every model
 through the Python backend (:mod:`unroll.serving.triton_backend_model` with the card's ``cpu_runtime``), the only
-backend of the bundled Triton. ``gpu`` (the NGC container) serves an ``unroll build`` plan whose JSON says it passed
-and matches, else ``onnxruntime_onnx`` with the TensorRT accelerator at ``precision_mode`` FP32: a strongly typed
-network that runs the graph's own precision (``NAME.fp16/int8.onnx``; ONNX Runtime's TensorRT provider since
-microsoft/onnxruntime#19695, built against TensorRT ≥ 10), because TensorRT 11 removed weak typing. Everything
-model-specific comes from the card in the ONNX and is copied into each config as ``unroll.card``; configs are
-protobufs, and :func:`validate_repository` re-checks each against its graph (and its profile and plan on GPU).
+backend of the bundled Triton. ``gpu`` with runtime ``torch`` is the same Python backend on the bundled Triton with
+``KIND_GPU`` instances running each model's PyTorch module (:mod:`unroll.serving.torch_runtime`): what a CUDA
+machine without NVIDIA's container serves. ``gpu`` otherwise (the NGC container) serves an ``unroll build`` plan
+whose JSON says it passed and matches, else ``onnxruntime_onnx`` with the TensorRT accelerator at
+``precision_mode`` FP32: a strongly typed network that runs the graph's own precision (``NAME.fp16/int8.onnx``;
+ONNX Runtime's TensorRT provider since microsoft/onnxruntime#19695, built against TensorRT ≥ 10), because TensorRT
+11 removed weak typing. Everything model-specific comes from the card in the ONNX and is copied into each config as
+``unroll.card``; configs are protobufs, and :func:`validate_repository` re-checks each against its graph (and its
+profile and plan on GPU).
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ class Source:
     profile: ServedProfile | None = None  #: the plan's optimization profile (plans only)
 
 
-def _source(name: str, target: Target, precision: str, onnx_dir: Path, plan_dir: Path) -> Source:
+def _source(name: str, target: Target, precision: str, onnx_dir: Path, plan_dir: Path, plans: bool = True) -> Source:
     fp32 = artifacts.graph(name, onnx_dir=onnx_dir)
     if not fp32.exists():
         raise RepositoryError(f"{name}: no ONNX export at {fp32}; run `unroll export {name}` first")
@@ -98,7 +101,7 @@ def _source(name: str, target: Target, precision: str, onnx_dir: Path, plan_dir:
         raise RepositoryError(str(e)) from None
     if card.name != name:  # the Triton model name, the gateway's model= and the card must agree
         raise RepositoryError(f"{fp32} carries the card of {card.name!r}: a graph's file stem must be its card's name")
-    plan = artifacts.plan(name, precision, plan_dir) if target == "gpu" else None
+    plan = artifacts.plan(name, precision, plan_dir) if target == "gpu" and plans else None
     plan_report = profile = None
     if plan is not None and plan.exists():
         plan_report, profile = read_plan_report(name, precision, plan, graph)
@@ -203,6 +206,8 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
     given (``unroll optimize``'s choice); ``bf16``: OpenVINO's bfloat16 maths on the graph."""
     if max_batch_size is None:
         max_batch_size = default_max_batch_size(target, src.card, src.profile)
+    torch_gpu = target == "gpu" and runtime == "torch"  # the bundled Triton on a CUDA machine (module doc)
+    python = target == "cpu" or torch_gpu  # our Python-backend model runs it
     inputs, outputs = onnx_io(src.onnx)
     batching = all(t.dims and t.dims[0] == -1 for t in inputs + outputs)
     if batching and src.profile is not None and max_batch_size > src.profile.max_batch:
@@ -211,7 +216,7 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
                               f"({artifacts.plan_json(src.plan).name}); lower --max-batch-size or rebuild the plan "
                               "with a larger batch")
     cfg = mc.ModelConfig(name=src.name, max_batch_size=max_batch_size if batching else 0)
-    if target == "cpu":
+    if python:
         cfg.backend = "python"
     else:
         cfg.platform = "tensorrt_plan" if src.plan is not None else "onnxruntime_onnx"
@@ -219,7 +224,7 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
     for t in inputs:
         io = cfg.input.add()
         io.CopyFrom(_io_config(mc.ModelInput, t, batching))
-        if src.card.lam is not None and t.name == src.card.lam.input and target == "cpu":
+        if src.card.lam is not None and t.name == src.card.lam.input and python:
             # optional with the model's own λ: the Python model fills it in. The GPU backends cannot
             # default a missing input, so there it stays required and the gateway always sends it.
             io.optional = True
@@ -231,7 +236,7 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
         if tasks.get(src.card.task).logits and t.name == src.card.output:
             labels = class_labels(src.card, t.dims[-1])
             io.label_filename = LABELS_FILE
-    kind = prepare.protocol_kind(src.card) if target == "cpu" and not cpu_stand_in else None
+    kind = prepare.protocol_kind(src.card) if python and not cpu_stand_in else None
     if kind is not None and {t.name for t in inputs + outputs} & set(wire.NAMES):
         kind = None  # a graph tensor takes one of the protocol's names: served as its graph only (see _header)
     if kind is not None:
@@ -245,12 +250,14 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
     # what serving/triton_backend_model.py reads (the CPU target, and the test-only stand-in of a GPU config)
     python_backend = {"onnx_file": "model.onnx", "intra_op_num_threads": str(threads),
                       "intra_op_spinning": "1" if spinning else "0"}
-    if target == "cpu":
+    if python:
         runtime = runtime or src.card.cpu_runtime
         if runtime == "torch" and (why := torch_runtime.why_not(src.card)) is not None:
             runtime = src.card.cpu_runtime  # said in the config's header and served as such (/v1/models: runtime)
-            params[TORCH_NOTE_KEY] = f"torch was asked for; {runtime} serves it: {why}"
-        static = src.card.cpu_static_shapes if static_shapes is None else static_shapes
+            where = " on the CPU (the bundled Triton has no other GPU runtime)" if torch_gpu else ""
+            params[TORCH_NOTE_KEY] = f"torch was asked for; {runtime} serves it{where}: {why}"
+            cfg.instance_group[0].kind = mc.ModelInstanceGroup.KIND_CPU
+        static = (src.card.cpu_static_shapes if static_shapes is None else static_shapes) and runtime != "torch"
         if bf16 and runtime != "openvino":
             raise RepositoryError(f"{src.name}: bf16 maths is an OpenVINO setting, not one of {runtime}")
         params |= python_backend | {"cpu_runtime": runtime, "static_shapes": "1" if static else "0",
@@ -322,8 +329,15 @@ def _graph_io(src: Source) -> list[Tensor]:
 
 
 def _header(src: Source, target: Target, precision: str, cfg: mc.ModelConfig, cpu_stand_in: bool = False) -> str:
-    lines = [f"Generated by `unroll repo --target {target} --precision {precision}` from {src.onnx.name}"
+    python = cfg.backend == "python" and not cpu_stand_in  # our model.py, not a GPU platform (or its stand-in)
+    ngc = target == "gpu" and not python
+    asked = " --runtime torch" if target == "gpu" and python else ""
+    lines = [f"Generated by `unroll repo --target {target}{asked} --precision {precision}` from {src.onnx.name}"
              + (f" and {src.plan.name}" if src.plan else "") + "; regenerate instead of editing."]
+    if target == "gpu" and python and cfg.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU:
+        lines.append("The bundled Triton on a CUDA machine: the Python backend runs the model's PyTorch module on the "
+                     "instance's GPU (serving/torch_runtime.py: the registered module with the weights this graph "
+                     "was exported from, checked against the graph at load; a CUDA graph per input shape).")
     if cpu_stand_in:
         lines.append("TEST-ONLY CPU STAND-IN (write_repository(cpu_stand_in=True)): the GPU config with the Python "
                      "backend running this graph with ONNX Runtime on the CPU, refusing inputs outside "
@@ -336,7 +350,7 @@ def _header(src: Source, target: Target, precision: str, cfg: mc.ModelConfig, cp
               "(re-measure with `unroll bench serve`).",
               "model_warmup runs before the model reports ready."]
     clash = sorted({i.name for i in _graph_io(src)} & set(wire.NAMES))
-    if clash and target == "cpu" and prepare.protocol_kind(src.card) is not None:
+    if clash and python and prepare.protocol_kind(src.card) is not None:
         lines.append(f"No encoded-image inputs: the graph's {', '.join(clash)} take the protocol's names "
                      f"({', '.join(wire.NAMES)}).")
     if image_inputs(cfg):
@@ -345,16 +359,16 @@ def _header(src: Source, target: Target, precision: str, cfg: mc.ModelConfig, cp
                      f"{', '.join(o.name for o in cfg.output if o.name in wire.OUTPUTS)} (protocol: "
                      "serving/triton_backend_model.py docstring).")
     if src.card.lam is not None:
-        lines.append("lam is optional (default = the trained λ) on the CPU target only: the GPU backends cannot "
-                     "default a missing input, so the gateway always sends lam." if target == "cpu"
+        lines.append("lam is optional (default = the trained λ) in the Python backend only: TensorRT and ONNX Runtime "
+                     "cannot default a missing input, so there the gateway always sends lam." if python
                      else "lam is required here (Triton's TensorRT/ONNX Runtime backends cannot default a missing "
                      "input); the gateway always sends it: the card's default when a request gives none.")
-    if target == "gpu":
+    if ngc:
         lines.append(f"{PROFILE_KEY}: the TensorRT optimization profile served (per input min/opt/max, batch "
                      f"first; from {src.profile.source if src.profile else 'the card trt_profile'}). The engine "
                      "covers nothing outside it: the gateway answers 413/422 for images outside it and splits "
                      "batches at its max batch.")
-    if target == "gpu" and src.plan is None:
+    if ngc and src.plan is None:
         what = {"fp32": "FP32 tensors", "fp16": "FP16 tensors written by `unroll quantize`",
                 "int8": "explicit Q/DQ written by `unroll quantize`; no calibration table"}[precision]
         lines.append(f"Precision lives in the graph: model.onnx is {src.onnx.name} ({what}); precision_mode FP32 sets "
@@ -364,7 +378,7 @@ def _header(src: Source, target: Target, precision: str, cfg: mc.ModelConfig, cp
                      "serving/repository.py docstring).")
         lines.append("The accelerator's trt_profile_*_shapes are the same profile; the engine built at load "
                      "covers only that range, so widen the card's trt_profile and regenerate for larger inputs.")
-    if target == "gpu" and src.plan is not None:
+    if ngc and src.plan is not None:
         lines.append(f"The plan was built strongly typed from {src.onnx.name}; {PLAN_JSON} is its JSON "
                      f"({artifacts.plan_json(src.plan).name}): passed gate, profile, I/O, checksums, re-checked "
                      "by `unroll repo`/`unroll triton` validation.")
@@ -383,8 +397,8 @@ def repository_inputs(name: str, target: Target, precision: str = "fp32", onnx_d
     def present(path: Path) -> Path | None:
         return path if path.exists() else None
 
-    plan = present(artifacts.plan(name, precision, plan_dir)) if target == "gpu" else None
-    python = target == "cpu" or cpu_stand_in
+    plan = present(artifacts.plan(name, precision, plan_dir)) if target == "gpu" and runtime != "torch" else None
+    python = target == "cpu" or cpu_stand_in or runtime == "torch"
     return artifacts.built_from(
         upstream=present(artifacts.graph(name, precision, onnx_dir)),
         fp32=present(artifacts.graph(name, onnx_dir=onnx_dir)),
@@ -415,6 +429,9 @@ def write_repository(target: Target, models: list[str], out: Path, precision: st
 
     ``runtime`` / ``static_shapes``: the CPU runtime and its shape mode for every model (default: each card's);
     ``aotinductor`` serves ``aoti_dir/NAME.pt2`` (``unroll optimize`` builds it); ``bf16``: OpenVINO's bfloat16 maths.
+    ``target="gpu", runtime="torch"``: the bundled Triton on a CUDA machine (``KIND_GPU`` Python-backend instances
+    running the model's PyTorch module, :mod:`unroll.serving.torch_runtime`); a model without one is served on the
+    CPU by its card's runtime, and its config says why (``unroll.runtime_note``). FP32 only.
     """
     if target not in ("cpu", "gpu"):
         raise RepositoryError(f"target must be cpu or gpu, not {target!r}")
@@ -424,9 +441,18 @@ def write_repository(target: Target, models: list[str], out: Path, precision: st
         raise RepositoryError("max_batch_size, threads and instances must be ≥ 1 and queue_delay_us ≥ 0")
     if cpu_stand_in and target != "gpu":
         raise RepositoryError("cpu_stand_in stands in for GPU configs: use it with target='gpu'")
+    if target == "gpu" and runtime not in (None, "torch"):
+        raise RepositoryError(f"runtime {runtime!r} is a CPU runtime; on a GPU: torch (the bundled Triton), or none "
+                              "for the NGC container's TensorRT / ONNX Runtime configs")
+    if runtime == "torch" and (cpu_stand_in or precision != "fp32"):
+        raise RepositoryError("the torch runtime runs the model's PyTorch module in FP32: no --precision "
+                              f"{precision}" if precision != "fp32" else
+                              "the torch runtime's GPU configs have no CPU stand-in: write them for the CPU "
+                              "(target cpu, runtime torch) to run the same model.py there")
     if not models:
         raise RepositoryError("no models given")
-    sources = [_source(m, target, precision, Path(onnx_dir), Path(plan_dir)) for m in dict.fromkeys(models)]
+    plans = target == "gpu" and runtime != "torch"  # TensorRT plans: the NGC container's only
+    sources = [_source(m, target, precision, Path(onnx_dir), Path(plan_dir), plans) for m in dict.fromkeys(models)]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []

@@ -169,22 +169,12 @@ class _Graphs:
         import torch
 
         key = tuple((tuple(a.shape), a.dtype) for a in args)
-        if key in self._eager:
-            return self.module(*(a.to(self.device) for a in args))
         entry = self._cache.get(key)
-        if entry is None:
-            try:
-                entry = self._capture(args)
-            except RuntimeError as e:  # an op that cannot be captured (a host sync): this shape runs eagerly, said
-                log.warning("torch runtime: no CUDA graph for input shapes %s (%s); running them eagerly",
-                            [s for s, _ in key], str(e).splitlines()[0])
-                self._eager.add(key)
-                return self.module(*(a.to(self.device) for a in args))
-            self._cache[key] = entry
-            while len(self._cache) > MAX_GRAPHS:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
+        if entry is None and key not in self._eager:
+            entry = self._cached_capture(key, args)
+        if entry is None:  # a shape whose capture failed
+            return self.module(*(a.to(self.device) for a in args))
+        self._cache.move_to_end(key)
         graph, static_in, static_out = entry
         for buf, a in zip(static_in, args, strict=True):
             buf.copy_(a, non_blocking=True)
@@ -192,6 +182,21 @@ class _Graphs:
         out = static_out.clone()
         torch.cuda.current_stream(self.device).synchronize()
         return out
+
+    def _cached_capture(self, key: tuple, args: list[Any]) -> tuple[Any, list[Any], Any] | None:
+        """A new graph for ``key``'s shapes, kept (the least recently used dropped past :data:`MAX_GRAPHS`); ``None``
+        when it cannot be captured (an op that syncs with the host): that shape runs eagerly, said once."""
+        try:
+            entry = self._capture(args)
+        except RuntimeError as e:
+            log.warning("torch runtime: no CUDA graph for input shapes %s (%s); running them eagerly",
+                        [s for s, _ in key], str(e).splitlines()[0])
+            self._eager.add(key)
+            return None
+        self._cache[key] = entry
+        while len(self._cache) > MAX_GRAPHS:
+            self._cache.popitem(last=False)
+        return entry
 
     def _capture(self, args: list[Any]) -> tuple[Any, list[Any], Any]:
         import torch

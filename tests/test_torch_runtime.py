@@ -103,3 +103,59 @@ def test_served_by_the_real_tritonserver_it_answers_as_pytorch(demo_onnx_dir: Pa
                         headers={"Content-Type": "image/png", "Accept": "image/png"})
         assert r.status_code == 200, r.text
         assert Image.open(io.BytesIO(r.content)).size == (48, 48)
+
+
+def test_gpu_configs_for_the_bundled_triton_run_the_module_on_the_gpu_and_say_what_cannot(
+        demo_onnx_dir: Path, tmp_path: Path) -> None:
+    """``unroll repo --target gpu --runtime torch``: KIND_GPU Python-backend instances running the module, with the
+    encoded-image inputs and the optional λ of the CPU configs; a λ rule (no PyTorch module) is served on the CPU by
+    its card's runtime, and its config and the CLI's table say so. FP32 only; no TensorRT plan is looked for."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+    from typer.testing import CliRunner
+
+    from unroll.app.cli import app
+    from unroll.serving.repository import TORCH_NOTE_KEY, RepositoryError, write_repository
+
+    rule = from_onnx(demo_onnx_dir / f"{CLASSIFIER}.onnx").lam.auto
+    repo = tmp_path / "repo"
+    write_repository("gpu", [CLASSIFIER, rule], repo, onnx_dir=demo_onnx_dir, runtime="torch",
+                     plan_dir=tmp_path / "no-plans")
+
+    def config(name: str) -> mc.ModelConfig:
+        text = (repo / name / "config.pbtxt").read_text()
+        return text_format.Parse("\n".join(ln for ln in text.splitlines() if not ln.startswith("#")), mc.ModelConfig())
+
+    cfg = config(CLASSIFIER)
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+    assert cfg.backend == "python" and cfg.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
+    assert params["cpu_runtime"] == "torch" and TORCH_NOTE_KEY not in params and "unroll.profile" not in params
+    assert {"image_bytes", "invert"} <= {i.name for i in cfg.input} and any(i.optional for i in cfg.input
+                                                                              if i.name == "lam")
+    assert "--runtime torch" in (repo / CLASSIFIER / "config.pbtxt").read_text()
+    cfg = config(rule)
+    assert cfg.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
+    note = cfg.parameters[TORCH_NOTE_KEY].string_value
+    assert "on the CPU" in note and "companion" in note and note in (repo / rule / "config.pbtxt").read_text()
+    with pytest.raises(RepositoryError, match="FP32"):
+        write_repository("gpu", [CLASSIFIER], repo, precision="fp16", onnx_dir=demo_onnx_dir, runtime="torch")
+    with pytest.raises(RepositoryError, match="CPU runtime"):
+        write_repository("gpu", [CLASSIFIER], repo, onnx_dir=demo_onnx_dir, runtime="openvino")
+    out = CliRunner().invoke(app, ["repo", "--target", "gpu", "--runtime", "openvino", "--models", CLASSIFIER,
+                                   "--onnx-dir", str(demo_onnx_dir), "--out", str(tmp_path / "cli")])
+    assert out.exit_code != 0 and "--target gpu takes torch" in out.output, out.output
+
+
+def test_serve_on_a_gpu_says_how_each_model_runs_and_what_a_machine_without_cuda_lacks(demo_onnx_dir: Path) -> None:
+    from unroll.app.serve import serve, served_as
+    from unroll.errors import ServeError
+
+    card = from_onnx(demo_onnx_dir / f"{CLASSIFIER}.onnx")
+    shown = served_as([card, from_onnx(demo_onnx_dir / f"{card.lam.auto}.onnx")], "gpu")
+    assert shown[CLASSIFIER].startswith("torch on the GPU")
+    assert "on the CPU" in shown[card.lam.auto] and "companion" in shown[card.lam.auto]
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: `unroll serve --target gpu` would start (scripts/gpu_serve_check.sh)")
+    with pytest.raises(ServeError, match="PyTorch sees no CUDA device here") as e:
+        serve(target="gpu", onnx_dir=demo_onnx_dir)
+    assert "unroll doctor" in str(e.value) and "--triton-url" in str(e.value)
