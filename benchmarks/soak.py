@@ -69,10 +69,17 @@ class ServeProcess:
     regions: set[str] = field(default_factory=set)
     server_pids: set[int] = field(default_factory=set)
 
+    def tritons(self) -> dict[int, list[str]]:
+        """Every tritonserver of this service (two with ``--standby``): ``{pid: command line}``."""
+        return {pid: argv for pid, argv in processes_with(f"--model-repository={self.repo}").items()
+                if argv[0].endswith("tritonserver")}
+
     def triton_pids(self) -> list[int]:
-        """Every tritonserver of this service (two with ``--standby``)."""
-        return sorted(pid for pid, argv in processes_with(f"--model-repository={self.repo}").items()
-                      if argv[0].endswith("tritonserver"))
+        return sorted(self.tritons())
+
+    def triton_on(self, http_port: int) -> int:
+        """The tritonserver listening on ``http_port`` (its ``--http-port`` argument)."""
+        return next(pid for pid, argv in self.tritons().items() if f"--http-port={http_port}" in argv)
 
     def triton_pid(self) -> int | None:
         """The tritonserver that serves the traffic now: the only one, or with a standby the one whose processes
@@ -382,8 +389,7 @@ def standby_phase(classifier: str, denoiser: str, rounds: int, requests: int, co
     ports = [s.triton_ports[0], s.standby_ports[0]]
     waits: list[float] = []
     try:
-        memory = {f"tritonserver on :{port}": soak_standby.rss_mb(pid)
-                  for port, pid in zip(ports, _servers_by_port(s, ports), strict=True)}
+        memory = {f"tritonserver on :{port}": soak_standby.rss_mb(s.triton_on(port)) for port in ports}
         stubs = []
         for k in range(rounds):
             waits.append(soak_standby.both_ready(ports))
@@ -410,13 +416,6 @@ def standby_phase(classifier: str, denoiser: str, rounds: int, requests: int, co
     left, leaked, orphans = _leftovers(s, root)
     return soak_standby.summary(stubs, per_round, stall, deploy, versions, memory, waits, soak_stub.TARGET_503_S) | {
         "left_processes": left, "leaked_shm": leaked, "orphans": orphans}
-
-
-def _servers_by_port(s: ServeProcess, http_ports: list[int]) -> list[int]:
-    """The tritonserver pid listening on each of ``http_ports`` (from its ``--http-port`` argument)."""
-    argvs = {pid: argv for pid, argv in processes_with(f"--model-repository={s.repo}").items()
-             if argv[0].endswith("tritonserver")}
-    return [next(pid for pid, argv in argvs.items() if f"--http-port={port}" in argv) for port in http_ports]
 
 
 def markdown(p: dict) -> str:
