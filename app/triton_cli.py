@@ -28,10 +28,12 @@ from unroll.serving.repository import (
     CPU_MAX_BATCH_SIZE,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_QUEUE_DELAY_US,
+    GPU_RUNTIMES,
     INTRA_OP_SPINNING,
     PRECISIONS,
     TORCH_NOTE_KEY,
     RepositoryError,
+    bundled_gpu,
 )
 from unroll.serving.repository_check import validate_model, validate_repository
 from unroll.serving.triton import start
@@ -146,7 +148,7 @@ def repo(
     if not names:
         raise fail("--models names no model" if models is not None else
                     "no registered model has committed weights; name the models with --models")
-    allowed = RUNTIMES if target == "cpu" else ("torch",)
+    allowed = RUNTIMES if target == "cpu" else GPU_RUNTIMES
     if runtime is not None and runtime not in allowed:
         raise fail(f"--runtime {runtime}: --target {target} takes {', '.join(allowed)}")
     _attach_cards(card or [], names, onnx_dir, precision)
@@ -160,7 +162,8 @@ def repo(
     if others:
         console.print(f"[yellow]note:[/] {out} also holds {', '.join(others)} (not rewritten; Triton serves them too)")
     console.print(f"[green]✓[/] {len(served)} models written and validated against their ONNX graphs. "
-                  + (f"Serve them with `unroll triton --repo {out}`." if target == "cpu" or runtime == "torch" else
+                  + (f"Serve them with `unroll triton --repo {out}`."
+                     if target == "cpu" or bundled_gpu(target, runtime) else
                      f"Serve them in the NGC container: docker run --gpus all --rm -p 8000-8002:8000-8002 "
                      f"-v {Path(out).resolve()}:/models nvcr.io/nvidia/tritonserver:<yy.mm>-py3 tritonserver "
                      f"--model-repository=/models"))

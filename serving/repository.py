@@ -61,6 +61,17 @@ INTRA_OP_SPINNING = True
 VERSION = "1"
 #: The AOTInductor package's file name in a version directory (with its ``.json`` sidecar beside it).
 AOTI_PACKAGE = "model.pt2"
+#: Runtimes of ``target="gpu"`` configs for the bundled Triton (``KIND_GPU`` Python-backend instances); a GPU config
+#: without one is for NVIDIA's container (TensorRT / ONNX Runtime).
+GPU_RUNTIMES = ("torch",)
+
+
+def bundled_gpu(target: str, runtime: str | None) -> bool:
+    """Whether a config of ``target`` with ``runtime`` is the bundled Triton's on a GPU: our Python-backend model,
+    no TensorRT plan."""
+    return target == "gpu" and runtime in GPU_RUNTIMES
+
+
 #: Config parameter that says why a model asked to run on the ``torch`` runtime is served by its card's instead.
 TORCH_NOTE_KEY = "unroll.runtime_note"
 LABELS_FILE = "labels.txt"
@@ -206,7 +217,7 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
     given (``unroll optimize``'s choice); ``bf16``: OpenVINO's bfloat16 maths on the graph."""
     if max_batch_size is None:
         max_batch_size = default_max_batch_size(target, src.card, src.profile)
-    torch_gpu = target == "gpu" and runtime == "torch"  # the bundled Triton on a CUDA machine (module doc)
+    torch_gpu = bundled_gpu(target, runtime)  # the bundled Triton on a CUDA machine (module doc)
     python = target == "cpu" or torch_gpu  # our Python-backend model runs it
     inputs, outputs = onnx_io(src.onnx)
     batching = all(t.dims and t.dims[0] == -1 for t in inputs + outputs)
@@ -397,8 +408,9 @@ def repository_inputs(name: str, target: Target, precision: str = "fp32", onnx_d
     def present(path: Path) -> Path | None:
         return path if path.exists() else None
 
-    plan = present(artifacts.plan(name, precision, plan_dir)) if target == "gpu" and runtime != "torch" else None
-    python = target == "cpu" or cpu_stand_in or runtime == "torch"
+    bundled = bundled_gpu(target, runtime)
+    plan = present(artifacts.plan(name, precision, plan_dir)) if target == "gpu" and not bundled else None
+    python = target == "cpu" or cpu_stand_in or bundled
     return artifacts.built_from(
         upstream=present(artifacts.graph(name, precision, onnx_dir)),
         fp32=present(artifacts.graph(name, onnx_dir=onnx_dir)),
@@ -441,7 +453,7 @@ def write_repository(target: Target, models: list[str], out: Path, precision: st
         raise RepositoryError("max_batch_size, threads and instances must be ≥ 1 and queue_delay_us ≥ 0")
     if cpu_stand_in and target != "gpu":
         raise RepositoryError("cpu_stand_in stands in for GPU configs: use it with target='gpu'")
-    if target == "gpu" and runtime not in (None, "torch"):
+    if target == "gpu" and runtime is not None and not bundled_gpu(target, runtime):
         raise RepositoryError(f"runtime {runtime!r} is a CPU runtime; on a GPU: torch (the bundled Triton), or none "
                               "for the NGC container's TensorRT / ONNX Runtime configs")
     if runtime == "torch" and (cpu_stand_in or precision != "fp32"):
@@ -451,7 +463,7 @@ def write_repository(target: Target, models: list[str], out: Path, precision: st
                               "(target cpu, runtime torch) to run the same model.py there")
     if not models:
         raise RepositoryError("no models given")
-    plans = target == "gpu" and runtime != "torch"  # TensorRT plans: the NGC container's only
+    plans = target == "gpu" and not bundled_gpu(target, runtime)  # TensorRT plans: the NGC container's only
     sources = [_source(m, target, precision, Path(onnx_dir), Path(plan_dir), plans) for m in dict.fromkeys(models)]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
