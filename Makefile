@@ -25,12 +25,19 @@ help:  ## list the targets (options for `make serve`: ARGS="…", see `unroll se
 
 venv: $(STAMP)  ## create .venv and install unroll with its serving and dev extras
 
-test: $(STAMP)  ## run the whole test suite (CI calls this)
+# Test files run in TEST_WORKERS processes (pytest-xdist, one file per worker at a time so a file's servers are started
+# once); the suite waits on servers much of the time, so more workers than cores pay. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 3
+
+test: $(STAMP)  ## run the whole test suite (CI calls this); TEST_WORKERS=N processes (default 3, 0: one)
 	$(PY) -m ruff check unroll export serving benchmarks app pipeline tests examples scripts deploy
 	$(VENV)/bin/hadolint Dockerfile
 	@echo "==> perf_analyzer (Triton's own client) in build/perf_analyzer-venv; its tests skip with the reason without it"
 	-bash scripts/perf_analyzer_setup.sh
-	$(PY) -m pytest -q --durations=15
+	@echo "==> ab (ApacheBench, Debian's apache2-utils) for the gateway benchmarks; their tests skip with the reason without it"
+	-@command -v ab >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq apache2-utils; } \
+		>/dev/null 2>&1 || echo "    could not install apache2-utils (needs root and Debian's package index)"
+	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 serve: $(STAMP)  ## build what is missing, then start Triton and the REST gateway; options: ARGS="--port 8081 …"
 	@echo "==> unroll serve: exports and the Triton repository are built first when missing (about a minute)"

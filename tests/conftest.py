@@ -2,6 +2,7 @@
 
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,16 @@ import pytest
 # folder instead of this checkout's build/optimize (set before anything imports unroll.artifacts)
 os.environ["UNROLL_OPTIMIZE_DIR"] = tempfile.mkdtemp(prefix="unroll-test-optimize-")
 import torch
+from served import shared_triton
+
+from unroll.serving.triton import TritonHandle
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with a ``slow`` test first (order otherwise kept): under ``make test``'s workers (one file per worker
+    at a time) the long files start early instead of ending the run alone."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -27,3 +38,11 @@ def demo_onnx_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     export_model("sdnet-mnist", out, naive=False)
     export_model("csc-denoiser", out, naive=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def demo_triton(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonHandle]:
+    """The session's one tritonserver on the demo models (:func:`served.shared_triton`), started by the first test
+    that asks for it; for tests that only send it requests."""
+    with shared_triton(demo_onnx_dir, tmp_path_factory.mktemp("demo_triton")) as handle:
+        yield handle

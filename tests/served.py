@@ -1,7 +1,9 @@
 """Helpers for tests that classify through a real tritonserver and the real gateway (tests/ is on sys.path).
 
-:func:`gateway_over_triton` starts both on a repository and always stops them; :func:`check_topk` compares the
-gateway's answer with PyTorch's probabilities.
+:func:`shared_triton` is the one tritonserver of a test session for tests that only send it requests (the
+``demo_triton`` fixture of ``conftest.py``); :func:`gateway_over_triton` starts a server and a gateway of a test's
+own on a repository and always stops them; :func:`check_topk` compares the gateway's answer with PyTorch's
+probabilities.
 """
 
 from __future__ import annotations
@@ -17,20 +19,51 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from unroll.serving.triton import TritonHandle
+
+#: What the shared server serves: `unroll serve`'s default models with every graph their cards name (λ rule, other
+#: iteration counts), as `unroll serve` serves them.
+DEMO_MODELS = ["sdnet-mnist", "csc-denoiser"]
+
+
+@contextmanager
+def shared_triton(onnx_dir: Path, root: Path) -> Iterator[TritonHandle]:
+    """tritonserver on the demo models (free ports, repository and log under ``root``), stopped at the end.
+
+    Shared by every test of a session that only sends it requests, each with a gateway of its own settings in front:
+    a test that stops, kills, loads or unloads a server starts its own (``gateway_over_triton`` or ``unroll serve``).
+    Counts read from it (Triton's statistics, the metrics) are compared before and after, never from zero."""
+    from unroll.pipeline import graphs_of
+    from unroll.serving.repository import write_repository
+    from unroll.serving.triton import free_ports, start
+
+    write_repository("cpu", graphs_of(DEMO_MODELS, onnx_dir), root / "repo", onnx_dir=onnx_dir)
+    with start(root / "repo", *free_ports(3), log_file=root / "triton.log", timeout_s=180,
+               extra_args=["--exit-timeout-secs=2"]) as handle:
+        yield handle
+
 
 @contextmanager
 def gateway_over_triton(repo: Path, log_dir: Path, timeout_s: float = 180,
                         client_timeout_s: float = 60) -> Iterator[httpx.Client]:
     """tritonserver on ``repo`` (free ports, logs in ``log_dir``) and the gateway in front of it; yields a client
     of the gateway."""
-    from unroll.serving.gateway.process import gateway_process
-    from unroll.serving.gateway.settings import Settings
     from unroll.serving.triton import free_ports, start
 
     http, grpc, metrics = free_ports(3)
     with start(repo, http, grpc, metrics, log_file=log_dir / "triton.log", timeout_s=timeout_s,
-               extra_args=["--exit-timeout-secs=2"]), \
-            gateway_process(Settings(triton_url=f"127.0.0.1:{grpc}"), log_dir / "gateway.log") as base, \
+               extra_args=["--exit-timeout-secs=2"]) as triton, \
+            gateway_over(triton, log_dir, client_timeout_s) as client:
+        yield client
+
+
+@contextmanager
+def gateway_over(triton: TritonHandle, log_dir: Path, client_timeout_s: float = 60) -> Iterator[httpx.Client]:
+    """A gateway (default settings, log in ``log_dir``) in front of a running tritonserver; yields its client."""
+    from unroll.serving.gateway.process import gateway_process
+    from unroll.serving.gateway.settings import Settings
+
+    with gateway_process(Settings(triton_url=triton.grpc_url), log_dir / "gateway.log") as base, \
             httpx.Client(base_url=base, timeout=client_timeout_s) as client:
         yield client
 

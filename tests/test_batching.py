@@ -29,14 +29,9 @@ N = 24
 
 
 @pytest.fixture(scope="module")
-def triton_grpc(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from unroll.benchmarks.serve_triton import triton_server
-    from unroll.serving.repository import write_repository
-
-    repo = tmp_path_factory.mktemp("repo")
-    write_repository("cpu", [MODEL, MODEL + "-autolam"], repo, onnx_dir=demo_onnx_dir)  # its λ rule: needed by /readyz
-    with triton_server(repo, tmp_path_factory.mktemp("triton-log") / "triton.log") as (_, grpc_url):
-        yield grpc_url
+def triton_grpc(demo_triton) -> str:
+    """The session's tritonserver (the demo models)."""
+    return demo_triton.grpc_url
 
 
 @contextlib.contextmanager

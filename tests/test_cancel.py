@@ -8,7 +8,6 @@ from __future__ import annotations
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -17,25 +16,17 @@ from served import png
 
 from unroll.benchmarks.common import metric_sum
 from unroll.data import mnist_split
-from unroll.pipeline import graphs_of
 from unroll.serving.gateway.process import gateway_popen
 from unroll.serving.gateway.settings import Settings
-from unroll.serving.triton import free_ports, start
 
 
 @pytest.fixture(scope="module")
-def stack(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    from unroll.serving.repository import write_repository
-
+def stack(demo_triton, tmp_path_factory: pytest.TempPathFactory):
+    """A gateway with one admission slot in front of the session's tritonserver (the demo models)."""
     root = tmp_path_factory.mktemp("cancel")
-    write_repository("cpu", graphs_of(["sdnet-mnist", "csc-denoiser"], demo_onnx_dir), root / "repo",
-                     onnx_dir=demo_onnx_dir)
-    http, grpc, metrics = free_ports(3)
-    settings = Settings(triton_url=f"127.0.0.1:{grpc}", max_concurrency=1, max_queue=4, batching=False)
-    with start(root / "repo", http, grpc, metrics, log_file=root / "triton.log", timeout_s=180,
-               extra_args=["--exit-timeout-secs=2"]), \
-            gateway_popen(settings, root / "gateway.log", args=("--log-level", "info")) as (base, _):
-        yield base, f"http://127.0.0.1:{http}", root / "gateway.log"
+    settings = Settings(triton_url=demo_triton.grpc_url, max_concurrency=1, max_queue=4, batching=False)
+    with gateway_popen(settings, root / "gateway.log", args=("--log-level", "info")) as (base, _):
+        yield base, f"http://{demo_triton.url}", root / "gateway.log"
 
 
 def _triton_count(triton: str, model: str) -> int:

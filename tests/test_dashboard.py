@@ -193,21 +193,15 @@ def _problems(dash: dict, exported: dict[str, tuple[str, set[str]]]) -> list[str
 
 
 @pytest.mark.triton
-def test_every_metric_the_dashboard_queries_is_exported(demo_onnx_dir: Path, tmp_path: Path) -> None:
+def test_every_metric_the_dashboard_queries_is_exported(demo_triton, tmp_path: Path) -> None:
     from unroll.serving.gateway.process import gateway_process
     from unroll.serving.gateway.settings import Settings
-    from unroll.serving.repository import write_repository
-    from unroll.serving.triton import free_ports, start
 
-    repo = tmp_path / "repo"
-    write_repository("cpu", [MODEL, MODEL + "-autolam"], repo, onnx_dir=demo_onnx_dir)  # its λ rule: for /readyz
+    triton = demo_triton  # the session's tritonserver (the demo models)
     digit = np.zeros((28, 28), np.uint8)
     digit[6:22, 13:16] = 255  # a "1"
     url = f"/v1/classify?model={MODEL}&top_k=3"
-    http, grpc, metrics = free_ports(3)
-    with start(repo, http, grpc, metrics, log_file=tmp_path / "triton.log", timeout_s=120,
-               extra_args=["--exit-timeout-secs=2"]) as triton, \
-            gateway_process(Settings(triton_url=f"127.0.0.1:{grpc}"), tmp_path / "gateway.log") as base, \
+    with gateway_process(Settings(triton_url=triton.grpc_url), tmp_path / "gateway.log") as base, \
             httpx.Client(base_url=base, timeout=60) as client:
         good = client.post(url, content=png(digit), headers={"Content-Type": "image/png"})
         bad = client.post(url, content=b"not an image", headers={"Content-Type": "image/png"})

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -119,24 +118,15 @@ def test_white_noise_alone_is_never_structured() -> None:
 
 
 @pytest.fixture(scope="module")
-def client(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    """A tritonserver serving csc-denoiser and a gateway process in front, both always stopped."""
+def client(demo_triton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+    """A gateway process in front of the session's tritonserver (csc-denoiser among the demo models), stopped."""
     from unroll.serving.gateway.process import gateway_process
-    from unroll.serving.repository import write_repository
-    from unroll.serving.triton import free_ports, start
 
-    repo = tmp_path_factory.mktemp("repo")
-    write_repository("cpu", ["csc-denoiser"], repo, onnx_dir=demo_onnx_dir)
-    ports = free_ports(3)
     logs = tmp_path_factory.mktemp("logs")
-    handle = start(repo, *ports, log_file=logs / "triton.log", timeout_s=120, extra_args=["--exit-timeout-secs=2"])
-    try:
-        settings = Settings(triton_url=f"127.0.0.1:{ports[1]}", max_pixels=1_200_000, request_timeout_s=60)
-        with gateway_process(settings, logs / "gateway.log", timeout_s=90) as base, \
-                httpx.Client(base_url=base, timeout=90) as c:
-            yield c
-    finally:
-        handle.stop()
+    settings = Settings(triton_url=demo_triton.grpc_url, max_pixels=1_200_000, request_timeout_s=60)
+    with gateway_process(settings, logs / "gateway.log", timeout_s=90) as base, \
+            httpx.Client(base_url=base, timeout=90) as c:
+        yield c
 
 
 def post(client: httpx.Client, data: bytes, query: str = "") -> httpx.Response:

@@ -8,7 +8,6 @@ schema (status code documented, content type and body as declared).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import schemathesis
@@ -28,20 +27,12 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 
 @pytest.fixture(scope="module")
-def api_schema(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    from unroll.pipeline import graphs_of
-    from unroll.serving.repository import write_repository
-    from unroll.serving.triton import free_ports, start
-
-    repo = tmp_path_factory.mktemp("fuzz_repo")
+def api_schema(demo_triton, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    # the session's tritonserver serves every graph the demo models' cards name (λ rule, other iteration counts
+    # iters=K), as `unroll serve` serves them
     logs = tmp_path_factory.mktemp("fuzz_logs")
-    # every graph the models' cards name: λ rule, other iteration counts (iters=K), as `unroll serve` serves them
-    write_repository("cpu", graphs_of(["sdnet-mnist", "csc-denoiser"], demo_onnx_dir), repo, onnx_dir=demo_onnx_dir)
-    http, grpc, metrics = free_ports(3)
-    with start(repo, http, grpc, metrics, log_file=logs / "triton.log", timeout_s=120,
-               extra_args=["--exit-timeout-secs=2"]), \
-            gateway_process(Settings(triton_url=f"127.0.0.1:{grpc}", max_pixels=512 * 512,
-                                     max_body_bytes=2 * 1024 * 1024), logs / "gateway.log") as base:
+    with gateway_process(Settings(triton_url=demo_triton.grpc_url, max_pixels=512 * 512,
+                                  max_body_bytes=2 * 1024 * 1024), logs / "gateway.log") as base:
         yield schemathesis.openapi.from_url(f"{base}/openapi.json")
 
 

@@ -272,14 +272,9 @@ def png(arr: np.ndarray) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def triton_grpc(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from unroll.benchmarks.serve_triton import triton_server
-    from unroll.serving.repository import write_repository
-
-    repo = tmp_path_factory.mktemp("repo")
-    write_repository("cpu", ["sdnet-mnist", "sdnet-mnist-autolam", "csc-denoiser"], repo, onnx_dir=demo_onnx_dir)
-    with triton_server(repo, tmp_path_factory.mktemp("triton-log") / "triton.log") as (_, grpc_url):
-        yield grpc_url
+def triton_grpc(demo_triton) -> str:
+    """The session's tritonserver (the demo models)."""
+    return demo_triton.grpc_url
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ import textwrap
 import tracemalloc
 import zlib
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -209,24 +208,15 @@ def test_invert_auto_rule_and_card_field() -> None:
 
 
 @pytest.fixture(scope="module")
-def served(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, httpx.Client]]:
-    """A tritonserver with the demo models and a gateway in front (small pixel limit), both always stopped."""
+def served(demo_triton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, httpx.Client]]:
+    """A gateway (small pixel limit) in front of the session's tritonserver on the demo models, always stopped."""
     from unroll.serving.gateway.process import gateway_process
-    from unroll.serving.repository import write_repository
-    from unroll.serving.triton import free_ports, start
 
-    repo = tmp_path_factory.mktemp("repo")
-    write_repository("cpu", ["sdnet-mnist", "sdnet-mnist-autolam", "csc-denoiser"], repo, onnx_dir=demo_onnx_dir)
-    ports = free_ports(3)
     logs = tmp_path_factory.mktemp("logs")
-    handle = start(repo, *ports, log_file=logs / "triton.log", timeout_s=120, extra_args=["--exit-timeout-secs=2"])
-    try:
-        settings = Settings(triton_url=f"127.0.0.1:{ports[1]}", max_pixels=1_200_000, request_timeout_s=30)
-        with gateway_process(settings, logs / "gateway.log", timeout_s=90) as base, \
-                httpx.Client(base_url=base, timeout=60) as client:
-            yield base, client
-    finally:
-        handle.stop()
+    settings = Settings(triton_url=demo_triton.grpc_url, max_pixels=1_200_000, request_timeout_s=30)
+    with gateway_process(settings, logs / "gateway.log", timeout_s=90) as base, \
+            httpx.Client(base_url=base, timeout=60) as client:
+        yield base, client
 
 
 def error(r: httpx.Response, status: int, code: str) -> str:

@@ -11,7 +11,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from served import check_topk, gateway_over_triton, png, softmax
+from served import check_topk, gateway_over, png, softmax
 
 import unroll
 from unroll.card import IterCard, from_onnx
@@ -70,13 +70,10 @@ def test_each_count_graph_matches_pytorch_with_that_many_iterations(demo_onnx_di
 
 
 @pytest.fixture(scope="module")
-def gateway(demo_onnx_dir, tmp_path_factory):
-    from unroll.serving.repository import write_repository
-
-    root = tmp_path_factory.mktemp("iters")
-    graphs = graphs_of([MODEL, "csc-denoiser"], demo_onnx_dir)
-    write_repository("cpu", graphs, root / "repo", onnx_dir=demo_onnx_dir)
-    with gateway_over_triton(root / "repo", root) as client:
+def gateway(demo_triton, tmp_path_factory):
+    """A gateway in front of the session's tritonserver: every graph the demo models' cards name, other iteration
+    counts included."""
+    with gateway_over(demo_triton, tmp_path_factory.mktemp("iters")) as client:
         yield client
 
 

@@ -4,18 +4,14 @@ gateway in front of a real tritonserver: ``RateLimit-*`` headers on every ``/v1`
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import pytest
 
 from unroll.errors import SettingsError
-from unroll.pipeline import graphs_of
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.process import gateway_popen
 from unroll.serving.gateway.rate_limit import Buckets, RateLimit
 from unroll.serving.gateway.settings import Settings
-from unroll.serving.triton import free_ports, start
 
 MODEL = "sdnet-mnist"
 
@@ -64,16 +60,11 @@ def test_buckets_are_bounded() -> None:
 
 
 @pytest.fixture(scope="module")
-def gateway(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    from unroll.serving.repository import write_repository
-
+def gateway(demo_triton, tmp_path_factory: pytest.TempPathFactory):
+    """A rate-limited, key-locked gateway in front of the session's tritonserver (the demo models)."""
     root = tmp_path_factory.mktemp("rate-limit")
-    write_repository("cpu", graphs_of([MODEL], demo_onnx_dir), root / "repo", onnx_dir=demo_onnx_dir)
-    http, grpc, metrics = free_ports(3)
-    settings = Settings(triton_url=f"127.0.0.1:{grpc}", rate_limit="0.2/s,3", api_key="s3cret")
-    with start(root / "repo", http, grpc, metrics, log_file=root / "triton.log", timeout_s=180,
-               extra_args=["--exit-timeout-secs=2"]), \
-            gateway_popen(settings, root / "gateway.log", ready_path="/healthz") as (base, _):
+    settings = Settings(triton_url=demo_triton.grpc_url, rate_limit="0.2/s,3", api_key="s3cret")
+    with gateway_popen(settings, root / "gateway.log", ready_path="/healthz") as (base, _):
         yield base
 
 

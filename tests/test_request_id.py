@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import httpx
 import pytest
 from served import png
 
 from unroll.data import mnist_split
-from unroll.pipeline import graphs_of
 from unroll.serving.gateway.process import gateway_popen
 from unroll.serving.gateway.request_id import accepted, log_config, log_format
 from unroll.serving.gateway.settings import Settings
-from unroll.serving.triton import free_ports, start
 
 MODEL = "sdnet-mnist"
 HEX = re.compile("[0-9a-f]{32}")
@@ -33,18 +30,13 @@ def test_only_sane_ids_are_taken_from_the_client() -> None:
 
 
 @pytest.fixture(scope="module")
-def served(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """tritonserver with sdnet-mnist's graphs and a gateway logging JSON lines at info, access log on."""
-    from unroll.serving.repository import write_repository
-
+def served(demo_triton, tmp_path_factory: pytest.TempPathFactory):
+    """A gateway logging JSON lines at info, access log on, in front of the session's tritonserver (the demo
+    models)."""
     root = tmp_path_factory.mktemp("request-id")
-    write_repository("cpu", graphs_of([MODEL], demo_onnx_dir), root / "repo", onnx_dir=demo_onnx_dir)
-    http, grpc, metrics = free_ports(3)
     log = root / "gateway.log"
-    with start(root / "repo", http, grpc, metrics, log_file=root / "triton.log", timeout_s=180,
-               extra_args=["--exit-timeout-secs=2"]), \
-            gateway_popen(Settings(triton_url=f"127.0.0.1:{grpc}"), log, ready_path="/healthz",
-                          args=("--log-level", "info", "--log-format", "json", "--access-log")) as (base, _):
+    with gateway_popen(Settings(triton_url=demo_triton.grpc_url), log, ready_path="/healthz",
+                       args=("--log-level", "info", "--log-format", "json", "--access-log")) as (base, _):
         with httpx.Client(base_url=base, timeout=60) as client:
             yield client, log
 

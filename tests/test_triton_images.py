@@ -28,7 +28,6 @@ from unroll.serving import triton
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.imaging import images, prepare, wire
 from unroll.serving.repository import write_repository
-from unroll.serving.triton import free_ports
 
 pytestmark = pytest.mark.triton
 
@@ -42,16 +41,10 @@ def cards(demo_onnx_dir: Path) -> dict[str, ModelCard]:
 
 
 @pytest.fixture(scope="module")
-def server(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[triton.TritonHandle]:
-    repo = tmp_path_factory.mktemp("img-repo")
-    # the classifier's λ rule too: its card names it, and the gateway is ready once every named model is served
-    write_repository("cpu", [CLASSIFIER, f"{CLASSIFIER}-autolam", DENOISER], repo, onnx_dir=demo_onnx_dir)
-    handle = triton.start(repo, *free_ports(3), log_file=repo.parent / "triton.log", timeout_s=120,
-                          extra_args=["--exit-timeout-secs=2"])
-    try:
-        yield handle
-    finally:
-        handle.stop()
+def server(demo_triton) -> triton.TritonHandle:
+    """The session's tritonserver: the demo models (the classifier with its λ rule: the gateway is ready once
+    every graph its card names is served)."""
+    return demo_triton
 
 
 @pytest.fixture(scope="module")
