@@ -19,6 +19,7 @@ Not yet served: the graphs, Triton and the gateway do not carry the residual (is
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -206,7 +207,29 @@ def run(models: list[str] | None = None, digits: int | None = None, out_dir: Pat
         plot(payload, Path(out_dir))
         if Path(out_dir).resolve() == RESULTS.resolve():
             write_readme_block(RESULTS.parent.parent / "README.md", README_BEGIN, README_END, readme_block(payload))
+            if digits is None:  # the whole validation split: the rules the served graphs carry
+                record_rules(payload)
     return payload
+
+
+#: The rule's fields a card's ``ood`` takes (:class:`unroll.card.OodCard`).
+RULE_FIELDS = ("sided", "center", "scale", "threshold")
+
+
+def record_rules(payload: dict) -> list[Path]:
+    """Each model's rule, chosen on validation data, into its committed training record (``"ood"``) where its card
+    declares ``ood``: ``unroll export`` puts it on the exported card, and the gateway judges by it. Returns the
+    records written."""
+    written = []
+    for name, m in payload["models"].items():
+        spec = registry.get_spec(name)
+        if spec.card.ood is None or not spec.info_path.exists():
+            continue
+        record = spec.info()
+        record["ood"] = {k: m["rule"][k] for k in RULE_FIELDS}
+        spec.info_path.write_text(json.dumps(record, indent=2) + "\n")
+        written.append(spec.info_path)
+    return written
 
 
 def _describe_sets() -> dict:
@@ -230,7 +253,7 @@ def _row(kind: str, s: dict) -> str:
 def markdown(p: dict) -> str:
     m0 = p["machine"]
     lines = ["# Out-of-distribution score from the solver's residual", "",
-             f"{m0.get('cpu', '?')}; `unroll bench ood`, in-process PyTorch FP32 (not yet served). Rule and threshold "
+             f"{m0.get('cpu', '?')}; `unroll bench ood`, in-process PyTorch FP32 (the served graph's residual output is the same number). Rule and threshold "
              f"chosen on validation data (validation digits + validation sets), reported on test data. Score cells: "
              "AUROC / FPR95 (share of out-of-distribution images taken for digits at the threshold keeping 95 % of "
              f"the test digits); flagged: share above the residual threshold (validation digits' "

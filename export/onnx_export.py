@@ -34,7 +34,7 @@ from torch import nn
 
 import unroll
 from unroll import artifacts, tasks
-from unroll.card import CardError, ModelCard, write_to_onnx
+from unroll.card import CardError, ModelCard, OodCard, write_to_onnx
 from unroll.errors import ExportError  # re-exported: the model cannot be exported as a valid, verified graph
 from unroll.export import inputs as _inputs  # (``export`` has a parameter named example_inputs)
 from unroll.export import inputs as example_inputs
@@ -47,6 +47,7 @@ from unroll.solvers.csc import DictBlock, fista_momenta
 from unroll.solvers.dic_attn import DicAttention
 from unroll.solvers.iterations import iteration_count, set_iterations
 from unroll.solvers.nmf import NMFHam
+from unroll.solvers.residual import first_solver, forward_with_residual
 from unroll.solvers.shrink import textbook_mode
 from unroll.solvers.vars_attn import VARSAttention
 
@@ -79,6 +80,24 @@ class _Classifier(nn.Module):
         return self.model(image, lam)
 
 
+class _WithResidual(nn.Module):
+    """The module's output and its first solver layer's relative residual per sample (``card.ood``): the graph's
+    two outputs, traced from :func:`unroll.solvers.residual.forward_with_residual` (one reconstruction more)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, r, _ = forward_with_residual(self.module, *inputs)
+        return y, r
+
+
+def _arrays(out: torch.Tensor | tuple[torch.Tensor, ...]) -> list[np.ndarray]:
+    """A module's output(s) as arrays, in graph output order."""
+    return [t.numpy() for t in (out if isinstance(out, tuple) else (out,))]
+
+
 def io_names(card: ModelCard, lam_input: bool) -> tuple[list[str], list[str], dict[str, dict[int, str]]]:
     """Graph input/output names and dynamic axes, from the model card (CONVENTIONS.md)."""
     main = card.input
@@ -97,7 +116,9 @@ def io_names(card: ModelCard, lam_input: bool) -> tuple[list[str], list[str], di
         axes[card.sigma.input] = {0: "batch"}
     # The output follows the input's dynamic axes when it has the input's rank (images, tokens).
     axes[card.output] = dyn if tasks.get(card.task).same_shape_output else {0: "batch"}
-    return ins, [card.output], axes
+    if card.ood is not None:
+        axes[card.ood.output] = {0: "batch"}
+    return ins, card.output_names, axes
 
 
 def resolve_card(card: ModelCard, model: nn.Module, lam_input: bool) -> ModelCard:
@@ -258,23 +279,30 @@ def verify(model_bytes: bytes, module: nn.Module, cases: list[example_inputs.Cas
     for case in cases:
         feed = {k: case.inputs[k].numpy() for k in ins}
         try:
-            got = sess.run(None, feed)[0]
+            gots = sess.run(None, feed)
         except Exception as e:  # e.g. a shape frozen at the traced input's
             raise ExportError(f"{case.label}: ONNX Runtime could not run the graph: {_first_line(e)}") from e
         with torch.no_grad():
-            ref = module(*(case.inputs[k] for k in ins)).numpy()
-        if got.shape != ref.shape:
-            raise ExportError(f"{case.label}: ONNX output shape {got.shape} != PyTorch {ref.shape}")
-        diff = np.abs(got.astype(np.float64) - ref)
-        rel = _rel(got, ref)
+            refs = _arrays(module(*(case.inputs[k] for k in ins)))
+        per_output = []
+        for i, (got, ref) in enumerate(zip(gots, refs, strict=True)):
+            if got.shape != ref.shape:
+                raise ExportError(f"{case.label}: ONNX output {i} shape {got.shape} != PyTorch {ref.shape}")
+            out = {"max_abs_err": float(np.abs(got.astype(np.float64) - ref).max()), "rel_err": _rel(got, ref)}
+            out["ok"] = bool(out["max_abs_err"] <= MAX_ABS_ERR and out["rel_err"] <= MAX_REL_ERR)
+            if not out["ok"]:
+                if double is None:
+                    double = copy.deepcopy(module).double()
+                out.update(float64_floor(module, case, ins, got, ref, double, index=i))
+            per_output.append(out)
         row = {"case": case.label, "batch": int(next(iter(feed.values())).shape[0]),
                "shapes": {k: list(v.shape) for k, v in feed.items()},
-               "max_abs_err": float(diff.max()), "rel_err": rel,
-               "ok": bool(diff.max() <= MAX_ABS_ERR and rel <= MAX_REL_ERR)}
-        if not row["ok"]:
-            if double is None:
-                double = copy.deepcopy(module).double()
-            row.update(float64_floor(module, case, ins, got, ref, double))
+               "max_abs_err": max(o["max_abs_err"] for o in per_output),
+               "rel_err": max(o["rel_err"] for o in per_output), "ok": all(o["ok"] for o in per_output)}
+        if len(per_output) == 1:
+            row.update({k: v for k, v in per_output[0].items() if k == "float64"})
+        else:  # each output judged on its own (a residual of ~0.6 and logits of ~10 share no scale)
+            row["outputs"] = per_output
         rows.append(row)
     return rows
 
@@ -284,7 +312,7 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def float64_floor(module: nn.Module, case: example_inputs.Case, ins: list[str], got: np.ndarray,
-                  ref: np.ndarray, double: nn.Module | None = None) -> dict:
+                  ref: np.ndarray, double: nn.Module | None = None, index: int = 0) -> dict:
     """Judge ONNX Runtime against exact arithmetic when it misses PyTorch: an ill-conditioned model (VARS's
     discontinuous shrinkage, a random init's growing residual stream) differs from *itself* in FP32 by more than
     the fixed tolerance, and which FP32 rounding (the fused or the textbook form) lands closer is luck. The graph
@@ -292,19 +320,23 @@ def float64_floor(module: nn.Module, case: example_inputs.Case, ins: list[str], 
     PyTorch — its two forms, and the same model on inputs moved by one FP32 rounding (``ULP_SEEDS`` draws): at a
     sample near a discontinuity one rounding decides the side, for PyTorch as for any runtime — (+ the fixed
     tolerance), and that floor is below ``MAX_FLOOR``: no worse than the framework it came from, never a wrong graph
-    (those miss by orders of magnitude more). ``double``: ``module`` in float64 (copied here when not given)."""
+    (those miss by orders of magnitude more). ``double``: ``module`` in float64 (copied here when not given); ``index``:
+    which of the module's outputs ``got`` and ``ref`` are."""
+    def run(m: nn.Module, *xs: torch.Tensor) -> np.ndarray:
+        return _arrays(m(*xs))[index]
+
     with torch.no_grad(), textbook_mode():
-        textbook = module(*(case.inputs[k] for k in ins)).numpy()
+        textbook = run(module, *(case.inputs[k] for k in ins))
     if double is None:
         double = copy.deepcopy(module).double()
     with torch.no_grad():
-        exact = double(*(case.inputs[k].double() for k in ins)).numpy()
+        exact = run(double, *(case.inputs[k].double() for k in ins))
         moved = []
         for seed in range(ULP_SEEDS):
             g = torch.Generator().manual_seed(seed)
             xs = [x * (1 + FP32_EPS * torch.randn(x.shape, generator=g)) if x.is_floating_point() else x
                   for x in (case.inputs[k] for k in ins)]
-            moved.append(_rel(module(*xs).numpy(), exact))
+            moved.append(_rel(run(module, *xs), exact))
     errs = {"pytorch_fp32_rel_err": _rel(ref, exact), "pytorch_textbook_fp32_rel_err": _rel(textbook, exact),
             "pytorch_fp32_input_rounded_rel_err": max(moved)}
     floor, onnx_err = max(errs.values()), _rel(got, exact)
@@ -540,6 +572,12 @@ def export(module: nn.Module, card: ModelCard | dict, example_inputs: Examples |
     cases = (_inputs.cases(card, lam_input) if example_inputs is None
              else _as_cases(example_inputs, ins, card))
     _check_outputs(module, card, cases[0], ins)
+    traced = module
+    if card.ood is not None:
+        if first_solver(module) is None:
+            raise ExportError(f"{card.name}: its card declares ood (a solver residual output) but the model has no "
+                              "solver layer (CSC, VARS or Dic-Attn attention, NMF) to take it from; remove ood")
+        traced = _WithResidual(module)
     solvers = solver_settings(module)
     naive = bool(solvers) if naive is None else naive  # textbook_mode only changes unroll's own solver layers
     fixed = None
@@ -549,7 +587,7 @@ def export(module: nn.Module, card: ModelCard | dict, example_inputs: Examples |
     extra = {"model": card.name, "task": card.task, "weights": "given module", **(extra_report or {}),
              "lam_input": lam_input, "fixed_resolution": fixed, "solvers": solvers}
     out_path = artifacts.graph(card.name, onnx_dir=out_dir)
-    result = export_module(module, cases, ins, outs, axes, out_path, opset, extra, naive, card=card)
+    result = export_module(traced, cases, ins, outs, axes, out_path, opset, extra, naive, card=card)
     inner = module.model if isinstance(module, _Classifier) else module
     if not companions:
         return result
@@ -558,8 +596,8 @@ def export(module: nn.Module, card: ModelCard | dict, example_inputs: Examples |
             result.companions.append(_export_auto_lam(card, inner, cases, Path(out_dir), opset,
                                                       result.report.get("weights", "given module"),
                                                       result.report.get(artifacts.BUILT_FROM_KEY)))
-        result.companions += _export_iteration_graphs(module, card, cases, ins, outs, axes, Path(out_dir), opset,
-                                                      extra)
+        result.companions += _export_iteration_graphs(module, card, cases, ins, outs[:1], axes, Path(out_dir),
+                                                      opset, extra)
     except BaseException:  # all or nothing: a model without the graphs its card names is not served half-way
         for r in (result, *result.companions):
             r.onnx_path.unlink(missing_ok=True)
@@ -568,12 +606,25 @@ def export(module: nn.Module, card: ModelCard | dict, example_inputs: Examples |
     return result
 
 
+def calibrated_ood(card: ModelCard, rule: dict | None) -> ModelCard:
+    """``card`` with its ``ood`` rule filled in from the training record's (``unroll bench ood`` chose it on
+    validation data; :class:`~unroll.card.OodCard`), where the card declares ``ood`` and does not give one."""
+    if card.ood is None or card.ood.calibrated or not rule:
+        return card
+    try:
+        ood = OodCard.model_validate({**card.ood.model_dump(), **rule})
+    except ValueError as e:
+        raise CardError(f"{card.name}: the training record's ood rule is invalid: {e}") from None
+    return card.model_copy(update={"ood": ood})
+
+
 def iteration_card(card: ModelCard, k: int) -> ModelCard:
     """The card of the graph that runs ``card``'s model with ``k`` solver iterations (``iters=k``): the model's
-    own card, named :meth:`IterCard.graph`, with ``k`` as its count and ``companion_of`` the model."""
+    own card, named :meth:`IterCard.graph`, with ``k`` as its count and ``companion_of`` the model; without ``ood``
+    (its residual is calibrated at the trained count)."""
     assert card.iters is not None and card.iters.default is not None
     return card.model_copy(update={
-        "name": card.iters.graph(card.name, k), "companion_of": card.name,
+        "name": card.iters.graph(card.name, k), "companion_of": card.name, "ood": None,
         "description": f"{card.name} with {k} solver iterations (iters={k}; trained: {card.iters.default})",
         "iters": card.iters.model_copy(update={"default": k})})
 
@@ -613,6 +664,8 @@ def export_model(name: str, out_dir: Path = artifacts.ONNX_DIR, iters: int | Non
     """
     spec = get_spec(name)
     card = update_card(spec.card, card_updates or {})
+    if checkpoint is None:  # the residual's rule was chosen for the committed weights only
+        card = calibrated_ood(card, spec.info().get("ood"))
     weights = "committed" if spec.has_weights else "seeded random init"
     extra: dict = {}
     if checkpoint is not None:

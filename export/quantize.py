@@ -262,14 +262,23 @@ def qdq_on_weighted_inputs_only(model: onnx.ModelProto) -> onnx.ModelProto:
             dq2.output[0] = f"{dq.output[0]}_{k}"
             n.input[i] = dq2.output[0]
             extra.setdefault(dq.name, []).extend([q2, dq2])
-    if extra:
-        nodes = []
-        for n in g.node:
-            nodes.append(n)
-            nodes.extend(extra.get(n.name, []))
-        del g.node[:]
-        g.node.extend(nodes)
+    nodes = []
+    for n in g.node:
+        nodes.append(n)
+        nodes.extend(extra.get(n.name, []))
+    del g.node[:]
+    g.node.extend(_without_dead_pairs(nodes, graph_outputs))
     return model
+
+
+def _without_dead_pairs(nodes: list[onnx.NodeProto], graph_outputs: set[str]) -> list[onnx.NodeProto]:
+    """``nodes`` less the Q/DQ pairs nothing reads any more (every reader of a pair was a float one, rewired to the
+    unquantized tensor: e.g. a solver code read only by the residual's reconstruction and the next solver step)."""
+    read = {t for n in nodes for t in n.input} | graph_outputs
+    dead = {id(n) for n in nodes if n.op_type == "DequantizeLinear" and n.output[0] not in read}
+    read = {t for n in nodes if id(n) not in dead for t in n.input} | graph_outputs
+    dead |= {id(n) for n in nodes if n.op_type == "QuantizeLinear" and n.output[0] not in read}
+    return [n for n in nodes if id(n) not in dead]
 
 
 # ----------------------------------------------------------------------------- entry point

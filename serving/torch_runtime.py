@@ -56,8 +56,8 @@ def torch_session(graph: str | Path, threads: int, device: str = "cpu", cuda_gra
     module, ins = _module(card)
     torch.set_num_threads(threads)
     dev = torch.device(device)
-    module = module.to(dev).eval()
-    graphs = _Graphs(module, dev) if dev.type == "cuda" and cuda_graphs else None
+    call = _outputs(module.to(dev).eval(), card)
+    graphs = _Graphs(call, dev) if dev.type == "cuda" and cuda_graphs else None
     lock = threading.Lock()
 
     def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -71,8 +71,9 @@ def torch_session(graph: str | Path, threads: int, device: str = "cpu", cuda_gra
                 out = graphs.run(args)
             else:
                 torch.set_num_threads(threads)  # the calling thread's setting (Triton calls from its own threads)
-                out = module(*(a.to(dev) for a in args))
-        return {card.output: np.ascontiguousarray(out.detach().to("cpu").numpy())}
+                out = call(*(a.to(dev) for a in args))
+        return {n: np.ascontiguousarray(t.detach().to("cpu").numpy())
+                for n, t in zip(card.output_names, out, strict=True)}
 
     run.runtime = "torch"  # type: ignore[attr-defined]
     run.device = str(dev)  # type: ignore[attr-defined]
@@ -115,6 +116,20 @@ def _module(card: Any) -> tuple[Any, list[str]]:
     return model, ins
 
 
+def _outputs(module: Any, card: Any) -> Any:
+    """``module`` as a call returning the graph's outputs as a tuple (``card.output_names``): its output, and
+    where the card declares ``ood`` its first solver layer's residual, computed as the export traced it."""
+    if card.ood is None:
+        return lambda *args: (module(*args),)
+    from unroll.solvers.residual import forward_with_residual
+
+    def with_residual(*args: Any) -> tuple[Any, Any]:
+        y, r, _ = forward_with_residual(module, *args)
+        return y, r
+
+    return with_residual
+
+
 def parity_feeds(card: Any, ins: list[str], batch: int = 2) -> dict[str, np.ndarray]:
     """A seeded input of the card's shape and value range (free sides :data:`PARITY_SIDE`), λ at its default, σ at
     the first gate level: what the module and the graph are compared on."""
@@ -139,10 +154,11 @@ def _check_parity(run: Session, graph: str | Path, card: Any, ins: list[str]) ->
     feeds = parity_feeds(card, ins)
     if set(names) != set(ins):
         raise RuntimeUnavailable(f"{card.name}: the graph's inputs {names} are not the module's {ins}")
-    want = session.run([card.output], {k: _graph_shape(feeds[k], i) for k, i in
-                                       zip(names, session.get_inputs(), strict=True)})[0]
-    got = run(feeds)[card.output]
-    err = float(np.max(np.abs(got.reshape(want.shape) - want))) if got.size == want.size else float("inf")
+    wants = session.run(card.output_names, {k: _graph_shape(feeds[k], i) for k, i in
+                                            zip(names, session.get_inputs(), strict=True)})
+    gots = run(feeds)
+    err = max(float(np.max(np.abs(got.reshape(want.shape) - want))) if got.size == want.size else float("inf")
+              for got, want in zip((gots[n] for n in card.output_names), wants, strict=True))
     if not err <= PARITY_MAX_ABS:
         raise RuntimeUnavailable(f"{card.name}: the PyTorch module does not answer as the served graph (max abs "
                                  f"difference {err:.2e} > {PARITY_MAX_ABS:g}: the graph was exported from other "
@@ -173,13 +189,13 @@ class _Graphs:
         if entry is None and key not in self._eager:
             entry = self._cached_capture(key, args)
         if entry is None:  # a shape whose capture failed
-            return self.module(*(a.to(self.device) for a in args))
+            return self.module(*(a.to(self.device) for a in args))  # the outputs' tuple (``_outputs``)
         self._cache.move_to_end(key)
         graph, static_in, static_out = entry
         for buf, a in zip(static_in, args, strict=True):
             buf.copy_(a, non_blocking=True)
         graph.replay()
-        out = static_out.clone()
+        out = tuple(t.clone() for t in static_out)
         torch.cuda.current_stream(self.device).synchronize()
         return out
 

@@ -10,6 +10,9 @@ import pytest
 # `unroll optimize`'s choices change what `unroll repo` writes: the tests (and the servers they start) read an empty
 # folder instead of this checkout's build/optimize (set before anything imports unroll.artifacts)
 os.environ["UNROLL_OPTIMIZE_DIR"] = tempfile.mkdtemp(prefix="unroll-test-optimize-")
+# make test runs several test processes on few cores, each starting servers and subprocesses: OpenMP threads that
+# spin while they wait would burn the cores the others need (inherited by every process a test starts)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from served import shared_triton
 
@@ -17,10 +20,17 @@ from unroll.serving.triton import TritonHandle
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files with a ``slow`` test first (order otherwise kept): under ``make test``'s workers (one file per worker
-    at a time) the long files start early instead of ending the run alone."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
+    """The files that may take longest first (their largest ``timeout`` mark, then whether they have a ``slow``
+    test; order otherwise kept): under ``make test``'s workers (one file per worker at a time) the long files start
+    early instead of ending the run alone."""
+    def weight(item: pytest.Item) -> tuple[float, bool]:
+        mark = item.get_closest_marker("timeout")
+        return (float(mark.args[0]) if mark is not None and mark.args else 0.0), bool(item.get_closest_marker("slow"))
+
+    per_file: dict[Path, tuple[float, bool]] = {}
+    for item in items:
+        per_file[item.path] = max(per_file.get(item.path, (0.0, False)), weight(item))
+    items.sort(key=lambda item: (-per_file[item.path][0], not per_file[item.path][1]))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -172,7 +172,9 @@ def served(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             "OTEL_BSP_SCHEDULE_DELAY": "100"}
     http, grpc, metrics = free_ports(3)
     settings = Settings(triton_url=f"127.0.0.1:{grpc}")
-    one_at_a_time = Settings(triton_url=f"127.0.0.1:{grpc}", batch_max_in_flight=1)  # concurrent requests batch
+    # concurrent requests batch: one call in flight; no background catalog look (every 2 s by default) before the
+    # first request, which must discover the catalog itself (its log line names that request's trace)
+    one_at_a_time = Settings(triton_url=f"127.0.0.1:{grpc}", batch_max_in_flight=1, catalog_refresh_s=3600)
     mp = pytest.MonkeyPatch()
     try:
         for k in [k for k in os.environ if k.startswith("OTEL_")]:

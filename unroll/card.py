@@ -205,6 +205,31 @@ class TileCard(_Strict):
         return self
 
 
+class OodCard(_Strict):
+    """An out-of-distribution score from the model's first solver layer (:mod:`unroll.solvers.residual`): the
+    graph's extra output ``output``, the relative residual ``‖x − D·z‖ / ‖x‖`` per sample, and the rule that turns
+    it into a score and a verdict, chosen on validation data by ``unroll bench ood`` (kept in the model's training
+    record; export fills it in). Calibrated at the card's trained λ and iteration count: another λ or count changes
+    the residual, so the verdict is given only at those."""
+
+    output: str = "residual"
+    #: ``high``: the residual is the score; ``both``: its distance from the validation digits' median in MADs,
+    #: ``|r − center| / scale``. ``None``: not calibrated (the residual is served, no verdict).
+    sided: Literal["high", "both"] | None = None
+    center: float = 0.0
+    scale: float = Field(1.0, gt=0.0)
+    #: Scores above it are out of distribution (a quantile of the validation digits' scores).
+    threshold: float | None = None
+
+    @property
+    def calibrated(self) -> bool:
+        return self.sided is not None and self.threshold is not None
+
+    def score(self, residual: float) -> float:
+        """The residual as a score (higher: less like the training data)."""
+        return float(residual) if self.sided == "high" else abs(float(residual) - self.center) / self.scale
+
+
 class ModelCard(_Strict):
     """What every stage after export needs to know about one model (see the module docstring)."""
 
@@ -242,6 +267,9 @@ class ModelCard(_Strict):
     companion_of: str | None = None
     #: Image-to-image graphs with a bounded receptive field: how large images run in windows (``None``: whole).
     tiling: TileCard | None = None
+    #: The solver's residual as an out-of-distribution score (a second graph output), or ``None``: the model has
+    #: no such output and the API says the score is not available.
+    ood: OodCard | None = None
     #: Where this card was written (set by whoever builds it, not by its author): ``registration``, ``options``
     #: (``unroll export --model``), ``python`` (a dict given to ``export()``) or ``file``, with the JSON file's name
     #: in ``origin_file`` (the name only: the card is shown by the gateway's ``/v1/models``). Messages that ask for
@@ -259,6 +287,10 @@ class ModelCard(_Strict):
     @model_validator(mode="after")
     def _check(self) -> ModelCard:
         tasks.get(self.task).check(self)
+        if self.ood is not None and not tasks.get(self.task).logits:
+            raise ValueError(f"ood: the residual score is served for classifiers (a task with logits), not {self.task}")
+        if self.ood is not None and self.ood.output in {self.output, *self.input_names}:
+            raise ValueError(f"ood.output {self.ood.output!r} names another tensor of the graph")
         unknown = set(self.gates) - {"fp32", "fp16", "int8"}
         if unknown:
             raise ValueError(f"gates are per precision (fp32, fp16, int8), not {sorted(unknown)}")
@@ -269,6 +301,11 @@ class ModelCard(_Strict):
     def gate(self, precision: str) -> dict[str, float]:
         """Tolerances for ``precision``: the task's defaults, then this card's overrides."""
         return {**tasks.get(self.task).gates.get(precision, {}), **self.gates.get(precision, {})}
+
+    @property
+    def output_names(self) -> list[str]:
+        """Graph outputs in order: the main output, then the residual of ``ood``."""
+        return [self.output, *([self.ood.output] if self.ood is not None else [])]
 
     @property
     def input_names(self) -> list[str]:

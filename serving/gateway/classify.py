@@ -28,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from unroll import tasks
 from unroll.card import InputCard, ModelCard
 from unroll.errors import TritonRejected
-from unroll.serving.gateway import tracing
+from unroll.serving.gateway import ood, tracing
 from unroll.serving.gateway.catalog import Entry
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.iterations import ItersQuery, iteration_graph
@@ -58,9 +58,20 @@ class ClassifyResponse(BaseModel):
                                                 "`iters` was omitted); absent for models without `iters`", examples=[2])
     inverted: bool = Field(description="whether the image was inverted (`1 - x`) before classification, as "
                                        "`invert` asked or `invert=auto` decided", examples=[False])
+    ood_score: float | None = Field(description="how unlike the training data the image is, from the model's "
+                                                "solver residual (`card.ood`'s rule; higher: less alike); null "
+                                                "where there is none (`ood_note` says why)", examples=[1.3])
+    in_distribution: bool | None = Field(description="whether `ood_score` is within the threshold chosen on "
+                                                     "validation data (also the `X-In-Distribution` header); null "
+                                                     "without a score", examples=[True])
+    ood_note: str | None = Field(None, description="why there is no score: a model without a solver residual, or "
+                                                   "a λ / `iters` other than the trained ones the rule holds at")
+    abstained: bool | None = Field(None, description="`abstain=true` and the image is out of distribution: no "
+                                                     "predictions are given")
 
     model_config = {"json_schema_extra": {"examples": [{
-        "model": "my-classifier", "lam": 0.1, "latency_ms": 6.4, "inverted": False,
+        "model": "my-classifier", "lam": 0.1, "latency_ms": 6.4, "inverted": False, "ood_score": 1.3,
+        "in_distribution": True,
         "predictions": [{"label": "cat", "index": 3, "score": 0.9931}, {"label": "dog", "index": 5, "score": 0.004}]}]}}
 
 
@@ -137,6 +148,9 @@ async def classify(
                     "other side of mid-grey (0.5) from the card's background. Default: `auto` when the card "
                     "declares a polarity, else `false`.", examples=["auto"])] = None,
     iters: ItersQuery = None,
+    abstain: Annotated[bool, Query(description="Give no predictions for an image the model's solver residual calls "
+                                               "out of distribution (`in_distribution: false`): the answer is still "
+                                               "200, with `abstained: true` and an empty `predictions`")] = False,
 ) -> JSONResponse:
     t0 = time.perf_counter()
     card, info = entry.card, entry.info
@@ -147,7 +161,7 @@ async def classify(
     lam_v = check_lam(card, parse_lam(lam))
     inv = check_invert(card.input, invert)
     rule = await gw.catalog.companion(card.lam.auto, entry.name, tasks.LAMBDA_RULE) if lam_v == "auto" else None
-    model, (entry, k) = entry.name, await iteration_graph(gw, entry, iters)  # the graph run: iters=K's
+    model, model_card, (entry, k) = entry.name, card, await iteration_graph(gw, entry, iters)  # the graph: iters=K's
     card, info = entry.card, entry.info
     assert card is not None and info is not None
     settings = gw.settings
@@ -163,8 +177,8 @@ async def classify(
             if card.lam is not None:
                 inputs[card.lam.input] = wire.per_item(lam_v, np.float32, info.batched)
             async with wire.forward_errors():
-                res = await gw.infer(entry, inputs, [card.output, wire.IMAGE_INFO],
-                                             class_count=n_classes)
+                res = await gw.infer(entry, inputs, [card.output, *ood.outputs(card, info.outputs), wire.IMAGE_INFO],
+                                     class_count=n_classes)
         inverted = bool(wire.read_info(res[wire.IMAGE_INFO][0])["inverted"])
     else:
         res, inverted, lam_v = await _decoded(gw, entry, data, inv, lam_v, hw, rule, n_classes)
@@ -181,7 +195,10 @@ async def classify(
     if k is not None:
         body["iters"] = k
     body["inverted"] = inverted
-    return JSONResponse(body, headers={"X-Latency-Ms": str(latency)})
+    body.update(ood.fields(model_card, card, float(lam_v) if card.lam is not None else None, res))
+    if abstain and body["in_distribution"] is False:
+        body["predictions"], body["abstained"] = [], True
+    return JSONResponse(body, headers={"X-Latency-Ms": str(latency), ood.HEADER: ood.header(body)})
 
 
 async def _decoded(gw: Gateway, entry: Entry, data: bytes, inv: images.Invert, lam_v: float | str | None,
@@ -209,7 +226,7 @@ async def _decoded(gw: Gateway, entry: Entry, data: bytes, inv: images.Invert, l
             lam_v = await _auto_lam(gw, rule, img, fitted, card.input)
         if card.lam is not None:
             inputs[card.lam.input] = fit_shape(np.array([lam_v], np.float32), info.inputs[card.lam.input])
-        res = await gw.infer(entry, inputs, [card.output], class_count=n_classes)
+        res = await gw.infer(entry, inputs, [card.output, *ood.outputs(card, info.outputs)], class_count=n_classes)
     return res, fitted.inverted, lam_v
 
 

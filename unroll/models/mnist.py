@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from unroll import tasks
-from unroll.card import InputCard, IterCard, LamCard
+from unroll.card import InputCard, IterCard, LamCard, OodCard
 from unroll.registry import register_model
 from unroll.solvers.csc import DictBlock, output_padding
 
@@ -87,6 +87,7 @@ class MNISTSDNet(nn.Module):
         lam=LamCard(default=None, max=10.0, auto="sdnet-mnist-autolam"),
         iters=IterCard(served=(1, 2, 4, 8)),
         data=dict(train="mnist-train", validation="mnist-validation", test="mnist-test", gate="validation"),
+        ood=OodCard(),  # the CSC front end's residual; its rule: `unroll bench ood`, kept in the training record
     ))
 def sdnet_mnist(**kw) -> MNISTSDNet:
     return MNISTSDNet(**kw)

@@ -88,9 +88,10 @@ def relative_residual(fit: Fit) -> Tensor:
 
 
 @torch.no_grad()
-def forward_with_residual(model: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Fit]:
-    """The model's output on ``x``, its first solver layer's relative residual ``[B]``, and the fit behind it.
-    Raises ``ValueError`` for a model with no solver layer (:func:`first_solver`)."""
+def forward_with_residual(model: nn.Module, *inputs: Tensor) -> tuple[Tensor, Tensor, Fit]:
+    """The model's output on ``inputs`` (its positional inputs: the image, then e.g. λ), its first solver layer's
+    relative residual ``[B]``, and the fit behind it. Raises ``ValueError`` for a model with no solver layer
+    (:func:`first_solver`)."""
     layer = first_solver(model)
     if layer is None:
         raise ValueError(f"{type(model).__name__} has no solver layer, so no reconstruction residual")
@@ -102,7 +103,7 @@ def forward_with_residual(model: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, 
 
     handle = layer.register_forward_hook(hook)
     try:
-        y = model(x)
+        y = model(*inputs)
     finally:
         handle.remove()
     fit = _fit(layer, caught["x"], caught["out"])

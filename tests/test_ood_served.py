@@ -1,0 +1,180 @@
+"""The solver's residual served (issue 40): the exported graph's second output is PyTorch's residual, the card
+carries the rule `unroll bench ood` chose on validation data, and the gateway answers each classification with
+``ood_score`` / ``in_distribution`` (and ``X-In-Distribution``), ``abstain=true`` withholding the labels of an
+out-of-distribution image; Triton-direct clients get the residual itself. A real tritonserver and gateway."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from PIL import Image
+from served import gateway_over, png
+from skimage import data as skdata
+
+import unroll
+from unroll import registry
+from unroll.card import CardError, ModelCard, OodCard, from_onnx
+from unroll.data import mnist_split
+from unroll.export.onnx_export import calibrated_ood
+from unroll.serving.gateway import ood
+from unroll.serving.imaging import images
+from unroll.solvers.residual import forward_with_residual
+
+MODEL = "sdnet-mnist"
+PHOTOS = ("astronaut", "chelsea", "coffee")  # the issue's three photos, all "8" at ≥ 0.996 without the score
+
+
+def _recorded_rule() -> dict:
+    return registry.get_spec(MODEL).info()["ood"]
+
+
+def test_the_registration_declares_ood_and_the_export_carries_the_recorded_rule(demo_onnx_dir: Path) -> None:
+    declared = registry.get_spec(MODEL).card.ood
+    assert declared == OodCard() and not declared.calibrated  # the numbers live in the training record only
+    card = from_onnx(demo_onnx_dir / f"{MODEL}.onnx")
+    assert card.ood == OodCard(**_recorded_rule()) and card.ood.calibrated
+    assert card.output_names == ["logits", "residual"]
+    sess = ort.InferenceSession(str(demo_onnx_dir / f"{MODEL}.onnx"), providers=["CPUExecutionProvider"])
+    assert [o.name for o in sess.get_outputs()] == ["logits", "residual"]
+    # the other iteration counts' graphs carry no rule (it holds at the trained count) and no residual output
+    sibling = from_onnx(demo_onnx_dir / f"{MODEL}-iters4.onnx")
+    assert sibling.ood is None and sibling.output_names == ["logits"]
+    report = json.loads((demo_onnx_dir / f"{MODEL}.report.json").read_text())
+    for case in report["parity"]["cases"]:
+        assert [o["ok"] for o in case["outputs"]] == [True, True], case
+
+
+def test_the_rule_is_filled_in_only_where_the_card_declares_ood_and_gives_none() -> None:
+    declared = registry.get_spec(MODEL).card
+    rule = _recorded_rule()
+    assert calibrated_ood(declared, rule).ood == OodCard(**rule)
+    assert calibrated_ood(declared, None) == declared  # no record (or another checkpoint's weights): no rule
+    given = declared.model_copy(update={"ood": OodCard(sided="high", threshold=0.9)})
+    assert calibrated_ood(given, rule) == given  # the card's own rule stands
+    plain = declared.model_copy(update={"ood": None})
+    assert calibrated_ood(plain, rule) == plain
+    with pytest.raises(CardError, match="ood rule is invalid"):
+        calibrated_ood(declared, {**rule, "scale": -1.0})
+
+
+def _fitted(img: np.ndarray) -> np.ndarray:
+    card = registry.get_spec(MODEL).card
+    return images.classifier_input(Image.fromarray(img), card.input, "auto").x
+
+
+def test_the_residual_output_is_pytorchs_within_1e_5(demo_onnx_dir: Path) -> None:
+    _, _, x, _ = mnist_split()
+    photos = np.concatenate([_fitted(getattr(skdata, p)()) for p in PHOTOS])
+    batch = np.concatenate([x[:61], photos]).astype(np.float32)
+    lam = np.full(len(batch), from_onnx(demo_onnx_dir / f"{MODEL}.onnx").lam.default, np.float32)
+    sess = ort.InferenceSession(str(demo_onnx_dir / f"{MODEL}.onnx"), providers=["CPUExecutionProvider"])
+    logits, residual = sess.run(None, {"image": batch, "lam": lam})
+    want_logits, want, _ = forward_with_residual(unroll.load(MODEL).eval(), torch.from_numpy(batch),
+                                                 torch.from_numpy(lam))
+    want = want.numpy()
+    assert np.linalg.norm(residual - want) / np.linalg.norm(want) <= 1e-5
+    np.testing.assert_allclose(logits, want_logits.numpy(), atol=1e-4)
+
+
+def test_fields_say_why_there_is_no_score(demo_onnx_dir: Path) -> None:
+    served = from_onnx(demo_onnx_dir / f"{MODEL}.onnx")
+    lam = served.lam.default
+    r = {"residual": np.array([[served.ood.center]])}  # the validation digits' median residual
+    assert ood.fields(served, served, lam, r) == {"ood_score": 0.0, "in_distribution": True}
+    plain = served.model_copy(update={"ood": None})
+    assert "no solver residual" in ood.fields(plain, plain, lam, {})["ood_note"]
+    declared = served.model_copy(update={"ood": OodCard()})
+    assert "no rule" in ood.fields(declared, declared, lam, r)["ood_note"]
+    nan = ood.fields(served, served, lam, {"residual": np.array([np.nan], np.float32)})
+    assert nan["in_distribution"] is None and "not a finite number" in nan["ood_note"]
+    assert ood.header({"in_distribution": None}) == "unknown" and ood.header({"in_distribution": False}) == "false"
+
+
+def test_the_card_refuses_ood_where_it_cannot_hold() -> None:
+    den = registry.get_spec("csc-denoiser").card
+    with pytest.raises(CardError, match="classifiers"):
+        ModelCard.from_json(json.dumps({**json.loads(den.to_json()), "ood": {}}))
+    clf = json.loads(registry.get_spec(MODEL).card.to_json())
+    with pytest.raises(CardError, match="names another tensor"):
+        ModelCard.from_json(json.dumps({**clf, "ood": {"output": "lam"}}))
+
+
+# --- served: the session's tritonserver and a gateway ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gateway(demo_triton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+    with gateway_over(demo_triton, tmp_path_factory.mktemp("ood")) as client:
+        yield client
+
+
+def classify(client: httpx.Client, data: bytes, query: str = "") -> httpx.Response:
+    r = client.post(f"/v1/classify?model={MODEL}&top_k=1{query}", content=data, headers={"Content-Type": "image/png"})
+    assert r.status_code == 200, r.text
+    return r
+
+
+@pytest.mark.triton
+def test_the_three_photos_are_out_of_distribution_and_abstain_withholds_their_label(gateway: httpx.Client) -> None:
+    for name in PHOTOS:
+        data = png(getattr(skdata, name)())
+        body = classify(gateway, data).json()
+        assert body["in_distribution"] is False and body["ood_score"] > OodCard(**_recorded_rule()).threshold, body
+        assert body["predictions"][0]["score"] > 0.99  # the softmax alone is certain: the issue's complaint
+        r = classify(gateway, data, "&abstain=true")
+        assert r.headers[ood.HEADER] == "false"
+        assert r.json()["predictions"] == [] and r.json()["abstained"] is True
+
+
+@pytest.mark.triton
+def test_clean_test_digits_are_in_distribution_with_the_in_process_scores(gateway: httpx.Client) -> None:
+    """200 clean test digits: the served scores are the rule applied to PyTorch's residual, and ≤ 2 % are flagged
+    (the issue's target)."""
+    _, _, x, _ = mnist_split()
+    digits = [(x[i, 0] * 255).round().astype(np.uint8) for i in range(200)]
+    rule = OodCard(**_recorded_rule())
+    model = unroll.load(MODEL).eval()
+    fitted = torch.from_numpy(np.concatenate([_fitted(d) for d in digits]))
+    _, residual, _ = forward_with_residual(model, fitted)
+    want = [rule.score(r) for r in residual.tolist()]
+    answers = [classify(gateway, png(d), "&abstain=true") for d in digits]
+    got = [a.json()["ood_score"] for a in answers]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+    flagged = [a.json()["in_distribution"] is False for a in answers]
+    assert sum(flagged) <= 0.02 * len(digits), sum(flagged)
+    assert all(a.headers[ood.HEADER] == "true" and a.json()["predictions"] for a, f in zip(answers, flagged,
+                                                                                            strict=True) if not f)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("query, why", [("&lam=0.3", "trained λ"), ("&lam=auto", "trained λ"),
+                                        ("&iters=4", "trained iteration count")])
+def test_another_lambda_or_count_gets_no_verdict_and_says_why(gateway: httpx.Client, query: str, why: str) -> None:
+    r = classify(gateway, png(skdata.astronaut()), query + "&abstain=true")
+    body = r.json()
+    assert body["ood_score"] is None and body["in_distribution"] is None and why in body["ood_note"], body
+    assert r.headers[ood.HEADER] == "unknown" and body["predictions"]  # no verdict: nothing withheld
+
+
+@pytest.mark.triton
+def test_triton_direct_clients_get_the_residual_the_gateway_scores(demo_triton, gateway: httpx.Client) -> None:
+    import tritonclient.http as httpclient
+
+    from unroll.serving.imaging import wire
+
+    data = png(skdata.coffee())
+    with httpclient.InferenceServerClient(demo_triton.url) as client:
+        raw = np.frombuffer(data, np.uint8).reshape(1, -1)
+        inp = httpclient.InferInput(wire.IMAGE_BYTES, list(raw.shape), "UINT8")
+        inp.set_data_from_numpy(raw)
+        res = client.infer(MODEL, [inp], outputs=[httpclient.InferRequestedOutput("residual")])
+    residual = float(res.as_numpy("residual").reshape(-1)[0])
+    assert OodCard(**_recorded_rule()).score(residual) == pytest.approx(classify(gateway, data).json()["ood_score"],
+                                                                        abs=1e-5)
