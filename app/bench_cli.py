@@ -371,7 +371,8 @@ def bench_ood(
     (photo crops, letters, noise, blank images, inverted digits), AUROC and FPR95 on disjoint test sets, the share
     of clean test digits flagged, three whole photos, corrupted digits by severity, and the added work.
 
-    In-process PyTorch; the rules of models whose card declares ood go into their training records (export puts them on the served card). Writes ood.json, ood.md and ood.png.
+    In-process PyTorch; the rules of models whose card declares ood go into their training records (export puts
+    them on the served card). Writes ood.json, ood.md and ood.png.
     """
     from unroll.benchmarks import ood
 

@@ -253,7 +253,8 @@ def _row(kind: str, s: dict) -> str:
 def markdown(p: dict) -> str:
     m0 = p["machine"]
     lines = ["# Out-of-distribution score from the solver's residual", "",
-             f"{m0.get('cpu', '?')}; `unroll bench ood`, in-process PyTorch FP32 (the served graph's residual output is the same number). Rule and threshold "
+             f"{m0.get('cpu', '?')}; `unroll bench ood`, in-process PyTorch FP32 (the served graph's residual output "
+             "is the same number). Rule and threshold "
              f"chosen on validation data (validation digits + validation sets), reported on test data. Score cells: "
              "AUROC / FPR95 (share of out-of-distribution images taken for digits at the threshold keeping 95 % of "
              f"the test digits); flagged: share above the residual threshold (validation digits' "

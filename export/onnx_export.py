@@ -663,7 +663,7 @@ def export_model(name: str, out_dir: Path = artifacts.ONNX_DIR, iters: int | Non
     card names are exported too (its λ rule for ``lam=auto``); they are in ``ExportResult.companions``.
     """
     spec = get_spec(name)
-    card = update_card(spec.card, card_updates or {})
+    declared = card = update_card(spec.card, card_updates or {})
     if checkpoint is None:  # the residual's rule was chosen for the committed weights only
         card = calibrated_ood(card, spec.info().get("ood"))
     weights = "committed" if spec.has_weights else "seeded random init"
@@ -685,7 +685,7 @@ def export_model(name: str, out_dir: Path = artifacts.ONNX_DIR, iters: int | Non
     else:
         model = unroll.load(name, pretrained=spec.has_weights)
     # what unroll.pipeline compares to decide whether this export is stale
-    extra[artifacts.BUILT_FROM_KEY] = artifacts.export_inputs(spec, card=card, checkpoint=checkpoint, iters=iters,
+    extra[artifacts.BUILT_FROM_KEY] = artifacts.export_inputs(spec, card=declared, checkpoint=checkpoint, iters=iters,
                                                               opset=opset, lam_input=lam_input)
     if iters is not None:
         set_iterations(model, iters)

@@ -43,7 +43,8 @@ def built(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 
 @pytest.fixture
 def tree(built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A copy of the built tree, with MODEL's weights read from a copy too (so a test may change them)."""
+    """A copy of the built tree, with MODEL's weights and training record (its ood rule) read from a copy too (so a
+    test may change them)."""
     shutil.copytree(built, tmp_path / "t")
     spec = REGISTRY[MODEL]
     if not spec.has_weights:
@@ -51,6 +52,7 @@ def tree(built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     weights = tmp_path / "weights"
     weights.mkdir()
     shutil.copy2(spec.weights_path, weights / spec.weights_path.name)
+    shutil.copy2(spec.info_path, weights / spec.info_path.name)
     monkeypatch.setitem(REGISTRY, MODEL, dataclasses.replace(spec, weights_dir=weights))
     return tmp_path / "t"
 

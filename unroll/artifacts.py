@@ -156,11 +156,14 @@ def built_from(*, card: ModelCard | None = None, weights: str | Path | None = No
 def export_inputs(spec: ModelSpec, *, card: ModelCard | None = None, checkpoint: str | Path | None = None,
                   iters: int | None = None, opset: int = 17, lam_input: bool | None = None) -> dict[str, str | None]:
     """:func:`built_from` of a registered model's export (and of its companions): its card (after any updates),
-    the weights it loads (``checkpoint``, else the committed weights when there are any) and the options that
-    change the graph."""
+    the weights it loads (``checkpoint``, else the committed weights when there are any), the options that
+    change the graph, and for a card declaring ``ood`` the rule its training record gives it (export puts it on the
+    card: a new rule makes the export stale)."""
+    card = card if card is not None else spec.card
     weights = checkpoint if checkpoint is not None else spec.weights_path if spec.has_weights else None
-    return built_from(card=card if card is not None else spec.card, weights=weights,
-                      options={"iters": iters, "opset": opset, "lam_input": lam_input})
+    rule = spec.info().get("ood") if card.ood is not None and checkpoint is None else None
+    return built_from(card=card, weights=weights, options={"iters": iters, "opset": opset, "lam_input": lam_input,
+                                                           **({"ood_rule": rule} if rule else {})})
 
 
 def changed_inputs(recorded: Mapping[str, Any] | None, current: Mapping[str, Any],
