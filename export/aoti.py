@@ -23,7 +23,7 @@ import torch
 import unroll
 from unroll.errors import ExportError
 from unroll.export import inputs as example_inputs
-from unroll.export.onnx_export import MAX_ABS_ERR, _Classifier, _first_line, io_names, resolve_card
+from unroll.export.onnx_export import MAX_ABS_ERR, _Classifier, _first_line, _WithResidual, io_names, resolve_card
 from unroll.registry import get_spec
 
 #: Largest batch a package accepts: well above any ``max_batch_size`` the model repository writes (32).
@@ -80,6 +80,8 @@ def compile_package(name: str, out: Path, *, progress: Callable[[str], None] | N
     lam_input = spec.card.lam is not None  # as export_model: a classifier with a λ takes it as an input
     module = (_Classifier(model) if lam_input else model).eval()
     card = resolve_card(spec.card, model, lam_input)
+    if card.ood is not None:
+        module = _WithResidual(module)  # the solver's residual as a second output, as the ONNX export adds it
     ins, outs, axes = io_names(card, lam_input)
     cases = example_inputs.cases(dataclasses.replace(spec, card=card), lam_input)
     # batch 1 would be specialised (torch.export's 0/1 rule): capture with the first case batching several
@@ -93,8 +95,9 @@ def compile_package(name: str, out: Path, *, progress: Callable[[str], None] | N
     t0 = time.perf_counter()
     try:
         with torch.no_grad():
-            ep = torch.export.export(module, tuple(case.inputs[k] for k in ins),
-                                     dynamic_shapes=_dynamic_shapes(axes, ranges, ins))
+            shapes = _dynamic_shapes(axes, ranges, ins)
+            ep = torch.export.export(module, tuple(case.inputs[k] for k in ins),  # (the wrapper takes *inputs)
+                                     dynamic_shapes=(shapes,) if isinstance(module, _WithResidual) else shapes)
     except Exception as e:  # constraint violations name the axis, the guard and a suggested fix
         raise ExportError(f"{name}: torch.export cannot capture the model with dynamic {what}: "
                           f"{type(e).__name__}: {_explain(e)}") from e
@@ -139,8 +142,10 @@ def _verify(package: Path, module: torch.nn.Module, cases: list[example_inputs.C
                 got = compiled(*args)
             except Exception as e:
                 raise ExportError(f"{c.label}: the AOTInductor package could not run it: {_first_line(e)}") from e
+            want = module(*args)
+            pairs = zip(*((o,) if isinstance(o, torch.Tensor) else tuple(o) for o in (got, want)), strict=True)
             rows.append({"case": c.label, "shapes": {k: list(c.inputs[k].shape) for k in ins},
-                         "max_abs_err": float((got - module(*args)).abs().max())})
+                         "max_abs_err": max(float((g - w).abs().max()) for g, w in pairs)})
     return rows
 
 

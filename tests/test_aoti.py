@@ -15,6 +15,7 @@ import unroll
 from unroll.data import add_noise, bundled_image, mnist_split
 from unroll.export.aoti import compile_package, read_sidecar
 from unroll.serving.aoti_runtime import aoti_session
+from unroll.solvers.residual import forward_with_residual
 
 # each compile takes 10–15 s (2 cores, warm Inductor cache) to ~1 min (cold)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -46,7 +47,8 @@ def test_sdnet_mnist(package: Callable[[str], Path]) -> None:
     path = package("sdnet-mnist")
     side = read_sidecar(path)
     assert side["model"] == "sdnet-mnist" and side["torch"] == torch.__version__
-    assert side["inputs"] == {"image": [None, 1, 28, 28], "lam": [None]} and side["outputs"] == ["logits"]
+    # the solver's residual too (card.ood), as the ONNX export carries it
+    assert side["inputs"] == {"image": [None, 1, 28, 28], "lam": [None]} and side["outputs"] == ["logits", "residual"]
     lam = side["card"]["lam"]["default"]
     assert lam is not None  # filled in from the model, as in the ONNX export
 
@@ -56,8 +58,10 @@ def test_sdnet_mnist(package: Callable[[str], Path]) -> None:
     digits = mnist_split()[2][:3]
     for b in (1, 3):
         lams = np.array([lam, lam / 2, 3 * lam][:b], np.float32)
-        got = run({"image": digits[:b], "lam": lams})["logits"]
-        assert _max_err(got, model, digits[:b], lams) <= TOL
+        got = run({"image": digits[:b], "lam": lams})
+        assert _max_err(got["logits"], model, digits[:b], lams) <= TOL
+        _, residual, _ = forward_with_residual(model, torch.from_numpy(digits[:b]), torch.from_numpy(lams))
+        assert np.abs(got["residual"] - residual.numpy()).max() <= TOL
 
     with pytest.raises(ValueError, match="unknown input"):
         run({"image": digits[:1], "lam": lams[:1], "sigma": lams[:1]})

@@ -424,6 +424,8 @@ def test_serve_bench_quick(onnx_dir: Path, tmp_path: Path) -> None:
         for c in (1, 32):
             assert {("classify", "gateway", c), ("classify", "triton-tensor", c)} <= paths
         assert ("classify", "triton-image", 1) in paths  # the PNG itself, straight to Triton
+        through_gateway = {(r["workload"], r["concurrency"]): r["cpu_ms_per_request"]["gateway"]
+                           for r in ab["runs"] if r["path"] == "gateway"}
         for r in ab["runs"]:
             assert r["requests"] > 0 and r["keep_alive"] == r["requests"], r
             assert r["failed"] == 0 or r["concurrency"] > 1, r
@@ -431,8 +433,9 @@ def test_serve_bench_quick(onnx_dir: Path, tmp_path: Path) -> None:
             assert c["tritonserver"] > 0 and c["client"] > 0, r
             if r["path"] == "gateway":
                 assert c["gateway"] > 0, r
-            else:  # Triton direct: the idle gateway's background work only
-                assert c["gateway"] < 0.1 * c["tritonserver"], r
+            elif (r["workload"], r["concurrency"]) in through_gateway:  # Triton direct: the idle gateway's
+                # background work only (its catalog look every 2 s), a fraction of what a request through it costs
+                assert c["gateway"] < 0.25 * through_gateway[(r["workload"], r["concurrency"])], r
         assert "one client for both (ab" in md
         other = ab["other_spinning"]  # the same comparison with ONNX Runtime's threads spinning the other way
         assert other["spinning"] is not payload["config"]["spinning"]

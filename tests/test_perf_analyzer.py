@@ -113,15 +113,19 @@ def test_perf_analyzer_validates_outputs_against_onnx_runtime(perf_analyzer: Pat
     response: the inputs it sends are the digits we gave it, not placeholders. A wrong expected output fails."""
     feeds = _digits(demo_onnx_dir, 4)
     sess = ort.InferenceSession(str(demo_onnx_dir / f"{CLASSIFIER}.onnx"), providers=["CPUExecutionProvider"])
-    out = sess.get_outputs()[0].name
+    out, *others = [o.name for o in sess.get_outputs()]  # the logits, and the solver residual (card.ood)
     expected = [sess.run([out], f)[0] for f in feeds]
+    rest = [dict(zip(others, sess.run(others, f), strict=True)) for f in feeds]
     data = pa.input_data(feeds)
 
     def run(logits: list[np.ndarray]) -> subprocess.CompletedProcess:
-        # every output needs expected data: image_info too (the encoded-image protocol's; {} for float tensors)
+        # every output needs expected data: image_info too (the encoded-image protocol's; {} for float tensors), and
+        # a [B] output as the config's [1]
         info = {IMAGE_INFO: {"content": list(info_json({})), "shape": [len(info_json({}))]}}
-        doc = dict(data, validation_data=[{out: {"content": y.ravel().tolist(), "shape": list(y.shape[1:])}, **info}
-                                          for y in logits])
+        doc = dict(data, validation_data=[
+            {out: {"content": y.ravel().tolist(), "shape": list(y.shape[1:])}, **info,
+             **{k: {"content": v.ravel().tolist(), "shape": list(v.shape[1:]) or [1]} for k, v in r.items()}}
+            for y, r in zip(logits, rest, strict=True)])
         path = tmp_path / "in.json"
         path.write_text(json.dumps(doc))
         cmd = pa.command(perf_analyzer, CLASSIFIER, server.grpc_url, path, 1, tmp_path / "r.csv", window_ms=500,

@@ -112,7 +112,7 @@ def test_models_load_and_server_metadata(server, http, grpc) -> None:
     meta = grpc.get_model_metadata("sdnet-mnist")
     # the float input and λ, and the encoded-image protocol's (tests/test_triton_images.py)
     assert [i.name for i in meta.inputs] == ["image", "lam", "image_bytes", "invert"]
-    assert [o.name for o in meta.outputs] == ["logits", "image_info"]
+    assert [o.name for o in meta.outputs] == ["logits", "residual", "image_info"]  # residual: the card's ood
     cfg = grpc.get_model_config("csc-denoiser").config
     assert cfg.backend == "python" and cfg.dynamic_batching.max_queue_delay_microseconds >= 0
     with urllib.request.urlopen(server.metrics_url, timeout=5) as r:

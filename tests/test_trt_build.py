@@ -651,7 +651,8 @@ def test_build_flow_against_the_documented_api(onnx_dir: Path, tmp_path: Path, m
     assert report["profiles"][0]["lam"] == {"min": [1], "opt": [8], "max": [32]} and report["max_batch_size"] == 32
     assert report["io"] == [{"name": "image", "mode": "input", "dtype": "float32", "shape": [-1, 1, 28, 28]},
                             {"name": "lam", "mode": "input", "dtype": "float32", "shape": [-1]},
-                            {"name": "logits", "mode": "output", "dtype": "float32", "shape": [-1, 10]}]
+                            {"name": "logits", "mode": "output", "dtype": "float32", "shape": [-1, 10]},
+                            {"name": "residual", "mode": "output", "dtype": "float32", "shape": [-1]}]  # card.ood
     assert report["lint"] == {"checker": "unroll.export.trt_lint", "issues": []}
     assert report["memory"]["input_shapes"] == {"image": [32, 1, 28, 28], "lam": [32]}
     assert 0 < report["memory"]["total_bytes"] < report["memory"]["budget"]["bytes"] == 16 * trt_memory.GIB
