@@ -47,7 +47,8 @@ from unroll.solvers.csc import DictBlock, fista_momenta
 from unroll.solvers.dic_attn import DicAttention
 from unroll.solvers.iterations import iteration_count, set_iterations
 from unroll.solvers.nmf import NMFHam
-from unroll.solvers.residual import first_solver, forward_with_residual
+from unroll.solvers.residual import WithResidual as _WithResidual
+from unroll.solvers.residual import first_solver
 from unroll.solvers.shrink import textbook_mode
 from unroll.solvers.vars_attn import VARSAttention
 
@@ -78,19 +79,6 @@ class _Classifier(nn.Module):
 
     def forward(self, image: torch.Tensor, lam: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(image, lam)
-
-
-class _WithResidual(nn.Module):
-    """The module's output and its first solver layer's relative residual per sample (``card.ood``): the graph's
-    two outputs, traced from :func:`unroll.solvers.residual.forward_with_residual` (one reconstruction more)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y, r, _ = forward_with_residual(self.module, *inputs)
-        return y, r
 
 
 def _arrays(out: torch.Tensor | tuple[torch.Tensor, ...]) -> list[np.ndarray]:

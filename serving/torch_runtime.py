@@ -121,13 +121,9 @@ def _outputs(module: Any, card: Any) -> Any:
     where the card declares ``ood`` its first solver layer's residual, computed as the export traced it."""
     if card.ood is None:
         return lambda *args: (module(*args),)
-    from unroll.solvers.residual import forward_with_residual
+    from unroll.solvers.residual import WithResidual
 
-    def with_residual(*args: Any) -> tuple[Any, Any]:
-        y, r, _ = forward_with_residual(module, *args)
-        return y, r
-
-    return with_residual
+    return WithResidual(module)
 
 
 def parity_feeds(card: Any, ins: list[str], batch: int = 2) -> dict[str, np.ndarray]:

@@ -94,6 +94,19 @@ def relative_residual(fit: Fit) -> Tensor:
     return diff / norm.clamp_min(TINY) * (1.0 - zero) + zero
 
 
+class WithResidual(nn.Module):
+    """``module``'s output and its first solver layer's relative residual per sample (``card.ood``): what the
+    exported graph's two outputs are, and what the AOTInductor package and the torch runtime run."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *inputs: Tensor) -> tuple[Tensor, Tensor]:
+        y, r, _ = forward_with_residual(self.module, *inputs)
+        return y, r
+
+
 @torch.no_grad()
 def forward_with_residual(model: nn.Module, *inputs: Tensor) -> tuple[Tensor, Tensor, Fit]:
     """The model's output on ``inputs`` (its positional inputs: the image, then e.g. λ), its first solver layer's
