@@ -364,6 +364,10 @@ def bench_ood(
                                                                           "that has one]")] = None,
     digits: Annotated[int | None, typer.Option(help="Use the first N validation and test digits only (a smoke "
                                                     "run) [default: all]")] = None,
+    served: Annotated[bool, typer.Option(help="Also serve each model whose card declares ood beside the same graph "
+                                              "without its residual output (tritonserver + gateway, `ab` at "
+                                              "concurrency 1) and measure the added latency and CPU per request; "
+                                              "exports into build/onnx where missing or stale")] = True,
     out: OutOpt = RESULTS,
 ) -> None:
     """An out-of-distribution score from the first solver layer's reconstruction residual, beside the maximum
@@ -371,14 +375,15 @@ def bench_ood(
     (photo crops, letters, noise, blank images, inverted digits), AUROC and FPR95 on disjoint test sets, the share
     of clean test digits flagged, three whole photos, corrupted digits by severity, and the added work.
 
-    In-process PyTorch; the rules of models whose card declares ood go into their training records (export puts
-    them on the served card). Writes ood.json, ood.md and ood.png.
+    Scores in-process in PyTorch; the rules of models whose card declares ood go into their training records (export
+    puts them on the served card); then (--served) what the residual output costs a served request. Writes
+    ood.json, ood.md and ood.png.
     """
     from unroll.benchmarks import ood
 
     names = model or ood.scored_models()
     with err.status("scoring digits and out-of-distribution sets") as status:
-        payload = ood.run(names, digits=digits, out_dir=out, tick=lambda m: status.update(m))
+        payload = ood.run(names, digits=digits, out_dir=out, tick=lambda m: status.update(m), served=served)
     _wrote(out, ["ood"])
     err.print(ood.markdown(payload))
 

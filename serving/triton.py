@@ -18,6 +18,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import secrets
@@ -43,6 +44,8 @@ from unroll.errors import TritonStartError
 from unroll.serving import hidden_args, malloc
 from unroll.serving.process_watch import ProcStat, read_stat
 
+log = logging.getLogger("unroll.serve")
+
 LOG_TAIL_LINES = 40
 #: The server inside the pinned nvidia-pytriton wheel (pyproject.toml); the tests check the running one says so.
 BUNDLED_TRITON_VERSION = "2.45.0"
@@ -62,6 +65,8 @@ RESTRICTED_APIS = ("metadata", "inference", "shared-memory", "model-config", "mo
                    "trace", "logging")
 #: How often :func:`start` asks a starting server whether it is ready (a restart's 503s last until it says so).
 READY_POLL_S = 0.05
+#: Starts of one server before a crash while starting is reported (:func:`start`; a refusal is reported at once).
+START_ATTEMPTS = 3
 #: Earlier logs kept beside the current one (``<log>.1`` is the newest).
 LOG_KEEP = 5
 #: Name prefix of the Python backend's shared-memory regions in ``/dev/shm``.
@@ -233,6 +238,11 @@ def processes_with(marker: str) -> dict[int, list[str]]:
         if "zombie" not in state and any(marker in a for a in argv):
             found[int(entry.name)] = argv
     return found
+
+
+def shm_prefix(server_id: str) -> str:
+    """The Python-backend shared-memory prefix of the server launched with ``--id=server_id`` (one per server)."""
+    return f"{SHM_PREFIX}{server_id}_"
 
 
 def shm_regions(argvs: list[list[str]]) -> set[str]:
@@ -486,7 +496,10 @@ def start(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port
     or pass ``any_thread=True`` from a thread that outlives the server. ``api_key`` locks every API but
     health behind :data:`RESTRICTED_HEADER` (:func:`restricted_api_args`). A given ``log_file`` is rotated
     first (``log_keep`` older ones kept; 0 appends to it instead).
-    Raises :class:`TritonStartError` with Triton's reason on failure.
+    A server killed by a signal while it starts (Triton 2.45's Python backend aborts at times with
+    ``boost::interprocess::lock_exception`` when many stubs start at once on a loaded machine, an upstream race) is
+    started again, at most :data:`START_ATTEMPTS` times in all, with a warning; a refusal (a model that does not
+    load, a port in use) is not retried. Raises :class:`TritonStartError` with Triton's reason on failure.
     """
     if not any_thread and threading.current_thread() is not threading.main_thread():
         raise TritonStartError("start Triton from the main thread: it gets SIGTERM when the thread that started it "
@@ -496,25 +509,41 @@ def start(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port
         raise TritonStartError(f"model repository {repo} does not exist (write it with `unroll repo`)")
     if model_control not in ("none", "poll", "explicit"):
         raise TritonStartError(f"model_control must be none, poll or explicit, not {model_control!r}")
-    _check_ports_free(host, {"HTTP": http_port, "gRPC": grpc_port, "metrics": metrics_port})
-    layout = server_layout()
-    server_id = f"unroll-{uuid.uuid4().hex[:12]}"
     if log_file is None:
         fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
         os.close(fd)
         log_file = Path(name)
     log_file = Path(log_file).resolve()
     log_file.parent.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1, START_ATTEMPTS + 1):
+        _check_ports_free(host, {"HTTP": http_port, "gRPC": grpc_port, "metrics": metrics_port})
+        try:
+            return _launch(repo, (http_port, grpc_port, metrics_port), host, log_file, timeout_s, model_control,
+                           log_verbose, extra_args or [], api_key, log_keep)
+        except TritonStartError as e:
+            if not e.crashed or attempt == START_ATTEMPTS:
+                raise
+            log.warning("tritonserver crashed while starting (%s); starting it again (attempt %d of %d; its log: "
+                        "%s)", e.reason, attempt + 1, START_ATTEMPTS, e.log_path)
+    raise AssertionError("unreachable")
+
+
+def _launch(repo: Path, ports: tuple[int, int, int], host: str, log_file: Path, timeout_s: float,
+            model_control: str, log_verbose: int, extra_args: list[str], api_key: str | None,
+            log_keep: int) -> TritonHandle:
+    """One start of tritonserver (:func:`start`): launched, then waited for until ready."""
+    http_port, grpc_port, metrics_port = ports
+    layout = server_layout()
+    server_id = f"unroll-{uuid.uuid4().hex[:12]}"
     if log_keep > 0:
         rotate_log(log_file, log_keep)
     log_offset = log_file.stat().st_size if log_file.exists() else 0  # appended: earlier runs are not this one
-    cmd = _server_command(layout, server_id, repo, host, (http_port, grpc_port, metrics_port), model_control,
-                          log_verbose, extra_args or [])
+    cmd = _server_command(layout, server_id, repo, host, ports, model_control, log_verbose, extra_args)
     env = server_env(layout)
     how = hidden_args.launch(cmd, restricted_api_args(api_key) if api_key else [], env)  # key off /proc/PID/cmdline
-    with open(log_file, "ab") as log:
+    with open(log_file, "ab") as sink:
         try:
-            proc = subprocess.Popen(how.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(how.command, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
                                     env={**env, **how.env}, start_new_session=True,
                                     preexec_fn=_die_with_parent(os.getpid()))
         except OSError as e:
@@ -548,6 +577,9 @@ def _server_command(layout: ServerLayout, server_id: str, repo: Path, host: str,
         f"--metrics-port={metrics_port}",
         "--pinned-memory-pool-byte-size=0",  # CPU-only here; avoids a CUDA host allocation attempt
         f"--log-verbose={log_verbose}",
+        # The Python backend names its /dev/shm regions prefix + a counter: two servers started at once on one
+        # machine took the same names (boost::interprocess::lock_exception at start) unless each has its own.
+        f"--backend-config=python,shm-region-prefix-name={shm_prefix(server_id)}",
         *extra_args,
     ]
 
@@ -559,7 +591,8 @@ def _wait_ready(handle: TritonHandle, proc: subprocess.Popen, timeout_s: float, 
     client_host = _client_host(handle.host)
     while True:
         if proc.poll() is not None:
-            raise _start_failure(f"tritonserver exited with code {proc.returncode}", log_file, log_offset)
+            raise _start_failure(f"tritonserver exited with code {proc.returncode}", log_file, log_offset,
+                                 crashed=proc.returncode < 0)
         handle.snapshot()
         if handle.ready():
             handle.snapshot()
@@ -592,11 +625,11 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
     return child
 
 
-def _start_failure(what: str, log_file: Path, offset: int) -> TritonStartError:
+def _start_failure(what: str, log_file: Path, offset: int, crashed: bool = False) -> TritonStartError:
     with open(log_file, "rb") as f:
         f.seek(offset)
         log = f.read().decode(errors="replace")
     why = _failure_summary(log) or "(no error logged)"
     tail = "\n".join(log.splitlines()[-LOG_TAIL_LINES:])
     return TritonStartError(f"{what}: {why}\n--- last {LOG_TAIL_LINES} lines of {log_file} ---\n{tail}",
-                            reason=f"{what}: {why}", log_path=log_file)
+                            reason=f"{what}: {why}", log_path=log_file, crashed=crashed)

@@ -31,8 +31,9 @@ defaults the gateway's), the card's ``min_size`` and a TensorRT profile's H×W w
   (``TYPE_INT32`` ``[1]``: 0 png (default), 1 tiff, 2 npy). Outputs: ``encoded`` (``TYPE_UINT8`` ``[-1]``: the
   result file at the input's size and mode, as the gateway's PNG; npy: the image's uint8/uint16 array) and
   ``image_info`` (JSON: ``encoded_bytes``, the file's length in its zero-padded row; ``sigma_used`` on the 0–255
-  scale, ``sigma_estimated``, ``sigma_reliable``, ``sigma_rule`` or null where the card has σ). The float output is
-  not sent for encoded images.
+  scale, ``sigma_estimated``, ``sigma_reliable``, ``sigma_rule`` or null where the card has σ; ``sigma_residual``,
+  the RMS of what the model removed on the same scale: a residual-based noise estimate). The float output is not
+  sent for encoded images.
 
 Only requested outputs are computed (``requested_output_names``). A float-tensor request gets its graph's outputs
 and, where it asks for it (or for every output), ``image_info`` ``{}`` per item; ``encoded`` only comes from images.
@@ -358,6 +359,7 @@ class TritonPythonModel:
                         "sigma_rule": used.rule}
             if wire.ENCODED in wanted:
                 out = self._whole_or_tiled(batch, extra)
+                info["sigma_residual"] = images.removed_noise_sigma(batch, out, card.input)
                 del batch
                 encoded.append(prepare.encode_result(out, planes, card.input, fmt))
                 info["encoded_bytes"] = len(encoded[-1])

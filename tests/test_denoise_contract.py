@@ -156,6 +156,20 @@ def test_sigma_headers_through_the_gateway(client: httpx.Client) -> None:
     assert r.headers["X-Sigma-Used"] == "30.000" and r.headers["X-Sigma-Reliable"] == "true"
 
 
+@pytest.mark.triton
+def test_the_residual_noise_header_is_what_the_model_removed(client: httpx.Client) -> None:
+    """``X-Sigma-Residual``: the RMS of input − output on the 0–255 scale, as the answered PNG shows it (up to its
+    8-bit rounding), near the true σ on a noisy photo (how near, per photo and σ: ``unroll bench ood``)."""
+    for name, level, noisy in list(noisy_photos())[:3]:  # camera at σ 15, 25, 50
+        for query in ("", f"?sigma={level:g}"):
+            r = post(client, encode(Image.fromarray(noisy)), query)
+            out = np.asarray(Image.open(io.BytesIO(r.content)), np.float64)
+            removed = float(np.sqrt(np.mean((noisy.astype(np.float64) - out) ** 2)))
+            header = float(r.headers["X-Sigma-Residual"])
+            assert abs(header - removed) < 0.02 * level + 0.5, (name, level, query, header, removed)
+            assert 0.5 * level < header < 1.5 * level, (name, level, query, header)
+
+
 # --- 7. what comes back, per input mode ---------------------------------------------------------------------------
 
 

@@ -126,10 +126,14 @@ def test_requests_spread_over_workers_and_metrics_add_up(gateway: tuple[str, sub
     first = scrape(base)
     before = metric(first, "unroll_gateway_requests_total", route=CLASSIFY, status="200")
     items_before = metric(first, "unroll_gateway_batch_items_sum", model=CLASSIFIER)
-    n = 200
-    codes = classify_many(base, digit_png, n)
-    assert codes == [200] * n
-    text = scrape(base)
+    # Batches until a second worker has served (a worker still starting on a loaded machine accepts nothing yet)
+    n, deadline = 0, time.monotonic() + 90
+    while True:
+        assert classify_many(base, digit_png, 100) == [200] * 100
+        n += 100
+        text = scrape(base)
+        if len([v for v in per_worker(text).values() if v > 0]) >= 2 or time.monotonic() > deadline:
+            break
     assert metric(text, "unroll_gateway_requests_total", route=CLASSIFY, status="200") == before + n
     assert metric(text, "unroll_gateway_request_duration_seconds_count", route=CLASSIFY) == before + n
     # every request reached Triton once, alone or coalesced with others (serving/gateway/batching.py)

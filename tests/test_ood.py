@@ -4,6 +4,7 @@ results, their Markdown and the README's table agree."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from unroll import ood_sets, registry
-from unroll.benchmarks import ood
+from unroll.benchmarks import ood, ood_served, serve_ab
 from unroll.benchmarks.common import RESULTS
 from unroll.solvers.csc import output_padding
 from unroll.solvers.residual import first_solver, forward_with_residual
@@ -52,12 +53,17 @@ def test_the_residual_leaves_the_output_alone_and_is_the_layers_reconstruction_e
         assert torch.equal(y, model(x))  # the hook only watches
     assert type(first_solver(model)).__name__ == kind and r.shape == (4,)
     assert bool((torch.isfinite(r) & (r > 0)).all()), r  # (a relative residual may pass 1: D·z can overshoot)
-    if kind == "DictBlock":  # by hand: the layer's input minus the transposed convolution of its code
-        layer = fit.layer
-        rec = F.conv_transpose2d(fit.code, layer.weight, stride=layer.stride, padding=layer.padding,
-                                 output_padding=output_padding(layer.stride))
+    if kind == "DictBlock":  # by hand: the input minus the reconstruction of the iterate one step before the code
+        layer = copy.deepcopy(fit.layer)
+        layer.n_steps -= 1
+        with torch.no_grad():
+            before_last = layer(fit.target)
+            rec = F.conv_transpose2d(before_last, layer.weight, stride=layer.stride, padding=layer.padding,
+                                     output_padding=output_padding(layer.stride))
         want = (fit.target - rec).flatten(1).norm(dim=1) / fit.target.flatten(1).norm(dim=1)
         torch.testing.assert_close(r, want)
+        assert fit.difference is not None and fit.layer.solver_residual is None  # caught, then let go
+        assert not fit.layer.keep_residual
 
 
 def test_a_model_without_a_solver_has_no_residual() -> None:
@@ -76,13 +82,52 @@ def test_the_scores_and_the_rule() -> None:
     assert rule.sided == "high"
 
 
-def test_a_quick_run_writes_consistent_results(tmp_path: Path) -> None:
-    p = ood.run(["sdnet-mnist"], digits=120, out_dir=tmp_path)
+@pytest.mark.triton
+def test_a_quick_run_writes_consistent_results_and_serves_both_graphs(tmp_path: Path, demo_onnx_dir: Path) -> None:
+    if serve_ab.find() is None:
+        pytest.skip(serve_ab.missing_reason())
+    p = ood.run(["sdnet-mnist"], digits=120, out_dir=tmp_path, onnx_dir=demo_onnx_dir, served_rounds=1,
+                served_round_s=1)
     assert (tmp_path / "ood.md").read_text() == ood.markdown(json.loads((tmp_path / "ood.json").read_text()))
     assert (tmp_path / "ood.png").stat().st_size > 0
     m = p["models"]["sdnet-mnist"]
     assert m["digits"] == {"validation": 120, "test": 120} and set(m["sets"]) == set(ood_sets.KINDS)
     assert [t["met"] for t in p["targets"]] == [t["met"] for t in ood.verdicts(p)]
+    served = p["served"]["sdnet-mnist"]
+    for path in ood_served.PATHS:
+        for graph in ("with", "without"):
+            assert served[path][graph]["requests"] > 0 and served[path][graph]["p50_ms"] > 0, (path, graph)
+            assert served[path][graph]["cpu_ms_per_request"] > 0, (path, graph)
+            assert 0 < served[path][graph]["compute_ms"] < served[path][graph]["p50_ms"], (path, graph)
+        assert served[path]["added_latency"] == pytest.approx(served[path]["added_compute_ms"] /
+                                                              served[path]["without"]["p50_ms"])
+    assert len([t for t in p["targets"] if "served added latency" in t["target"]]) == len(ood_served.PATHS)
+
+
+def test_the_plain_copy_is_the_same_graph_without_the_residual_branch(tmp_path: Path, demo_onnx_dir: Path) -> None:
+    """What the served cost is measured against: the exported graph with its residual output and every node only it
+    needs removed; its logits are the full graph's."""
+    import onnx
+    import onnxruntime as ort
+
+    from unroll import artifacts
+    from unroll.card import from_onnx
+
+    for f in (artifacts.graph("sdnet-mnist", onnx_dir=demo_onnx_dir),
+              artifacts.graph_report("sdnet-mnist", onnx_dir=demo_onnx_dir)):
+        (tmp_path / f.name).symlink_to(f)
+    plain = ood_served.plain_copy(tmp_path, "sdnet-mnist")
+    full_model, plain_model = (onnx.load(str(tmp_path / f"{n}.onnx")) for n in ("sdnet-mnist", plain))
+    assert [o.name for o in full_model.graph.output] == ["logits", "residual"]
+    assert [o.name for o in plain_model.graph.output] == ["logits"]
+    assert len(plain_model.graph.node) < len(full_model.graph.node)
+    card = from_onnx(plain_model)
+    assert card.name == plain and card.ood is None
+    x = ood_sets.ood_sets("validation")["photo crops"][:3]
+    full = ort.InferenceSession(str(tmp_path / "sdnet-mnist.onnx"), providers=["CPUExecutionProvider"])
+    bare = ort.InferenceSession(str(tmp_path / f"{plain}.onnx"), providers=["CPUExecutionProvider"])
+    feeds = {"image": x, "lam": np.full(len(x), card.lam.default, np.float32)}
+    np.testing.assert_array_equal(full.run(["logits"], feeds)[0], bare.run(None, feeds)[0])
 
 
 def test_the_committed_results_their_markdown_and_the_readme_agree() -> None:

@@ -19,6 +19,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -511,6 +512,46 @@ def test_a_load_longer_than_the_unready_limit_and_its_unload_replace_nothing(
         assert first.ready()
     finally:
         sup.stop()
+
+
+@pytest.mark.triton
+def test_a_crash_while_triton_starts_is_retried_and_a_refusal_is_not(demo_onnx_dir: Path, tmp_path: Path) -> None:
+    """A tritonserver killed by a signal while it loads its models (Triton 2.45's Python backend aborts so at times,
+    ``boost::interprocess::lock_exception``, when stubs start at once on a loaded machine) is started again by
+    ``start``; a server that refuses its repository is reported at once. The crash is a real SIGABRT sent to the
+    loading server, whose slow model (``initialize`` sleeps) keeps it loading long enough to be hit."""
+    from unroll.errors import TritonStartError
+    from unroll.serving.repository import write_repository
+
+    repo = tmp_path / "repo"
+    write_repository("cpu", ["sdnet-mnist-autolam"], repo, onnx_dir=demo_onnx_dir)
+    (repo / "slow" / "1").mkdir(parents=True)
+    (repo / "slow" / "1" / "model.py").write_text(SLOW_MODEL_PY.format(load_s=4))
+    (repo / "slow" / "config.pbtxt").write_text(SLOW_CONFIG)
+    aborted: list[int] = []
+
+    def abort_while_loading() -> None:
+        deadline = time.monotonic() + 30
+        while (pid := tritonserver_pid(repo)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if pid is not None:
+            time.sleep(1.0)  # loading: the slow model sleeps 4 s
+            os.kill(pid, signal.SIGABRT)
+            aborted.append(pid)
+
+    threading.Thread(target=abort_while_loading, daemon=True).start()
+    log = tmp_path / "triton.log"
+    with triton.start(repo, *free_ports(3), log_file=log, timeout_s=60) as handle:
+        assert aborted and handle.pid != aborted[0] and handle.ready()
+        assert Path(f"{log}.1").exists()  # the crashed start's log, kept
+        assert not exists(aborted[0])
+
+    (repo / "sdnet-mnist-autolam" / "1" / "model.onnx").write_bytes(b"not onnx")  # a refusal, not a crash
+    refused_log = tmp_path / "refused.log"
+    with pytest.raises(TritonStartError) as refused:
+        triton.start(repo, *free_ports(3), log_file=refused_log, timeout_s=60)
+    assert not refused.value.crashed and not Path(f"{refused_log}.1").exists()  # started once
+    assert not processes_of(str(repo))
 
 
 # ---------------------------------------------------------------- no server needed

@@ -135,7 +135,8 @@ def float_denoise(client, card: ModelCard, data: bytes, sigma: float | None, fmt
                                       tensor(grpcclient, card.sigma.input, level)],
                            outputs=outputs(grpcclient, card.output))
         out[i:i + 4] = res.as_numpy(card.output)
-    info = {"sigma_used": used.value * 255.0, "sigma_reliable": used.reliable, "sigma_rule": used.rule}
+    info = {"sigma_used": used.value * 255.0, "sigma_reliable": used.reliable, "sigma_rule": used.rule,
+            "sigma_residual": images.removed_noise_sigma(batch, out, card.input)}
     return prepare.encode_result(out, planes, card.input, fmt), info
 
 
@@ -234,6 +235,7 @@ def test_denoiser_answers_the_gateways_file(http, grpc, cards, noisy: np.ndarray
                 assert info["sigma_used"] == pytest.approx(want_info["sigma_used"], abs=1e-6)
                 assert info["sigma_reliable"] is want_info["sigma_reliable"]
                 assert info["sigma_rule"] == want_info["sigma_rule"]
+                assert info["sigma_residual"] == pytest.approx(want_info["sigma_residual"], rel=1e-5)
     # a batch: both files in one call, each its own answer
     both = image_denoise(grpc, grpcclient, [gray, rgb], 25.0, card=card)
     assert [b[0] for b in both] == [float_denoise(grpc, card, d, 25.0)[0] for d in (gray, rgb)]

@@ -215,13 +215,16 @@ class TritonStartError(ServingError):
     """The server binary is missing, could not start, or a model did not load (message has Triton's reason).
 
     ``reason`` is the short form (one line per failed model) for command-line output; the message
-    adds the tail of the log at ``log_path``.
+    adds the tail of the log at ``log_path``. ``crashed``: the server was killed by a signal while starting (a crash,
+    not a refusal such as a bad config), which a supervisor may retry.
     """
 
-    def __init__(self, message: str, reason: str | None = None, log_path: Path | None = None) -> None:
+    def __init__(self, message: str, reason: str | None = None, log_path: Path | None = None,
+                 crashed: bool = False) -> None:
         super().__init__(message)
         self.reason = reason or message.splitlines()[0]
         self.log_path = log_path
+        self.crashed = crashed
 
 
 class ProfileError(BuildError, ValueError):

@@ -17,7 +17,9 @@ image as one batch item ``[C, 1, H, W]``; a 3-channel denoiser gets an RGB(A) im
 one gray plane (so the PNG keeps the input's size and mode either way; alpha is copied).
 
 The same handler answers every task whose route answers an image (``unroll.tasks``: ``Route.answer == "image"``):
-where the card has no ``sigma``, the image is the graph's only input and no ``X-Sigma-*`` headers are sent.
+where the card has no ``sigma``, the image is the graph's only input and no ``X-Sigma-*`` headers are sent but
+``X-Sigma-Residual``: the RMS of what the model removed, a noise estimate from the solver's residual, sent by every
+image-to-image answer.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ from unroll.serving.gateway.triton_client import fit_shape
 from unroll.serving.imaging import images, prepare, wire
 from unroll.serving.imaging.sigma import QUERY_HELP, SigmaEstimate
 from unroll.tasks import Task
+
+#: The noise level the model removed (:func:`~unroll.serving.imaging.images.removed_noise_sigma`, 0–255 scale).
+RESIDUAL_HEADER = "X-Sigma-Residual"
 
 
 async def denoiser(request: Request, gw: GatewayDep, model: Annotated[str | None, Query(
@@ -126,12 +131,12 @@ async def _answer(request: Request, gw: Gateway, entry: Entry, sigma: float | No
             with tracing.span("encode"):  # the model encoded it: the file is cut from its answer
                 meta = wire.read_info(res[wire.IMAGE_INFO][0])
                 body = wire.encoded_file(res[wire.ENCODED][0], meta)
-            used = given
+            used, removed = given, meta.get("sigma_residual")
             if card.sigma is not None and given is None:  # estimated by the model, with the rules that fired
                 rules = tuple(r for r in (meta.get("sigma_rule") or "").split(",") if r)
                 used = SigmaEstimate(float(meta["sigma_used"]) / 255.0, rules)
         else:
-            body, used = await _decoded(gw, entry, data, given, hw, fmt)
+            body, used, removed = await _decoded(gw, entry, data, given, hw, fmt)
     latency = round((time.perf_counter() - t0) * 1000.0, 2)
     headers = {}
     if card.sigma is not None:
@@ -141,6 +146,8 @@ async def _answer(request: Request, gw: Gateway, entry: Entry, sigma: float | No
                    "X-Sigma-Reliable": "true" if used.reliable else "false"}
         if used.rule is not None:
             headers["X-Sigma-Rule"] = used.rule
+    if removed is not None:  # what the model took away, as a noise level: beside the σ it was given or estimated
+        headers[RESIDUAL_HEADER] = f"{float(removed):.3f}"
     if k is not None:
         headers["X-Iters"] = str(k)
     return Response(body, media_type=wire.OUTPUT_FORMATS[fmt], headers={**headers, "X-Latency-Ms": str(latency),
@@ -148,9 +155,9 @@ async def _answer(request: Request, gw: Gateway, entry: Entry, sigma: float | No
 
 
 async def _decoded(gw: Gateway, entry: Entry, data: bytes, given: SigmaEstimate | None,
-                   hw: images.HWRange | None, fmt: str) -> tuple[bytes, SigmaEstimate | None]:
+                   hw: images.HWRange | None, fmt: str) -> tuple[bytes, SigmaEstimate | None, float]:
     """The image decoded here and sent as float tensors (a model without ``image_bytes``, e.g. a GPU config): the
-    encoded result and the σ used."""
+    encoded result, the σ used and the noise level the model removed (:func:`images.removed_noise_sigma`)."""
     card, info, settings = entry.card, entry.info, gw.settings
     assert card is not None and info is not None
     with tracing.span("decode"):
@@ -174,6 +181,7 @@ async def _decoded(gw: Gateway, entry: Entry, data: bytes, given: SigmaEstimate 
             return (await gw.infer(entry, {card.input.name: x}, [card.output]))[card.output]
 
     out = await run_image_graph(entry, batch, sig, infer)  # whole, or in windows (card.tiling)
+    removed = images.removed_noise_sigma(batch, out, card.input)
     del batch
     with tracing.span("encode"):
-        return await run_in_threadpool(prepare.encode_result, out, planes, card.input, fmt), used
+        return await run_in_threadpool(prepare.encode_result, out, planes, card.input, fmt), used, removed

@@ -41,7 +41,8 @@ mean/std. Inverted only as `invert` says (below).
 as RGB); a single-channel denoiser gets the colour channels as one batch `[C,1,H,W]`, a 3-channel denoiser
 the RGB image as `[1,3,H,W]`; sides
 must be at least the card's `input.min_size`. `sigma` is on the 0–255 scale; omit it to estimate it
-(wavelet MAD); the value used is returned in `X-Sigma-Used`.
+(wavelet MAD); the value used is returned in `X-Sigma-Used`, and the RMS of what the model removed (a
+residual-based noise estimate, same scale) in `X-Sigma-Residual`.
 
 **Parameters.** `invert` (`auto`, `true`, `false`) inverts the image before classifying; `auto` (the default
 for models whose card declares the training images' polarity) inverts when the median brightness of the

@@ -35,7 +35,8 @@ DENOISE_OUTPUT = (
     "so it displays like the input in any viewer. The input's EXIF (JPEG, PNG, WebP; without Orientation) and ICC "
     "profile (not for CMYK or LAB) are copied; alpha is copied exactly; other metadata is not. Headers: "
     "X-Sigma-Used (0–255 scale), X-Sigma-Estimated, X-Sigma-Reliable, X-Sigma-Rule (only when not reliable; see "
-    "the `sigma` parameter), X-Latency-Ms, X-Model."
+    "the `sigma` parameter), X-Sigma-Residual (the RMS of what the model removed, on the same scale: a "
+    "residual-based noise estimate beside the one used), X-Latency-Ms, X-Model."
 )
 #: zlib level of the PNGs written (denoised answers): measured by ``unroll bench png-level`` (encode CPU time against
 #: size on real photos, ``benchmarks/results/png_level.md``), whose choice ``tests/test_png_level.py`` holds this to.
@@ -392,6 +393,25 @@ def from_graph(y: np.ndarray, card: InputCard) -> np.ndarray:
     out -= np.float32(lo)
     out /= np.float32(hi - lo)
     return out
+
+
+#: Rows per block of :func:`removed_noise_sigma` (its temporary is one block, not the image).
+_ROWS = 64
+
+
+def removed_noise_sigma(noisy: np.ndarray, denoised: np.ndarray, card: InputCard) -> float:
+    """What a denoiser took away, as a noise level on the 0–255 scale: the RMS of ``noisy − denoised`` (both
+    ``[N, C, H, W]`` in the graph's scale, as :func:`to_graph` gives them) over every pixel. For a denoiser that
+    removed exactly the noise, the noise's σ; a residual-based estimate beside the wavelet one it was given."""
+    _, std = _stats(card)
+    lo, hi = card.value_range
+    total, count = 0.0, 0
+    for r in range(0, noisy.shape[-2], _ROWS):
+        d = noisy[..., r:r + _ROWS, :] - denoised[..., r:r + _ROWS, :]
+        d *= std / np.float32(hi - lo)  # per channel, back to [0, 1]
+        total += float(np.vdot(d.ravel(), d.ravel()))
+        count += d.size
+    return math.sqrt(total / max(count, 1)) * 255.0
 
 
 def _stats(card: InputCard) -> tuple[np.ndarray, np.ndarray]:

@@ -30,7 +30,7 @@ from typing import Any, Literal
 from torch import Tensor, nn
 
 from unroll import tasks
-from unroll.card import InputCard, IterCard
+from unroll.card import InputCard, IterCard, OodCard
 from unroll.models.dic_vit import _refresh_after_load
 from unroll.models.hamnet import Hamburger
 from unroll.models.mnist import _ResBlock
@@ -119,8 +119,10 @@ _DIGITS = dict(task=tasks.CLASSIFICATION, output="logits", labels=tuple(str(i) f
 RECIPE = "unroll.train.digits"
 
 
-def _register(name: str, build, description: str, defaults: dict, served: tuple[int, ...] | None = None) -> None:
-    card = {**_DIGITS, "description": description, **({"iters": IterCard(served=served)} if served else {})}
+def _register(name: str, build, description: str, defaults: dict, served: tuple[int, ...] | None = None,
+              ood: bool = False) -> None:
+    card = {**_DIGITS, "description": description, **({"iters": IterCard(served=served)} if served else {}),
+            **({"ood": OodCard()} if ood else {})}
     # trained for the robustness comparison: `unroll serve` serves them when named, not by default
     register_model(name, input_shape=(1, 28, 28), recipe=RECIPE, defaults=defaults, card=card,
                    served_by_default=False)(build)
@@ -135,7 +137,8 @@ def digit_cnn(**kw: Any) -> DigitCNN:
 
 
 _register("vars-vit-mnist", digit_vit, "RVT-style digit ViT (49 tokens, 3 blocks, 64 wide) with the official VARS-D "
-          "attention (3 learned ISTA steps, trained demo)", {"attention": "vars-d"}, served=(1, 2, 3, 5))
+          "attention (3 learned ISTA steps, trained demo)", {"attention": "vars-d"}, served=(1, 2, 3, 5),
+          ood=True)  # the first attention's sparse reconstruction; Dic-Attn's and the NMF's do not separate (ood.md)
 _register("dic-vit-mnist", digit_vit, "RVT-style digit ViT (49 tokens, 3 blocks, 64 wide) with Dic-Attn (3 elastic-net "
           "ISTA steps over 96 atoms, trained demo)", {"attention": "dic"}, served=(1, 2, 3, 5))
 _register("vit-mnist", digit_vit, "RVT-style digit ViT (49 tokens, 3 blocks, 64 wide) with softmax attention: the "

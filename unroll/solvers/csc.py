@@ -74,6 +74,12 @@ class DictBlock(nn.Module):
     normalised weight and recompute ``step_size`` by power iteration.
     """
 
+    #: Set by :func:`unroll.solvers.residual.forward_with_residual` around one forward: keep ``(x, x − D⊛c)``, the
+    #: residual its last step computed anyway, in :attr:`solver_residual`, so the score costs no reconstruction of
+    #: its own. Off otherwise: a forward then holds no extra activation.
+    keep_residual: bool = False
+    solver_residual: tuple[Tensor, Tensor] | None = None
+
     def __init__(
         self, in_channels: int, num_atoms: int, kernel_size: int = 3, stride: int = 1,
         padding: int = 1, lmbd: float = 0.1, n_steps: int = 2, probe_size: int = 32,
@@ -127,13 +133,15 @@ class DictBlock(nn.Module):
             return out if theta is None else out - theta
 
         c = torch.relu(analysis(x))
-        c_prev = c
+        c_prev, residual = c, None
         for beta in fista_momenta(self.n_steps):
             # As in the official SDNet code, the gradient is taken at the current iterate c and added to
             # the extrapolated point; beta is a Python constant per step (a literal in the graph).
             a = c if beta == 0.0 else c + beta * (c - c_prev)
             residual = x - F.conv_transpose2d(c, w, stride=s, padding=p, output_padding=op)
             c_prev, c = c, torch.relu(a + analysis(residual))
+        if self.keep_residual and residual is not None:
+            self.solver_residual = (x, residual)
         return c
 
     def _forward_textbook(self, x: Tensor, lmbd: Tensor | None) -> Tensor:
@@ -145,10 +153,15 @@ class DictBlock(nn.Module):
         dtx = F.conv2d(x, w, stride=s, padding=p)
         c = soft_threshold_nonneg(t * dtx, theta)
         c_prev = c
+        residual = None
         for beta in fista_momenta(self.n_steps):
             a = c if beta == 0.0 else c + beta * (c - c_prev)
-            dtdc = F.conv2d(F.conv_transpose2d(c, w, stride=s, padding=p, output_padding=op), w, stride=s, padding=p)
+            dc = F.conv_transpose2d(c, w, stride=s, padding=p, output_padding=op)
+            dtdc = F.conv2d(dc, w, stride=s, padding=p)
             c_prev, c = c, soft_threshold_nonneg(a + t * (dtx - dtdc), theta)
+            residual = x - dc if self.keep_residual else None
+        if self.keep_residual and residual is not None:
+            self.solver_residual = (x, residual)
         return c
 
 

@@ -3,16 +3,20 @@
 Each unrolled solver fits a code ``z`` to a target over a dictionary ``D``; on inputs like its training data the fit
 is typical, on others it is not (an out-of-distribution signal that costs one reconstruction, no second model):
 
-- CSC (SDNet's ``DictBlock``): the layer's input ``x`` and its code ``c``: ``x − Dᵀ⊛c`` (a transposed convolution);
-- VARS attention: each head's values ``v`` and the ISTA codes over the random-feature dictionary: ``v − D·codes``;
+- CSC (SDNet's ``DictBlock``): the residual ``x − D⊛c`` its last FISTA step computed anyway (at the iterate before
+  the final code), so the score adds two norms and no convolution; a layer without steps falls back to
+  reconstructing from its code;
+- VARS attention: each head's values ``v`` and the ISTA codes over the random-feature dictionary: ``v − D·codes``,
+  whose reconstruction ``D·codes`` the attention computes anyway (its output);
 - Dic-Attn: the tokens and their elastic-net codes: ``x − φ·Dᵀ``;
 - Hamburger's NMF: ``relu(x)`` (flattened, ``[B, D, N]``) and its factors: ``X − bases·coefᵀ``.
 
 :func:`forward_with_residual` runs the model once, catching the first solver layer's input (and the CSC layer's
 code) with a forward hook; for the attention and NMF layers, whose codes stay inside their ``forward``, the codes
-are recomputed from that input with the layer's own solver (deterministic in eval: the same numbers). Nothing here
-changes a layer's ``forward`` or its exported graph. :func:`reconstruct` is the added work alone (what serving the
-score would add to a graph), timed separately by the benchmark.
+are recomputed from that input with the layer's own solver (deterministic in eval: the same numbers). The CSC and
+VARS layers instead keep ``(target, target − D·z)`` for one forward when asked (``keep_residual``): the graph then
+adds only the norms. Nothing here changes a layer's output. :func:`reconstruct` is ``D·z`` for the layers that
+keep nothing.
 """
 
 from __future__ import annotations
@@ -37,9 +41,12 @@ class Fit:
 
     kind: str
     target: Tensor
-    dictionary: Tensor
-    code: Tensor
+    dictionary: Tensor | None
+    code: Tensor | None
     layer: nn.Module
+    #: ``target − D·z`` where the layer computed it already (``keep_residual``; CSC: its last step's, at the iterate
+    #: before its output). ``dictionary`` and ``code`` are then not needed (VARS: not recomputed, ``None``).
+    difference: Tensor | None = None
 
 
 def first_solver(model: nn.Module) -> nn.Module | None:
@@ -48,9 +55,11 @@ def first_solver(model: nn.Module) -> nn.Module | None:
 
 
 @torch.no_grad()
-def _fit(layer: nn.Module, x: Tensor, out: Tensor) -> Fit:
+def _fit(layer: nn.Module, x: Tensor, out: Tensor, kept: tuple[Tensor, Tensor] | None = None) -> Fit:
     if isinstance(layer, DictBlock):
-        return Fit("csc", x, layer.weight, out, layer)
+        return Fit("csc", x, layer.weight, out, layer, None if kept is None else kept[1])
+    if isinstance(layer, VARSAttention) and kept is not None:
+        return Fit("vars", kept[0], None, None, layer, kept[1])
     if isinstance(layer, VARSAttention):
         qv = layer.qkv(x).unflatten(-1, (2, layer.num_heads, layer.head_dim)).permute(2, 0, 3, 1, 4)
         q, v = qv[0], qv[1]
@@ -88,7 +97,8 @@ def relative_residual(fit: Fit) -> Tensor:
     """``‖target − D·z‖ / ‖target‖`` per sample ``[B]`` (a zero target counts as fully unexplained: 1). Written
     without a comparison (``zero`` is 1 for a zero norm, 0 from :data:`TINY` up), so the exported graph stays free of
     the branch ops TensorRT's lint and the fused-shrinkage check look for."""
-    diff = (fit.target - reconstruct(fit)).flatten(1).norm(dim=1)
+    difference = fit.target - reconstruct(fit) if fit.difference is None else fit.difference
+    diff = difference.flatten(1).norm(dim=1)
     norm = fit.target.flatten(1).norm(dim=1)
     zero = 1.0 - (norm / TINY).clamp(max=1.0)
     return diff / norm.clamp_min(TINY) * (1.0 - zero) + zero
@@ -120,11 +130,18 @@ def forward_with_residual(model: nn.Module, *inputs: Tensor) -> tuple[Tensor, Te
     def hook(_: nn.Module, inputs: tuple, output: Tensor) -> None:
         if "x" not in caught:  # the first call (a layer run twice per forward keeps its first input)
             caught["x"], caught["out"] = inputs[0], output
+            caught["kept"] = getattr(layer, "solver_residual", None)
 
+    keeps = hasattr(layer, "keep_residual")
     handle = layer.register_forward_hook(hook)
     try:
+        if keeps:
+            layer.keep_residual = True
         y = model(*inputs)
     finally:
         handle.remove()
-    fit = _fit(layer, caught["x"], caught["out"])
+        if keeps:  # back to the class default: a plain forward holds no extra activation
+            del layer.keep_residual
+            layer.solver_residual = None
+    fit = _fit(layer, caught["x"], caught["out"], caught["kept"])
     return y, relative_residual(fit), fit

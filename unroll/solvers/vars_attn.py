@@ -113,6 +113,11 @@ class VARSAttention(nn.Module):
     ``use_mask`` declares the official (unused by VARS's forward) ``att_mask`` of the ``-plus`` RVT variants.
     """
 
+    #: Set by :func:`unroll.solvers.residual.forward_with_residual` around one forward: keep ``(v, v − D·codes)``
+    #: (the values and what the sparse reconstruction, computed anyway, leaves of them) in :attr:`solver_residual`.
+    keep_residual: bool = False
+    solver_residual: tuple[Tensor, Tensor] | None = None
+
     def __init__(self, dim: int, num_heads: int = 8, mode: Mode = "d", num_tokens: int = 196, lam: float = 0.3,
                  num_step: int = 5, rand_feat_dim_ratio: int = 2, qkv_bias: bool = True, shrink: Shrink = "gelu",
                  use_mask: bool = False) -> None:
@@ -158,7 +163,10 @@ class VARSAttention(nn.Module):
         Dt = D.transpose(-1, -2)
         codes = vars_codes(Dt @ D, Dt @ v, self.lam * self.learned_lam, self.n_steps, self.shrink,
                            self.learned_k, self.learned_L, nonneg=self.mode == "d")  # random features are > 0
-        return self.proj((D @ codes).transpose(1, 2).flatten(2))
+        recon = D @ codes
+        if self.keep_residual:
+            self.solver_residual = (v, v - recon)
+        return self.proj(recon.transpose(1, 2).flatten(2))
 
 
 __all__ = ["VARSAttention", "gelu_shrink", "gershgorin_lipschitz", "random_feature_atoms", "vars_codes"]

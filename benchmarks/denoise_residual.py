@@ -1,0 +1,61 @@
+"""The denoiser's residual as a noise estimate, against the true σ.
+
+On the denoiser's held-out test photos (its card's ``data.test``) with seeded Gaussian noise at known levels, saved
+as 8-bit images as a client would send them: the σ the gateway estimates from the image today (wavelet MAD,
+``X-Sigma-Used``) and the RMS of what the model removed when run at that σ (``X-Sigma-Residual``,
+:func:`unroll.serving.imaging.images.removed_noise_sigma`), each beside the true σ. In-process PyTorch FP32: the
+served graph's output agrees with it within the export's parity gate, and the gateway computes the same RMS.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from unroll import registry, tasks
+from unroll.benchmarks.common import demo_model
+from unroll.data import add_noise, dataset, noise_seed
+from unroll.serving.imaging import images, sigma
+
+#: True noise levels (0–255 scale).
+LEVELS = (10.0, 25.0, 50.0)
+
+
+def measure(name: str | None = None, levels: tuple[float, ...] = LEVELS, photos: int | None = None) -> dict:
+    """Per test photo and level: the wavelet estimate and the residual's; per level: their mean and mean absolute
+    error against the truth."""
+    name = name or demo_model(tasks.DENOISING)
+    card = registry.get_spec(name).card
+    model = registry.load(name).eval()
+    rows = []
+    for photo, clean in list(dataset(card.data.test).load().items())[:photos]:
+        for level in levels:
+            sent = np.clip(np.round(add_noise(clean, level, noise_seed(photo, level)) * 255.0), 0, 255) / 255.0
+            planes = sent[None].astype(np.float32)  # [C=1, H, W], what the gateway decodes from the 8-bit PNG
+            wavelet = sigma.estimate(planes, card.sigma.max / 255.0 if card.sigma and card.sigma.max else np.inf)
+            x = images.to_graph(planes[None], card.input)
+            with torch.no_grad():
+                out = model(torch.from_numpy(x), torch.tensor([wavelet.value * 255.0 / card.sigma.scale])).numpy()
+            rows.append({"photo": photo, "sigma": level, "wavelet": wavelet.value * 255.0,
+                         "residual": images.removed_noise_sigma(x, out, card.input)})
+    summary = {}
+    for level in levels:
+        at = [r for r in rows if r["sigma"] == level]
+        summary[f"{level:g}"] = {k: {"mean": float(np.mean([r[k] for r in at])),
+                                     "mae": float(np.mean([abs(r[k] - level) for r in at]))}
+                                 for k in ("wavelet", "residual")}
+    return {"model": name, "photos": sorted({r["photo"] for r in rows}), "levels": list(levels), "rows": rows,
+            "summary": summary}
+
+
+def markdown(p: dict) -> list[str]:
+    """The section of ``ood.md``: per true σ, each estimate's mean and mean absolute error."""
+    lines = [f"## {p['model']}: the residual as a noise estimate", "",
+             f"Test photos ({', '.join(p['photos'])}) with seeded Gaussian noise, sent as 8-bit images; the σ the "
+             "gateway estimates from the image (wavelet MAD, `X-Sigma-Used`) and the RMS of what the model removed "
+             "when run at that σ (`X-Sigma-Residual`), each against the true σ (0–255 scale; in-process FP32).", "",
+             "| true σ | wavelet: mean / MAE | residual: mean / MAE |", "|---|---|---|"]
+    for level, s in p["summary"].items():
+        lines.append(f"| {level} | {s['wavelet']['mean']:.2f} / {s['wavelet']['mae']:.2f} | "
+                     f"{s['residual']['mean']:.2f} / {s['residual']['mae']:.2f} |")
+    return [*lines, ""]

@@ -1,0 +1,155 @@
+"""What the residual output costs a served request: each model whose card declares ``ood``, served as ``unroll serve``
+serves it, beside a copy of the same graph without the residual branch, in one tritonserver behind one gateway.
+
+``ab`` at concurrency 1 posts one test digit to Triton's v2 HTTP endpoint (tensors; the model with the residual
+is asked for both outputs, the copy for its logits) and to the gateway's ``/v1/classify`` (the PNG; the gateway
+adds the score, the verdict and the header for the model with the residual), in rounds that alternate which
+graph goes first, so drift on a shared machine falls on both. Per graph and path: the median of the rounds' p50, CPU ms
+per request by process kind and Triton's own time for the model's work (its statistics' compute input + infer +
+output). The added latency is the residual's added model time as a share of the request's p50 without it; the
+direct ratio of the two p50s (median over rounds of each back-to-back pair) is kept beside it, but on a shared
+2-core machine a whole request's p50 moves by several percent from one run to the next, more than the residual
+adds.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from unroll import artifacts, data, pipeline
+from unroll.benchmarks import serve_ab
+from unroll.benchmarks.common import png_bytes
+from unroll.benchmarks.processes import cpu_by_pid, cpu_ms_per_request
+from unroll.benchmarks.serve_triton import STAT_KEYS, stats_delta, triton_server, triton_stats
+from unroll.card import from_onnx, write_to_onnx
+from unroll.errors import BenchError
+from unroll.registry import get_spec
+from unroll.serving.gateway.process import gateway_process
+from unroll.serving.gateway.settings import Settings
+from unroll.serving.repository import write_repository
+
+#: The copy's name: the model's, with this suffix.
+PLAIN = "-plain"
+PATHS = ("triton", "gateway")
+PATH_LABELS = {"triton": "Triton HTTP (tensors)", "gateway": "gateway (PNG)"}
+#: Triton's statistics that time the model's own work (inputs in, execution, outputs out), per request.
+COMPUTE = tuple(k for k in STAT_KEYS if k != "queue")
+
+
+def served_models(models: Sequence[str]) -> list[str]:
+    """Those of ``models`` whose card declares a residual output (``ood``)."""
+    return [m for m in models if get_spec(m).card.ood is not None]
+
+
+def plain_copy(onnx_dir: Path, name: str) -> str:
+    """Write ``NAME-plain.onnx`` beside ``NAME.onnx``: the same graph with the residual output and every node only
+    it needs removed, its card without ``ood``; returns the copy's name."""
+    model = onnx.load(str(onnx_dir / f"{name}.onnx"))
+    card = from_onnx(model)
+    if card.ood is None:
+        raise BenchError(f"{name}: its card declares no residual output (ood)")
+    keep = [o.name for o in model.graph.output if o.name != card.ood.output]
+    plain = onnx.utils.Extractor(model).extract_model([i.name for i in model.graph.input], keep)
+    plain_card = card.model_copy(update={"name": name + PLAIN, "ood": None, "iters": None})
+    write_to_onnx(plain, plain_card)
+    onnx.save(plain, str(artifacts.graph(name + PLAIN, onnx_dir=onnx_dir)))
+    report = json.loads(artifacts.graph_report(name, onnx_dir=onnx_dir).read_text())
+    report.update(model=name + PLAIN, card=plain_card.model_dump(mode="json"), derived_from=f"{name} without its "
+                  f"{card.ood.output!r} output", outputs=[o for o in report["outputs"] if o["name"] in keep])
+    artifacts.graph_report(name + PLAIN, onnx_dir=onnx_dir).write_text(json.dumps(report, indent=2))
+    return name + PLAIN
+
+
+def _digit(name: str) -> np.ndarray:
+    x, _ = data.dataset(get_spec(name).card.data.test).load()
+    return np.ascontiguousarray(x[:1], np.float32)
+
+
+def _targets(triton_http: str, gateway: str, name: str, feeds: dict[str, np.ndarray],
+             outputs: list[str]) -> dict[str, tuple]:
+    """Per path: (url, body, content type, headers) for one digit (``feeds``: its graph input)."""
+    body, headers = serve_ab.triton_body(feeds, outputs)
+    x = next(iter(feeds.values()))
+    return {"triton": (f"http://{triton_http}/v2/models/{name}/infer", body, "application/octet-stream", headers),
+            "gateway": (f"{gateway}/v1/classify?model={name}", png_bytes(x[0, 0]), "image/png", {})}
+
+
+def measure(models: Sequence[str], onnx_dir: Path = artifacts.ONNX_DIR, rounds: int = 3, round_s: float = 3.0,
+            tick: Callable[[str], None] = lambda m: None) -> dict[str, dict]:
+    """Per model (those that declare ``ood``): per path, the p50 and CPU ms per request with and without the residual
+    and the added latency. The repository is written by the pipeline (exports first where missing or stale)."""
+    names = served_models(models)
+    if not names:
+        return {}
+    if serve_ab.find() is None:
+        raise BenchError(serve_ab.missing_reason())
+    out: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="unroll-ood-served-") as tmp:
+        root = Path(tmp)
+        repo = root / "repo"
+        options = pipeline.RepoOptions(optimized=False)  # both graphs with the defaults, FP32
+        pipeline.run(pipeline.plan(names, onnx_dir=onnx_dir, repo=repo, options=options), progress=None)
+        copies = root / "onnx"
+        copies.mkdir()
+        for name in names:
+            for f in (artifacts.graph(name, onnx_dir=onnx_dir), artifacts.graph_report(name, onnx_dir=onnx_dir)):
+                (copies / f.name).symlink_to(f.resolve())
+            write_repository("cpu", [plain_copy(copies, name)], repo, onnx_dir=copies)
+        with triton_server(repo, root / "triton.log") as (http, grpc), \
+                gateway_process(Settings(triton_url=grpc.removeprefix("grpc://")), root / "gw.log") as gateway:
+            for name in names:
+                tick(f"served cost of {name}'s residual")
+                out[name] = _measure_pair(http, gateway, name, rounds, round_s)
+    return out
+
+
+def _measure_pair(http: str, gateway: str, name: str, rounds: int, round_s: float) -> dict:
+    card = get_spec(name).card
+    x = _digit(name)
+    graphs = {"with": (name, [card.output, card.ood.output]), "without": (name + PLAIN, [card.output])}
+    targets = {g: _targets(http, gateway, m, {card.input.name: x}, outs) for g, (m, outs) in graphs.items()}
+    runs: dict[tuple[str, str], list[dict]] = {(g, p): [] for g in graphs for p in PATHS}
+    for g in graphs:
+        for p in PATHS:
+            url, body, ctype, headers = targets[g][p]
+            serve_ab.run(url, body, ctype, 1, 1, headers)  # warm-up
+    for r in range(rounds):
+        order = list(graphs) if r % 2 == 0 else list(graphs)[::-1]
+        for p in PATHS:
+            for g in order:
+                url, body, ctype, headers = targets[g][p]
+                before, stats = cpu_by_pid(), triton_stats(http, graphs[g][0])
+                run = serve_ab.run(url, body, ctype, 1, round_s, headers)
+                run["cpu_ms_per_request"] = cpu_ms_per_request(before, cpu_by_pid(), run["requests"])
+                split = stats_delta(stats, triton_stats(http, graphs[g][0])) or {}
+                run["compute_ms"] = sum(split.get(f"{k}_ms", float("nan")) for k in COMPUTE)
+                if run["failed"]:
+                    raise BenchError(f"{graphs[g][0]} via {p}: {run['failed']} of {run['requests']} requests failed")
+                runs[(g, p)].append(run)
+    result: dict = {"rounds": rounds, "round_s": round_s, "concurrency": 1}
+    for p in PATHS:
+        row: dict = {}
+        p50 = {g: [r["latency_ms"]["p50"] for r in runs[(g, p)]] for g in graphs}
+        cpu = {g: [sum(v for k, v in r["cpu_ms_per_request"].items() if k != "client") for r in runs[(g, p)]]
+               for g in graphs}
+        for g in graphs:
+            row[g] = {"p50_ms": float(np.median(p50[g])), "requests": int(sum(r["requests"] for r in runs[(g, p)])),
+                      "cpu_ms_per_request": float(np.median(cpu[g])),
+                      "compute_ms": float(np.median([r["compute_ms"] for r in runs[(g, p)]]))}
+        # each round's two runs are back to back: their ratio is free of the drift between rounds
+        ratios = [w / o - 1 for w, o in zip(p50["with"], p50["without"], strict=True)]
+        row["added_p50"] = float(np.median(ratios))
+        row["added_p50_rounds"] = [round(v, 4) for v in ratios]
+        row["added_cpu"] = float(np.median([w / o - 1 for w, o in zip(cpu["with"], cpu["without"], strict=True)]))
+        # Triton's own timing of the model's execution: what the residual adds to the graph, free of the noise that
+        # moves a whole request's p50 by several percent here; as a share of the request's p50 without it
+        row["added_compute_ms"] = row["with"]["compute_ms"] - row["without"]["compute_ms"]
+        row["added_latency"] = row["added_compute_ms"] / row["without"]["p50_ms"]
+        result[p] = row
+    return result
