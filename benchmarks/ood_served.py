@@ -140,6 +140,7 @@ def _measure_pair(http: str, gateway: str, name: str, rounds: int, round_s: floa
                for g in graphs}
         for g in graphs:
             row[g] = {"p50_ms": float(np.median(p50[g])), "requests": int(sum(r["requests"] for r in runs[(g, p)])),
+                      "p99_ms": float(np.median([r["latency_ms"]["p99"] for r in runs[(g, p)]])),
                       "cpu_ms_per_request": float(np.median(cpu[g])),
                       "compute_ms": float(np.median([r["compute_ms"] for r in runs[(g, p)]]))}
         # each round's two runs are back to back: their ratio is free of the drift between rounds

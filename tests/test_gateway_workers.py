@@ -248,6 +248,19 @@ def test_serve_with_workers_serves_and_sigterm_stops_workers_and_triton(demo_onn
         assert any("tritonserver" in cmdline(k) for k in kids), [cmdline(k) for k in kids]
         text = scrape(base)
         assert metric(text, "unroll_gateway_requests_total", route=CLASSIFY, status="200") == 40
+        # the solver's residual under `unroll serve` (its card declares ood): a digit is in distribution, a photo
+        # is not, and abstain=true withholds its labels
+        from skimage import data as skdata
+
+        buf = io.BytesIO()
+        Image.fromarray(skdata.astronaut()).save(buf, format="PNG")
+        for image, inside in ((digit_png, True), (buf.getvalue(), False)):
+            r = httpx.post(base + CLASSIFY, params={"model": CLASSIFIER, "abstain": "true"}, content=image,
+                           headers={"Content-Type": "image/png"}, timeout=60)
+            body = r.json()
+            assert r.status_code == 200 and body["in_distribution"] is inside, body
+            assert r.headers["X-In-Distribution"] == str(inside).lower()
+            assert body.get("abstained", False) is not inside and bool(body["predictions"]) is inside, body
         everyone = {p: cmdline(p) for p in kids | {g for k in kids for g in children(k)}}  # Triton's stubs too
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(90) == 0, "".join(lines)[-3000:]
