@@ -631,5 +631,7 @@ def _start_failure(what: str, log_file: Path, offset: int, crashed: bool = False
         log = f.read().decode(errors="replace")
     why = _failure_summary(log) or "(no error logged)"
     tail = "\n".join(log.splitlines()[-LOG_TAIL_LINES:])
+    # a model that failed to load is a refusal, even when the server then died by a signal on its way out
+    refused = any(ln.startswith("E") and "failed to load" in ln for ln in log.splitlines())
     return TritonStartError(f"{what}: {why}\n--- last {LOG_TAIL_LINES} lines of {log_file} ---\n{tail}",
-                            reason=f"{what}: {why}", log_path=log_file, crashed=crashed)
+                            reason=f"{what}: {why}", log_path=log_file, crashed=crashed and not refused)

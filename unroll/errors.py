@@ -215,8 +215,8 @@ class TritonStartError(ServingError):
     """The server binary is missing, could not start, or a model did not load (message has Triton's reason).
 
     ``reason`` is the short form (one line per failed model) for command-line output; the message
-    adds the tail of the log at ``log_path``. ``crashed``: the server was killed by a signal while starting (a crash,
-    not a refusal such as a bad config), which a supervisor may retry.
+    adds the tail of the log at ``log_path``. ``crashed``: the server was killed by a signal while starting, no
+    model refused (a crash, not a refusal such as a bad config): it may be retried.
     """
 
     def __init__(self, message: str, reason: str | None = None, log_path: Path | None = None,
