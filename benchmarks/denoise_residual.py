@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 from unroll import registry, tasks
-from unroll.benchmarks.common import demo_model
+from unroll.benchmarks.common import demo_model, png_bytes
 from unroll.data import add_noise, dataset, noise_seed
-from unroll.serving.imaging import images, sigma
+from unroll.serving.imaging import images, prepare, wire
 
 #: True noise levels (0–255 scale).
 LEVELS = (10.0, 25.0, 50.0)
@@ -30,10 +30,11 @@ def measure(name: str | None = None, levels: tuple[float, ...] = LEVELS, photos:
     rows = []
     for photo, clean in list(dataset(card.data.test).load().items())[:photos]:
         for level in levels:
-            sent = np.clip(np.round(add_noise(clean, level, noise_seed(photo, level)) * 255.0), 0, 255) / 255.0
-            planes = sent[None].astype(np.float32)  # [C=1, H, W], what the gateway decodes from the 8-bit PNG
-            wavelet = sigma.estimate(planes, card.sigma.max / 255.0 if card.sigma and card.sigma.max else np.inf)
-            x = images.to_graph(planes[None], card.input)
+            sent = png_bytes(add_noise(clean, level, noise_seed(photo, level)))
+            # decoded, σ estimated and fitted to the graph as the gateway and the Python backend do it
+            planes, wavelet = prepare.denoiser_planes(sent, wire.DEFAULT_MAX_PIXELS, None, card.input.min_size,
+                                                      sigma_max=card.sigma.max)
+            x = images.to_graph(prepare.to_batch(planes.data, card.input), card.input)
             with torch.no_grad():
                 out = model(torch.from_numpy(x), torch.tensor([wavelet.value * 255.0 / card.sigma.scale])).numpy()
             rows.append({"photo": photo, "sigma": level, "wavelet": wavelet.value * 255.0,

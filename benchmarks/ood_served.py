@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from unroll import artifacts, data, pipeline
+from unroll import artifacts, pipeline
 from unroll.benchmarks import serve_ab
-from unroll.benchmarks.common import png_bytes
 from unroll.benchmarks.processes import cpu_by_pid, cpu_ms_per_request
+from unroll.benchmarks.serve_load import Workload, classify_workload
 from unroll.benchmarks.serve_triton import STAT_KEYS, stats_delta, triton_server, triton_stats
 from unroll.card import from_onnx, write_to_onnx
 from unroll.errors import BenchError
@@ -42,7 +42,7 @@ PATH_LABELS = {"triton": "Triton HTTP (tensors)", "gateway": "gateway (PNG)"}
 COMPUTE = tuple(k for k in STAT_KEYS if k != "queue")
 
 
-def served_models(models: Sequence[str]) -> list[str]:
+def declaring_ood(models: Sequence[str]) -> list[str]:
     """Those of ``models`` whose card declares a residual output (``ood``)."""
     return [m for m in models if get_spec(m).card.ood is not None]
 
@@ -50,7 +50,7 @@ def served_models(models: Sequence[str]) -> list[str]:
 def plain_copy(onnx_dir: Path, name: str) -> str:
     """Write ``NAME-plain.onnx`` beside ``NAME.onnx``: the same graph with the residual output and every node only
     it needs removed, its card without ``ood``; returns the copy's name."""
-    model = onnx.load(str(onnx_dir / f"{name}.onnx"))
+    model = onnx.load(str(artifacts.graph(name, onnx_dir=onnx_dir)))
     card = from_onnx(model)
     if card.ood is None:
         raise BenchError(f"{name}: its card declares no residual output (ood)")
@@ -66,25 +66,18 @@ def plain_copy(onnx_dir: Path, name: str) -> str:
     return name + PLAIN
 
 
-def _digit(name: str) -> np.ndarray:
-    x, _ = data.dataset(get_spec(name).card.data.test).load()
-    return np.ascontiguousarray(x[:1], np.float32)
-
-
-def _targets(triton_http: str, gateway: str, name: str, feeds: dict[str, np.ndarray],
-             outputs: list[str]) -> dict[str, tuple]:
-    """Per path: (url, body, content type, headers) for one digit (``feeds``: its graph input)."""
-    body, headers = serve_ab.triton_body(feeds, outputs)
-    x = next(iter(feeds.values()))
+def _targets(triton_http: str, gateway: str, name: str, sample: Workload, outputs: list[str]) -> dict[str, tuple]:
+    """Per path: (url, body, content type, headers) for ``sample``'s first digit sent to the graph ``name``."""
+    body, headers = serve_ab.triton_body(sample.arrays[0], outputs)
     return {"triton": (f"http://{triton_http}/v2/models/{name}/infer", body, "application/octet-stream", headers),
-            "gateway": (f"{gateway}/v1/classify?model={name}", png_bytes(x[0, 0]), "image/png", {})}
+            "gateway": (f"{gateway}/v1/classify?model={name}", sample.images[0], "image/png", {})}
 
 
 def measure(models: Sequence[str], onnx_dir: Path = artifacts.ONNX_DIR, rounds: int = 3, round_s: float = 3.0,
             tick: Callable[[str], None] = lambda m: None) -> dict[str, dict]:
     """Per model (those that declare ``ood``): per path, the p50 and CPU ms per request with and without the residual
     and the added latency. The repository is written by the pipeline (exports first where missing or stale)."""
-    names = served_models(models)
+    names = declaring_ood(models)
     if not names:
         return {}
     if serve_ab.find() is None:
@@ -111,9 +104,9 @@ def measure(models: Sequence[str], onnx_dir: Path = artifacts.ONNX_DIR, rounds: 
 
 def _measure_pair(http: str, gateway: str, name: str, rounds: int, round_s: float) -> dict:
     card = get_spec(name).card
-    x = _digit(name)
+    sample = classify_workload(name, n=1)  # the first test digit: its tensor and its PNG
     graphs = {"with": (name, [card.output, card.ood.output]), "without": (name + PLAIN, [card.output])}
-    targets = {g: _targets(http, gateway, m, {card.input.name: x}, outs) for g, (m, outs) in graphs.items()}
+    targets = {g: _targets(http, gateway, m, sample, outs) for g, (m, outs) in graphs.items()}
     runs: dict[tuple[str, str], list[dict]] = {(g, p): [] for g in graphs for p in PATHS}
     for g in graphs:
         for p in PATHS:
@@ -140,7 +133,6 @@ def _measure_pair(http: str, gateway: str, name: str, rounds: int, round_s: floa
                for g in graphs}
         for g in graphs:
             row[g] = {"p50_ms": float(np.median(p50[g])), "requests": int(sum(r["requests"] for r in runs[(g, p)])),
-                      "p99_ms": float(np.median([r["latency_ms"]["p99"] for r in runs[(g, p)]])),
                       "cpu_ms_per_request": float(np.median(cpu[g])),
                       "compute_ms": float(np.median([r["compute_ms"] for r in runs[(g, p)]]))}
         # each round's two runs are back to back: their ratio is free of the drift between rounds

@@ -181,7 +181,7 @@ async def _decoded(gw: Gateway, entry: Entry, data: bytes, given: SigmaEstimate 
             return (await gw.infer(entry, {card.input.name: x}, [card.output]))[card.output]
 
     out = await run_image_graph(entry, batch, sig, infer)  # whole, or in windows (card.tiling)
-    removed = images.removed_noise_sigma(batch, out, card.input)
+    removed = await run_in_threadpool(images.removed_noise_sigma, batch, out, card.input)  # a pass over every pixel
     del batch
     with tracing.span("encode"):
         return await run_in_threadpool(prepare.encode_result, out, planes, card.input, fmt), used, removed

@@ -140,9 +140,13 @@ class DictBlock(nn.Module):
             a = c if beta == 0.0 else c + beta * (c - c_prev)
             residual = x - F.conv_transpose2d(c, w, stride=s, padding=p, output_padding=op)
             c_prev, c = c, torch.relu(a + analysis(residual))
+        self._keep(x, residual)
+        return c
+
+    def _keep(self, x: Tensor, residual: Tensor | None) -> None:
+        """Keep the last step's residual when :attr:`keep_residual` asks (none without a step)."""
         if self.keep_residual and residual is not None:
             self.solver_residual = (x, residual)
-        return c
 
     def _forward_textbook(self, x: Tensor, lmbd: Tensor | None) -> Tensor:
         """The same iteration as the paper writes it (reference for the naive export)."""
@@ -160,8 +164,7 @@ class DictBlock(nn.Module):
             dtdc = F.conv2d(dc, w, stride=s, padding=p)
             c_prev, c = c, soft_threshold_nonneg(a + t * (dtx - dtdc), theta)
             residual = x - dc if self.keep_residual else None
-        if self.keep_residual and residual is not None:
-            self.solver_residual = (x, residual)
+        self._keep(x, residual)
         return c
 
 
