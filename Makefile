@@ -53,6 +53,10 @@ bench: $(STAMP)  ## run the benchmarks and rewrite benchmarks/results/
 gpu-check:  ## GPU runtimes of the trained models → benchmarks/results/gpu_check.*; skips without CUDA; ARGS="--out DIR …"
 	bash scripts/gpu_check.sh $(ARGS)
 
+.PHONY: gpu-serve-check
+gpu-serve-check:  ## unroll serve --target gpu measured → benchmarks/results/gpu_serve.*; skips without CUDA; ARGS="--device cpu …"
+	bash scripts/gpu_serve_check.sh $(ARGS)
+
 lint: $(STAMP)  ## ruff and hadolint
 	$(PY) -m ruff check unroll export serving benchmarks app pipeline tests examples scripts deploy
 	$(VENV)/bin/hadolint Dockerfile

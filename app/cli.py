@@ -348,7 +348,7 @@ def _print_checkpoint(result) -> None:
 
 
 #: ``unroll quantize`` option → card gate metric (defaults: ``unroll.tasks.get(task).gates``, units in
-#: ``unroll.export.gates``).
+#: ``unroll.gates``).
 GATE_OPTIONS = {"min_agreement": "top1_agreement", "max_accuracy_loss": "accuracy_loss",
                 "max_psnr_loss": "psnr_loss_db", "max_rel_err": "rel_err"}
 

@@ -28,7 +28,7 @@ from unroll.app.errors import fail, handles_errors
 from unroll.errors import BuildError, CardError, UnrollError
 from unroll.export import trt_build as tb
 from unroll.export.card_attach import NO_CARD_HINT, attach_card_where_present
-from unroll.export.gates import METRICS
+from unroll.gates import METRICS
 
 console = Console()
 err = Console(stderr=True, soft_wrap=True)

@@ -17,6 +17,7 @@ import torch
 
 import unroll
 from unroll import artifacts, tasks
+from unroll import gates as gate
 from unroll import machine as probes
 from unroll.benchmarks.common import machine_info, progress_bars, quantizable, time_call, write_results
 from unroll.benchmarks.models_inputs import (
@@ -34,7 +35,6 @@ from unroll.benchmarks.models_inputs import (
 from unroll.benchmarks.models_markdown import markdown_cuda
 from unroll.card import from_onnx
 from unroll.errors import BenchError, NoCuda, NothingMeasured
-from unroll.export import gates as gate
 from unroll.registry import get_spec
 
 CUDA_BATCHES = (1, 64)
@@ -303,7 +303,7 @@ def _first(e: BaseException) -> str:
 
 def device_gate(name: str, precision: str, env: CudaEnv, onnx_dir: Path, threads: int = 2) -> dict:
     """The ``precision`` graph's accuracy gate with the candidate on ``env``'s provider (the reference: the FP32
-    graph in ONNX Runtime on the CPU), on the card's gate data and tolerances (:mod:`unroll.export.gates`)."""
+    graph in ONNX Runtime on the CPU), on the card's gate data and tolerances (:mod:`unroll.gates`)."""
     fp32, cand = artifacts.graph(name, onnx_dir=onnx_dir), artifacts.graph(name, precision, onnx_dir)
     card = from_onnx(fp32)
     cases = gate.gate_cases(card)

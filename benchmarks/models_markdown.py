@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from unroll.benchmarks.common import load_note
 from unroll.benchmarks.models_inputs import CUDA_PRECISIONS, ENGINES, OPENVINO
-from unroll.export.gates import METRICS
+from unroll.gates import METRICS
 
 
 def _cell(t: dict | None, ratio: float | None, note: str | None = None) -> str:
@@ -106,7 +106,7 @@ def markdown_cuda(payload: dict) -> str:
         lines.append(f"| {model} | {case} | " + " | ".join(_cuda_cell(here.get(c)) for c in cols) + " |")
     if payload["gates"]:
         lines += ["", "## Accuracy gates with the candidate on the device", "",
-                  "The card's gate data and tolerances (`unroll.export.gates`); reference: the FP32 graph in ONNX "
+                  "The card's gate data and tolerances (`unroll.gates`); reference: the FP32 graph in ONNX "
                   "Runtime on the CPU. Last column: the same metric from `unroll quantize`'s CPU gate.", "",
                   "| model | precision | metric | measured | tolerance | passed | CPU gate |",
                   "|---|---|---|---|---|---|---|"]

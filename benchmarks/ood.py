@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,13 +30,15 @@ import torch
 from unroll import artifacts, data, ood_sets, registry
 from unroll.benchmarks import denoise_residual, ood_served
 from unroll.benchmarks.common import RESULTS, machine_info, time_call, trained_models, write_readme_block, write_results
+from unroll.card import SOLVER_SIGNALS, OodCard, OodTerm
 from unroll.corruptions import CORRUPTIONS, SEVERITIES, corrupt
-from unroll.solvers.residual import WithResidual, first_solver, forward_with_residual
+from unroll.solvers.residual import WithResidual, first_solver
 
 STEM = "ood"
 #: Threshold: this quantile of the validation digits' residual scores (≈1 % of in-distribution images flagged).
 FLAG_QUANTILE = 0.99
-SCORES = ("residual", "msp", "energy")
+#: Scores reported per test set: the chosen rule, the solver's signals alone, and the two baselines.
+SCORES = ("rule", "solver", "msp", "energy")
 BATCH = 256
 #: The issue's targets, for the CSC (SDNet) classifiers: the model the score was built for first.
 TARGET_AUROC, TARGET_CLEAN_FLAGGED, TARGET_ADDED = 0.95, 0.02, 0.05
@@ -53,21 +54,15 @@ def scored_models() -> list[str]:
             and first_solver(registry.load(n, pretrained=False)) is not None]
 
 
-@dataclass(frozen=True)
-class Rule:
-    """How a residual becomes a score, and where the score says "not a digit"."""
+#: Candidate weights of the softmax term beside the solver's (the softmax's spread on digits is far narrower).
+SOFTMAX_WEIGHTS = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
 
-    sided: str  #: ``high`` (a large residual) or ``both`` (an atypical one, either way)
-    center: float
-    scale: float
-    threshold: float
 
-    def score(self, residual: np.ndarray) -> np.ndarray:
-        return residual if self.sided == "high" else np.abs(residual - self.center) / self.scale
-
-    def flags(self, residual: np.ndarray) -> np.ndarray:
-        """Which images the rule calls out of distribution (score above the threshold)."""
-        return self.score(residual) > self.threshold
+def term(signal: str, sided: str, inside: np.ndarray, weight: float = 1.0) -> OodTerm:
+    """A term centred on the validation digits' median and scaled by their MAD."""
+    center = float(np.median(inside))
+    return OodTerm(signal=signal, sided=sided, center=center, weight=weight,
+                   scale=float(np.median(np.abs(inside - center))) or 1e-12)
 
 
 def auroc(inside: np.ndarray, outside: np.ndarray) -> float:
@@ -84,29 +79,46 @@ def fpr95(inside: np.ndarray, outside: np.ndarray) -> float:
 
 @torch.no_grad()
 def scores(model: torch.nn.Module, x: np.ndarray) -> dict[str, np.ndarray]:
-    """Per image: the raw residual, the MSP score (``1 − max softmax``), the energy score (``−logsumexp``) and the
+    """Per image: the solver's signals (the relative residual and the code's size, as the graph outputs them), the
+    MSP score (``1 − max softmax``, in float64 as the gateway reads it), the energy score (``−logsumexp``) and the
     top label (``label``, integers)."""
-    out: dict[str, list[np.ndarray]] = {"residual": [], "msp": [], "energy": [], "label": []}
+    out: dict[str, list[np.ndarray]] = {"residual": [], "code_l1": [], "msp": [], "energy": [], "label": []}
+    both = WithResidual(model)
     for i in range(0, len(x), BATCH):
-        logits, r, _ = forward_with_residual(model, torch.from_numpy(np.ascontiguousarray(x[i:i + BATCH])))
-        out["residual"].append(r.numpy())
-        out["msp"].append(1.0 - torch.softmax(logits, 1).amax(1).numpy())
+        logits, fit = both(torch.from_numpy(np.ascontiguousarray(x[i:i + BATCH])))
+        for k, column in zip(SOLVER_SIGNALS, fit.unbind(1), strict=True):
+            out[k].append(column.numpy())
+        out["msp"].append(1.0 - torch.softmax(logits.double(), 1).amax(1).numpy())
         out["energy"].append(-torch.logsumexp(logits, 1).numpy())
         out["label"].append(logits.argmax(1).numpy())
     return {k: np.concatenate(v) if k == "label" else np.concatenate(v).astype(np.float64) for k, v in out.items()}
 
 
-def choose_rule(val_digits: np.ndarray, val_ood: dict[str, np.ndarray]) -> tuple[Rule, dict[str, float]]:
-    """One-sided or two-sided, by mean AUROC over the validation sets; threshold at :data:`FLAG_QUANTILE`."""
-    center = float(np.median(val_digits))
-    scale = float(np.median(np.abs(val_digits - center))) or 1e-12
+def candidates(inside: dict[str, np.ndarray]) -> dict[str, tuple[OodTerm, ...]]:
+    """The rules validation chooses among, simplest first: the residual one- or two-sided, with the code's size
+    beside it, then each with the softmax's maximum at :data:`SOFTMAX_WEIGHTS`."""
+    high, both = term("residual", "high", inside["residual"]), term("residual", "both", inside["residual"])
+    solver = {"residual, one-sided": (high,), "residual, two-sided": (both,),
+              "residual + code size": (both, term("code_l1", "both", inside["code_l1"]))}
+    fused = {f"{name} + softmax × {w:g}": (*terms, term("msp", "high", inside["msp"], w))
+             for name, terms in solver.items() for w in SOFTMAX_WEIGHTS}
+    return solver | fused
+
+
+def choose_rule(inside: dict[str, np.ndarray], outside: dict[str, dict[str, np.ndarray]]
+                ) -> tuple[OodCard, str, dict[str, float]]:
+    """The candidate (:func:`candidates`) with the best mean AUROC over the validation sets (the simpler one on a
+    tie), its threshold at :data:`FLAG_QUANTILE` of the validation digits' scores: the rule, its name and every
+    candidate's validation mean AUROC."""
+    options = candidates(inside)
     mean_auroc = {}
-    for sided in ("high", "both"):
-        probe = Rule(sided, center, scale, 0.0)
-        mean_auroc[sided] = float(np.mean([auroc(probe.score(val_digits), probe.score(r)) for r in val_ood.values()]))
-    sided = max(mean_auroc, key=mean_auroc.get)
-    probe = Rule(sided, center, scale, 0.0)
-    return Rule(sided, center, scale, float(np.quantile(probe.score(val_digits), FLAG_QUANTILE))), mean_auroc
+    for name, terms in options.items():
+        probe = OodCard(terms=terms)
+        mean_auroc[name] = float(np.mean([auroc(probe.score(inside), probe.score(s)) for s in outside.values()]))
+    best = max(mean_auroc, key=mean_auroc.get)  # the first of equals: the simplest
+    probe = OodCard(terms=options[best])
+    return (probe.model_copy(update={"threshold": float(np.quantile(probe.score(inside), FLAG_QUANTILE))}), best,
+            mean_auroc)
 
 
 def added_cost(model: torch.nn.Module, x: np.ndarray) -> dict[str, float]:
@@ -133,40 +145,54 @@ def images() -> dict[str, dict[str, np.ndarray]]:
 
 def evaluate(name: str, digits: int | None = None, tick: Callable[[str], None] = lambda m: None,
              ood: dict[str, dict[str, np.ndarray]] | None = None) -> dict:
-    """One model's rule (chosen on validation) and its test results (module docstring); ``ood``: :func:`images`."""
+    """One model's rule (chosen on validation) and its test results (module docstring); ``ood``: :func:`images`.
+    Beside the chosen rule, the best rule of the solver's signals alone (no softmax term), also chosen on
+    validation, is reported on the same test data."""
     ood = ood if ood is not None else images()
     model = registry.load(name).eval()
     layer = first_solver(model)
     roles = data.mnist_roles()
-    val_x, test_x = roles["validation"][0][:digits], roles["test"][0][:digits]
+    (val_x, val_y), (test_x, test_y) = ((x[:digits], y[:digits]) for x, y in (roles["validation"], roles["test"]))
     tick(f"{name}: validation")
     val_in = scores(model, val_x)
     val_ood = {k: scores(model, v) for k, v in ood["validation"].items()}
-    rule, val_auroc = choose_rule(val_in["residual"], {k: v["residual"] for k, v in val_ood.items()})
+    rule, chosen, val_auroc = choose_rule(val_in, val_ood)
+    options = candidates(val_in)
+    solver_only = max((n for n, terms in options.items() if "msp" not in {t.signal for t in terms}),
+                      key=val_auroc.get)
+    as_score = {"rule": rule.score, "solver": OodCard(terms=options[solver_only]).score,
+                "msp": lambda s: s["msp"], "energy": lambda s: s["energy"]}
+
+    def flags(s: dict[str, np.ndarray]) -> np.ndarray:
+        return rule.score(s) > rule.threshold
+
     tick(f"{name}: test")
     test_in = scores(model, test_x)
-    as_score = {"residual": rule.score, "msp": lambda a: a, "energy": lambda a: a}
     sets = {}
     for kind, imgs in ood["test"].items():
         s = scores(model, imgs)
-        sets[kind] = {"n": len(imgs), "flagged": float(rule.flags(s["residual"]).mean()),
-                      **{k: {"auroc": auroc(as_score[k](test_in[k]), as_score[k](s[k])),
-                             "fpr95": fpr95(as_score[k](test_in[k]), as_score[k](s[k]))} for k in SCORES}}
+        sets[kind] = {"n": len(imgs), "flagged": float(flags(s).mean()),
+                      **{k: {"auroc": auroc(f(test_in), f(s)), "fpr95": fpr95(f(test_in), f(s))}
+                         for k, f in as_score.items()}}
     photos = {}
     for photo, img in ood["photos"].items():
         s = scores(model, img)
-        photos[photo] = {"residual": float(s["residual"][0]), "score": float(rule.score(s["residual"])[0]),
-                         "flagged": bool(rule.flags(s["residual"])[0]),
+        photos[photo] = {"residual": float(s["residual"][0]), "code_l1": float(s["code_l1"][0]),
+                         "score": float(rule.score(s)[0]), "flagged": bool(flags(s)[0]),
                          "top_label": int(s["label"][0]), "max_softmax": float(1.0 - s["msp"][0])}
     tick(f"{name}: corrupted digits")
     corrupted = {}
     base = test_x[:CORRUPTED_DIGITS]
     for sev in SEVERITIES:
-        per = {c: float(rule.flags(scores(model, corrupt(base, c, sev))["residual"]).mean()) for c in CORRUPTIONS}
+        per = {c: float(flags(scores(model, corrupt(base, c, sev))).mean()) for c in CORRUPTIONS}
         corrupted[str(sev)] = {"mean_flagged": float(np.mean(list(per.values()))), "per_corruption": per}
-    return {"layer": type(layer).__name__, "rule": asdict(rule), "validation_mean_auroc": val_auroc,
+    wrong = test_in["label"] != test_y
+    return {"layer": type(layer).__name__, "rule": {"name": chosen, **rule.model_dump(include=set(RULE_FIELDS))},
+            "solver_only": solver_only, "validation_mean_auroc": val_auroc,
             "digits": {"validation": len(val_x), "test": len(test_x)},
-            "clean_flagged": float(rule.flags(test_in["residual"]).mean()),
+            "accuracy": {"validation": float((val_in["label"] == val_y).mean()), "test": float(1 - wrong.mean())},
+            "clean_flagged": float(flags(test_in).mean()),
+            "misclassified": {"test": int(wrong.sum()), "flagged": int((wrong & flags(test_in)).sum())},
             "test_residual_median": float(np.median(test_in["residual"])),
             "sets": sets, "photos": photos, "corrupted": corrupted, "cost": added_cost(model, test_x)}
 
@@ -186,13 +212,13 @@ def verdicts(p: dict) -> list[dict]:
 
 
 def _verdicts(name: str, m: dict) -> list[dict]:
-    aurocs = {k: v["residual"]["auroc"] for k, v in m["sets"].items()}
-    above = {k: v["residual"]["auroc"] > v["msp"]["auroc"] for k, v in m["sets"].items()}
+    aurocs = {k: v["rule"]["auroc"] for k, v in m["sets"].items()}
+    above = {k: v["rule"]["auroc"] > v["msp"]["auroc"] for k, v in m["sets"].items()}
     return [
-        {"target": f"{name}: residual AUROC ≥ {TARGET_AUROC} on every test set",
+        {"target": f"{name}: AUROC ≥ {TARGET_AUROC} on every test set ({m['rule']['name']})",
          "measured": ", ".join(f"{k} {a:.3f}" for k, a in aurocs.items()),
          "met": all(a >= TARGET_AUROC for a in aurocs.values())},
-        {"target": f"{name}: residual above the maximum-softmax baseline on every test set",
+        {"target": f"{name}: above the maximum-softmax baseline on every test set ({m['rule']['name']})",
          "measured": ", ".join(f"{k} {'above' if ok else 'not above'}" for k, ok in above.items()),
          "met": all(above.values())},
         {"target": f"{name}: the three photos come back out of distribution",
@@ -205,7 +231,7 @@ def _verdicts(name: str, m: dict) -> list[dict]:
 
 def run(models: list[str] | None = None, digits: int | None = None, out_dir: Path | None = RESULTS,
         tick: Callable[[str], None] = lambda m: None, served: bool = True, onnx_dir: Path = artifacts.ONNX_DIR,
-        served_rounds: int = 8, served_round_s: float = 2.0) -> dict:
+        served_rounds: int = 12, served_round_s: float = 2.0) -> dict:
     """Evaluate ``models`` (default :func:`scored_models`); with ``served``, measure what the residual costs the
     served requests of those whose card declares ``ood`` (:mod:`~unroll.benchmarks.ood_served`, graphs exported into
     ``onnx_dir`` where missing or stale); write the results (and the README's table when writing into the committed
@@ -232,7 +258,7 @@ def run(models: list[str] | None = None, digits: int | None = None, out_dir: Pat
 
 
 #: The rule's fields a card's ``ood`` takes (:class:`unroll.card.OodCard`).
-RULE_FIELDS = ("sided", "center", "scale", "threshold")
+RULE_FIELDS = ("terms", "threshold")
 
 
 def record_rules(payload: dict) -> list[Path]:
@@ -272,22 +298,30 @@ def _row(kind: str, s: dict) -> str:
 def markdown(p: dict) -> str:
     m0 = p["machine"]
     lines = ["# Out-of-distribution score from the solver's residual", "",
-             f"{m0.get('cpu', '?')}; `unroll bench ood`, in-process PyTorch FP32 (the served graph's residual output "
-             "is the same number). Rule and threshold "
-             f"chosen on validation data (validation digits + validation sets), reported on test data. Score cells: "
-             "AUROC / FPR95 (share of out-of-distribution images taken for digits at the threshold keeping 95 % of "
-             f"the test digits); flagged: share above the residual threshold (validation digits' "
-             f"{p['flag_quantile']:.0%} quantile).", ""]
+             f"{m0.get('cpu', '?')}; `unroll bench ood`, in-process PyTorch FP32 (the served graph's solver outputs "
+             "are the same numbers). The signals: the first solver layer's relative residual ‖x − D·z‖ / ‖x‖, its "
+             "code's size ‖z‖₁ / ‖x‖ and, as one candidate term, one minus the softmax's maximum; each term is "
+             "(s − median) / MAD of the validation digits (two-sided: |s − median| / MAD), the score their "
+             "weighted sum. Rule (which terms, the softmax's weight) and threshold chosen on validation data "
+             "(validation digits + validation sets, best mean AUROC), reported on test data. Columns: *rule* the "
+             "chosen score, *solver* the best rule of the solver's signals alone (also chosen on validation), then "
+             "the two baselines. Score cells: AUROC / FPR95 (share of out-of-distribution images taken for digits "
+             "at the threshold keeping 95 % of the test digits); flagged: share above the rule's threshold "
+             f"(validation digits' {p['flag_quantile']:.0%} quantile).", ""]
     for name, m in p["models"].items():
-        r = m["rule"]
-        side = "two-sided (|r − median| / MAD)" if r["sided"] == "both" else "one-sided (high residual)"
+        r, val = m["rule"], m["validation_mean_auroc"]
         lines += [f"## {name} ({m['layer']})", "",
-                  f"- rule chosen on validation: {side}; validation mean AUROC one-sided "
-                  f"{m['validation_mean_auroc']['high']:.3f}, two-sided {m['validation_mean_auroc']['both']:.3f}; "
-                  f"median residual of the validation digits {r['center']:.4f}",
-                  f"- clean test digits flagged: {m['clean_flagged']:.1%} ({m['digits']['test']} digits)",
+                  f"- rule chosen on validation: **{r['name']}** (validation mean AUROC {val[r['name']]:.3f}; the "
+                  f"solver's signals alone at best: {m['solver_only']}, {val[m['solver_only']]:.3f}); terms: "
+                  + "; ".join(f"{t['signal']} {t['sided']}, median {t['center']:.4g}, MAD {t['scale']:.3g}, weight "
+                              f"{t['weight']:g}" for t in r["terms"]) + f"; threshold {r['threshold']:.3f}",
+                  f"- clean test digits flagged: {m['clean_flagged']:.1%} ({m['digits']['test']} digits; of the "
+                  f"{m['misclassified']['test']} the classifier gets wrong, {m['misclassified']['flagged']} flagged); "
+                  f"accuracy on the validation digits {m['accuracy']['validation']:.1%}, on the test digits "
+                  f"{m['accuracy']['test']:.1%}",
                   "- photos: " + ", ".join(
-                      f"{k} {'flagged' if v['flagged'] else 'not flagged'} (residual {v['residual']:.3f}; the "
+                      f"{k} {'flagged' if v['flagged'] else 'not flagged'} (score {v['score']:.1f}, residual "
+                      f"{v['residual']:.3f}; the "
                       f"classifier says {v['top_label']} at {v['max_softmax']:.3f})" for k, v in m["photos"].items()),
                   "- corrupted test digits flagged, mean over corruptions, by severity: " + ", ".join(
                       f"{s}: {v['mean_flagged']:.1%}" for s, v in m["corrupted"].items()),
@@ -295,19 +329,20 @@ def markdown(p: dict) -> str:
                   f"Python's overhead included) {m['cost']['residual_ms']:.3f} ms over the forward's "
                   f"{m['cost']['forward_ms']:.3f} ms ({m['cost']['added']:+.1%}); served, the graph's cost is under "
                   "*Served* below", "",
-                  "| test set | images | residual | MSP | energy | flagged |", "|---|---|---|---|---|---|",
+                  "| test set | images | rule | solver | MSP | energy | flagged |", "|---|---|---|---|---|---|---|",
                   *(_row(k, s) for k, s in m["sets"].items()), ""]
     if p.get("denoiser"):
         lines += denoise_residual.markdown(p["denoiser"])
     if p.get("served"):
-        lines += ["## Served: what the residual output costs a request", "",
+        lines += ["## Served: what the solver output costs a request", "",
                   "Each model whose card declares `ood`, served by tritonserver and the gateway as `unroll serve` "
-                  "serves it, beside the same graph without its residual output (same configuration); `ab` at "
+                  "serves it, beside the same graph without its solver output (same configuration); `ab` at "
                   "concurrency 1 posting one test digit, in rounds that run the two graphs back to back (which "
                   "first alternates): p50 and CPU ms per request over the service's processes (gateway + "
                   "tritonserver + backend) and Triton's own time for the model's work (compute input + infer + "
-                  "output), medians of the rounds. *Added latency*: the residual's added model time as a share of "
-                  "the request's p50 without it. *p50 ratio*: the direct ratio, median (and range) over each round's "
+                  "output), medians of the rounds. *Added latency*: the solver output's added model time (median over "
+                  "the rounds of each back-to-back pair's difference) as a share of the request's p50 without it. "
+                  "*p50 ratio*: the direct ratio, median (and range) over each round's "
                   "back-to-back pair; on this shared 2-core machine a whole request's p50 moves by several percent "
                   "from one run to the next, more than the residual adds, so it is shown, not judged.",
                   "", "| model | path | p50 ms without / with | model time ms without / with | added latency | "
@@ -320,7 +355,11 @@ def markdown(p: dict) -> str:
                              f"{r['with']['compute_ms']:.3f} | {r['added_latency']:+.1%} | {r['added_p50']:+.1%} "
                              f"({min(r['added_p50_rounds']):+.1%} … {max(r['added_p50_rounds']):+.1%}) | "
                              f"{r['without']['cpu_ms_per_request']:.3f} / {r['with']['cpu_ms_per_request']:.3f} |")
-        lines.append("")
+        lines += ["", "The graphs alone, in-process (ONNX Runtime, one thread as served, batch 1, alternating rounds): "
+                  + "; ".join(f"{name} {m['graph']['without_ms']:.3f} ms without, {m['graph']['with_ms']:.3f} ms with "
+                              f"({m['graph']['added_ms'] * 1e3:+.0f} µs)" for name, m in p["served"].items())
+                  + ". The rest of a served request's added model time is the Python backend handing Triton one more "
+                  "output.", ""]
     if p.get("targets"):
         lines += ["## Targets", "", "| target | measured | met |", "|---|---|---|",
                   *(f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else '**no**'} |" for t in p["targets"]),
@@ -334,16 +373,19 @@ README_END = "<!-- /ood -->"
 
 def readme_block(p: dict) -> str:
     """The README's summary: per model, the mean test AUROC of each score and what the threshold flags."""
-    lines = ["| model | solver layer | rule | mean AUROC: residual / MSP / energy | clean digits flagged | "
-             "photos flagged |", "|---|---|---|---|---|---|"]
+    lines = ["| model | solver layer | rule (chosen on validation) | mean test AUROC: rule / solver alone / MSP / "
+             "energy | lowest set: rule / MSP | clean digits flagged | photos flagged |",
+             "|---|---|---|---|---|---|---|"]
     for name, m in p["models"].items():
         mean = {k: np.mean([s[k]["auroc"] for s in m["sets"].values()]) for k in SCORES}
-        lines.append(f"| {name} | {m['layer']} | {'two-sided' if m['rule']['sided'] == 'both' else 'one-sided'} | "
-                     f"{mean['residual']:.3f} / {mean['msp']:.3f} / {mean['energy']:.3f} | "
+        low = min(m["sets"], key=lambda k: m["sets"][k]["rule"]["auroc"])
+        lines.append(f"| {name} | {m['layer']} | {m['rule']['name']} | "
+                     f"{mean['rule']:.3f} / {mean['solver']:.3f} / {mean['msp']:.3f} / {mean['energy']:.3f} | "
+                     f"{low} {m['sets'][low]['rule']['auroc']:.3f} / {m['sets'][low]['msp']['auroc']:.3f} | "
                      f"{m['clean_flagged']:.1%} | {sum(v['flagged'] for v in m['photos'].values())} of "
                      f"{len(m['photos'])} |")
     first, m = next(iter(p["models"].items()))
-    said = "; ".join(f"{k}: **{v['top_label']}** at maximum softmax {v['max_softmax']:.3f}, residual score "
+    said = "; ".join(f"{k}: **{v['top_label']}** at maximum softmax {v['max_softmax']:.3f}, score "
                      f"{v['score']:.1f} ({'flagged' if v['flagged'] else 'not flagged'})"
                      for k, v in m["photos"].items())
     extra = []
@@ -376,8 +418,10 @@ def plot(p: dict, out_dir: Path) -> Path:
     for ax, name in zip(axes[0], names, strict=True):
         sets = p["models"][name]["sets"]
         kinds = list(sets)
+        width = 0.8 / len(SCORES)
         for j, k in enumerate(SCORES):
-            ax.bar(np.arange(len(kinds)) + (j - 1) * 0.27, [sets[s][k]["auroc"] for s in kinds], 0.27, label=k)
+            ax.bar(np.arange(len(kinds)) + (j - (len(SCORES) - 1) / 2) * width, [sets[s][k]["auroc"] for s in kinds],
+                   width, label=k)
         ax.set_xticks(np.arange(len(kinds)), kinds, rotation=35, ha="right", fontsize=8)
         ax.set_title(name, fontsize=10)
         ax.set_ylim(0, 1.02)

@@ -1,5 +1,6 @@
-"""What the residual output costs a served request: each model whose card declares ``ood``, served as ``unroll serve``
-serves it, beside a copy of the same graph without the residual branch, in one tritonserver behind one gateway.
+"""What the solver outputs cost a served request: each model whose card declares ``ood``, served as ``unroll serve``
+serves it, beside a copy of the same graph without the residual and code-size branch, in one tritonserver behind one
+gateway.
 
 ``ab`` at concurrency 1 posts one test digit to Triton's v2 HTTP endpoint (tensors; the model with the residual
 is asked for both outputs, the copy for its logits) and to the gateway's ``/v1/classify`` (the PNG; the gateway
@@ -48,8 +49,8 @@ def declaring_ood(models: Sequence[str]) -> list[str]:
 
 
 def plain_copy(onnx_dir: Path, name: str) -> str:
-    """Write ``NAME-plain.onnx`` beside ``NAME.onnx``: the same graph with the residual output and every node only
-    it needs removed, its card without ``ood``; returns the copy's name."""
+    """Write ``NAME-plain.onnx`` beside ``NAME.onnx``: the same graph with the solver output (residual, code size)
+    and every node only it needs removed, its card without ``ood``; returns the copy's name."""
     model = onnx.load(str(artifacts.graph(name, onnx_dir=onnx_dir)))
     card = from_onnx(model)
     if card.ood is None:
@@ -60,8 +61,9 @@ def plain_copy(onnx_dir: Path, name: str) -> str:
     write_to_onnx(plain, plain_card)
     onnx.save(plain, str(artifacts.graph(name + PLAIN, onnx_dir=onnx_dir)))
     report = json.loads(artifacts.graph_report(name, onnx_dir=onnx_dir).read_text())
-    report.update(model=name + PLAIN, card=plain_card.model_dump(mode="json"), derived_from=f"{name} without its "
-                  f"{card.ood.output!r} output", outputs=[o for o in report["outputs"] if o["name"] in keep])
+    report.update(model=name + PLAIN, card=plain_card.model_dump(mode="json"),
+                  derived_from=f"{name} without its {card.ood.output!r} output",
+                  outputs=[o for o in report["outputs"] if o["name"] in keep])
     artifacts.graph_report(name + PLAIN, onnx_dir=onnx_dir).write_text(json.dumps(report, indent=2))
     return name + PLAIN
 
@@ -71,6 +73,32 @@ def _targets(triton_http: str, gateway: str, name: str, sample: Workload, output
     body, headers = serve_ab.triton_body(sample.arrays[0], outputs)
     return {"triton": (f"http://{triton_http}/v2/models/{name}/infer", body, "application/octet-stream", headers),
             "gateway": (f"{gateway}/v1/classify?model={name}", sample.images[0], "image/png", {})}
+
+
+def graph_cost(onnx_dir: Path, name: str, feeds: dict[str, np.ndarray], rounds: int = 10) -> dict[str, float]:
+    """The graph's own part of the cost, in-process: ONNX Runtime with one thread (as the served session), batch 1,
+    ``name`` and its plain copy in alternating rounds, median ms each and the difference (what a served request pays
+    beyond it is the backend handing over one more output). ``feeds``: the image; λ, where the graph takes it, at the
+    card's default as a served request without one."""
+    import onnxruntime as ort
+
+    from unroll.benchmarks.common import time_call
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    sessions = {g: ort.InferenceSession(str(artifacts.graph(m, onnx_dir=onnx_dir)), options,
+                                        providers=["CPUExecutionProvider"]) for g, m in (("with", name),
+                                                                                         ("without", name + PLAIN))}
+    card = get_spec(name).card
+    if card.lam is not None:
+        feeds = {**feeds, card.lam.input: np.full(len(next(iter(feeds.values()))), card.lam.default, np.float32)}
+    times: dict[str, list[float]] = {g: [] for g in sessions}
+    for r in range(rounds):
+        for g in (list(sessions) if r % 2 == 0 else list(sessions)[::-1]):
+            times[g].append(time_call(lambda g=g: sessions[g].run(None, feeds), budget_s=0.3)["median_ms"])
+    out = {f"{g}_ms": float(np.median(t)) for g, t in times.items()}
+    return {**out, "added_ms": float(np.median([w - o for w, o in zip(times["with"], times["without"],
+                                                                       strict=True)]))}
 
 
 def measure(models: Sequence[str], onnx_dir: Path = artifacts.ONNX_DIR, rounds: int = 3, round_s: float = 3.0,
@@ -99,6 +127,8 @@ def measure(models: Sequence[str], onnx_dir: Path = artifacts.ONNX_DIR, rounds: 
             for name in names:
                 tick(f"served cost of {name}'s residual")
                 out[name] = _measure_pair(http, gateway, name, rounds, round_s)
+        for name in names:
+            out[name]["graph"] = graph_cost(copies, name, classify_workload(name, n=1).arrays[0])
     return out
 
 
@@ -142,7 +172,10 @@ def _measure_pair(http: str, gateway: str, name: str, rounds: int, round_s: floa
         row["added_cpu"] = float(np.median([w / o - 1 for w, o in zip(cpu["with"], cpu["without"], strict=True)]))
         # Triton's own timing of the model's execution: what the residual adds to the graph, free of the noise that
         # moves a whole request's p50 by several percent here; as a share of the request's p50 without it
-        row["added_compute_ms"] = row["with"]["compute_ms"] - row["without"]["compute_ms"]
+        # (median over the rounds of each back-to-back pair's difference, as for the p50s: free of drift too)
+        compute = {g: [r["compute_ms"] for r in runs[(g, p)]] for g in graphs}
+        row["added_compute_ms"] = float(np.median([w - o for w, o in zip(compute["with"], compute["without"],
+                                                                          strict=True)]))
         row["added_latency"] = row["added_compute_ms"] / row["without"]["p50_ms"]
         result[p] = row
     return result

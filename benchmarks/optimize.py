@@ -24,12 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from unroll import artifacts
+from unroll import artifacts, gates
 from unroll.benchmarks import optimize_report, optimize_sweep
 from unroll.benchmarks.common import latency_summary, machine_info
 from unroll.card import ModelCard, from_onnx
 from unroll.errors import OptimizeError
-from unroll.export import gates
 from unroll.serving import cpu_runtime
 
 #: FP32 candidates must also match the PyTorch model this closely (relative L2 over all gate outputs).

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from unroll import artifacts, stress_patterns
+from unroll import artifacts, gates, stress_patterns
 from unroll.benchmarks.common import machine_info, write_results
 from unroll.card import ModelCard, from_onnx
 from unroll.data import add_noise
-from unroll.export import gates
 from unroll.metrics import psnr
 from unroll.serving import cpu_runtime
 

@@ -134,10 +134,12 @@ def _still_there(pids: set[int], grace_s: float) -> dict[str, str]:
 
 def start_serve(root: Path, models: list[str], log: Callable[[str], None],
                 settings: dict[str, str] | None = None, onnx_dir: Path | None = None,
-                standby: bool = False) -> ServeProcess:
+                standby: bool = False, args: tuple[str, ...] = (),
+                ready_timeout_s: float = READY_TIMEOUT_S) -> ServeProcess:
     """``unroll serve`` from ``root`` (its build/ and repository go there) on spare ports; ``settings``:
     ``UNROLL_*`` variables for it (none are inherited); ``onnx_dir``: its graphs (default ``root/onnx``; its parent
-    gets the Triton key and the state file ``unroll deploy`` reads); ``standby``: with a warm standby Triton."""
+    gets the Triton key and the state file ``unroll deploy`` reads); ``standby``: with a warm standby Triton;
+    ``args``: more of its options (``--target gpu``, ``--workers N``)."""
     port, http, grpc, metrics, *spare = free_ports(7 if standby else 4)
     repo = root / artifacts.REPOSITORY_DIR.name
     env = {k: v for k, v in os.environ.items() if not k.startswith("UNROLL_")} | (settings or {})
@@ -147,6 +149,7 @@ def start_serve(root: Path, models: list[str], log: Callable[[str], None],
            "--repo", str(repo), "--onnx-dir", str(onnx_dir or root / "onnx"), "--log-level", "warning"]
     if standby:
         cmd += ["--standby", "--standby-ports", ",".join(map(str, spare))]
+    cmd += list(args)
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     s = ServeProcess(proc, f"http://127.0.0.1:{port}", repo, onnx_dir or root / "onnx", (http, grpc, metrics),
                      (spare[0], spare[1], spare[2]) if standby else None)
@@ -161,7 +164,7 @@ def start_serve(root: Path, models: list[str], log: Callable[[str], None],
 
     threading.Thread(target=pump, daemon=True).start()
     log("starting unroll serve (exports and repository on first run)")
-    if not ready.wait(READY_TIMEOUT_S) or proc.poll() is not None:
+    if not ready.wait(ready_timeout_s) or proc.poll() is not None:
         stop_serve(s)
         raise BenchError("unroll serve did not become ready:\n" + "".join(s.output)[-4000:])
     s.record()

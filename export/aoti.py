@@ -81,7 +81,7 @@ def compile_package(name: str, out: Path, *, progress: Callable[[str], None] | N
     module = (_Classifier(model) if lam_input else model).eval()
     card = resolve_card(spec.card, model, lam_input)
     if card.ood is not None:
-        module = _WithResidual(module)  # the solver's residual as a second output, as the ONNX export adds it
+        module = _WithResidual(module)  # the solver's residual and code size as outputs, as the ONNX export adds them
     ins, outs, axes = io_names(card, lam_input)
     cases = example_inputs.cases(dataclasses.replace(spec, card=card), lam_input)
     # batch 1 would be specialised (torch.export's 0/1 rule): capture with the first case batching several

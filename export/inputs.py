@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from unroll import data, tasks
 from unroll.card import ModelCard
+from unroll.data import fit_images, photo_features
 from unroll.registry import ModelSpec
 
 
@@ -23,38 +23,6 @@ from unroll.registry import ModelSpec
 class Case:
     label: str
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-def _tokens(n_tokens: int, dim: int, name: str) -> torch.Tensor:
-    """``[1, n_tokens, dim]``: non-overlapping √dim×√dim patches of a bundled image, as tokens."""
-    p = int(round(dim**0.5))
-    img = torch.from_numpy(data.bundled_image(name))[None, None]
-    side = int(np.ceil(n_tokens**0.5)) * p
-    img = F.interpolate(img, size=(side, side), mode="bilinear", antialias=True, align_corners=False)
-    return F.unfold(img, p, stride=p).transpose(1, 2)[:, :n_tokens]
-
-
-def photo_features(shape: tuple[int, ...]) -> torch.Tensor:
-    """``[3, *shape]`` real features for a token (``[N, d]``) or feature-map (``[C, H, W]``) block: √d×√d patches
-    of three bundled photos as tokens, or laid out on the H×W grid; seeded random when d is no square number."""
-    dim = shape[-1] if len(shape) == 2 else shape[0]
-    if round(dim**0.5) ** 2 != dim:
-        return torch.rand(3, *shape, generator=torch.Generator().manual_seed(2))
-    if len(shape) == 2:
-        return torch.cat([_tokens(shape[0], dim, p) for p in data.PHOTOS[:3]])
-    c, h, w = shape
-    return torch.cat([_tokens(h * w, c, p).transpose(1, 2).reshape(1, c, h, w) for p in data.PHOTOS[:3]])
-
-
-def fit_images(x: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
-    """``[N, C, H, W]`` images resized (bilinear, antialiased) and channel-matched to ``shape = (C, H, W)``."""
-    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-    c, h, w = shape
-    if t.shape[1] != c:
-        t = t.mean(1, keepdim=True).expand(-1, c, -1, -1) if c != 1 else t.mean(1, keepdim=True)
-    if t.shape[2:] != (h, w):
-        t = F.interpolate(t, size=(h, w), mode="bilinear", antialias=True, align_corners=False)
-    return t.contiguous()
 
 
 def image_batch(spec: ModelSpec, batch: int, offset: int = 0) -> torch.Tensor:

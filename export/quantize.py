@@ -23,9 +23,9 @@ import onnx
 import onnxruntime as ort
 
 from unroll import artifacts, tasks
+from unroll import gates as gate
 from unroll.card import CardError, ModelCard, from_onnx, write_to_onnx
 from unroll.errors import GateFailed
-from unroll.export import gates as gate
 from unroll.export.card_attach import NO_CARD_HINT, attach_card
 from unroll.export.trt_lint import lint, lint_failure, lint_report
 
@@ -103,7 +103,7 @@ def calibration_inputs(card: ModelCard, n: int, seed: int = 0) -> list[dict[str,
 
     Classifiers and λ rules: ``n`` random samples of that set (λ at its default); denoisers:
     ``n`` random noisy patches of its images at σ uniform in [0, 55]; blocks: their training data,
-    or, for a feature/token block without data, the export's example inputs (see :mod:`unroll.export.gates`).
+    or, for a feature/token block without data, the export's example inputs (see :mod:`unroll.gates`).
     """
     rng = np.random.default_rng(seed)
     if tasks.get(card.task).data == "noisy":
@@ -317,7 +317,7 @@ def quantize(name: str, precision: str, onnx_dir: Path = artifacts.ONNX_DIR, cal
 
     Everything model-specific comes from the card in ``onnx_dir/NAME.onnx``: the gate data and
     tolerances (``card.gate(precision)``, then ``gates`` — ``{metric: tolerance}`` with the metric names
-    of :data:`unroll.export.gates.METRICS`), and the calibration data (``card.data.calibration`` or ``.train``).
+    of :data:`unroll.gates.METRICS`), and the calibration data (``card.data.calibration`` or ``.train``).
     ``safety``: for INT8, the fraction of every tolerance a placement must leave unused to be taken
     without trying more FP32 (0 takes the first that passes at all).
     ``card``: a card JSON file attached to ``NAME.onnx`` first (a third-party graph that has none, or to

@@ -4,7 +4,7 @@ Engines are built strongly typed from the graph of their precision (``NAME.onnx`
 ``NAME.int8.onnx``), because TensorRT 11 removed the FP16/INT8 builder flags. One optimization profile covers every
 input, from the card's ``trt_profile`` unless overridden. Before TensorRT sees the graph it is linted and its GPU
 memory estimated (:func:`preflight`); after the build the engine is run through the one accuracy gate
-(:mod:`unroll.export.gates`) and the plan is kept only if it passes; the JSON beside it says what was checked.
+(:mod:`unroll.gates`) and the plan is kept only if it passes; the JSON beside it says what was checked.
 TensorRT 10.x and 11.x share this code (:func:`_network_flags`).
 
 This module builds the plan and writes its JSON; the profile (input axes, their ranges, :func:`profile_shapes`) is in
@@ -26,6 +26,7 @@ from typing import Any
 import onnx
 
 from unroll import artifacts
+from unroll import gates as gate
 from unroll.card import ModelCard, from_onnx
 from unroll.errors import (
     GateError,
@@ -36,7 +37,6 @@ from unroll.errors import (
     TrtUnavailableError,
     UnknownDimError,
 )
-from unroll.export import gates as gate
 from unroll.export import trt_lint, trt_memory
 from unroll.export.trt_engine import (
     ENGINE_DEVICE,

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from unroll import gates as gate
 from unroll.card import ModelCard
 from unroll.errors import TrtBuildError, TrtUnavailableError
-from unroll.export import gates as gate
 from unroll.trt_profile import ProfileShapes
 
 Progress = Callable[[str], None]
@@ -177,7 +177,7 @@ def run_engine(plan_path: Path | str, feeds: dict[str, np.ndarray]) -> dict[str,
 
 
 def engine_gate_cases(card: ModelCard, profile: ProfileShapes) -> tuple[list[gate.GateCase], str]:
-    """The card's gate data (:func:`unroll.export.gates.gate_cases`) cut to fit the profile, and a description.
+    """The card's gate data (:func:`unroll.gates.gate_cases`) cut to fit the profile, and a description.
 
     Batches are at most the profile's largest; denoiser images are centre-cropped to its largest H×W.
     Cases whose main input is still outside the profile (smaller than its minimum) are left out, and
@@ -207,7 +207,7 @@ def _pad_batch(feeds: dict[str, np.ndarray], bmin: int) -> tuple[dict[str, np.nd
 def parity_check(runner: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]], reference_onnx: Path,
                  card: ModelCard, cases: list[gate.GateCase], bmin: int = 1,
                  progress: Progress | None = None) -> dict:
-    """Engine vs ONNX Runtime (CPU, FP32 graph) on the gate cases: :func:`unroll.export.gates.measure`'s metrics."""
+    """Engine vs ONNX Runtime (CPU, FP32 graph) on the gate cases: :func:`unroll.gates.measure`'s metrics."""
     import onnxruntime as ort
 
     reference = gate.onnxruntime_run(reference_onnx, card.output)

@@ -280,7 +280,7 @@ def rollback(name: str, repo: Path, triton: TritonControl, drain_s: float = 5.0,
 def check(name: str, graph: Path, card: ModelCard, triton: TritonControl, live: int, new: int,
           samples: int = DEFAULT_GATE_SAMPLES) -> dict[str, Any]:
     """The deployment gate (module docstring, step 3): the metrics of both comparisons and the failures."""
-    from unroll.export import gates
+    from unroll import gates
 
     max_batch = int(triton.config(name).get("max_batch_size", 0)) or 1
     cases = _first(gates.gate_cases(card, split=card.data.gate, max_batch=max_batch, max_hw=GATE_MAX_HW), samples)

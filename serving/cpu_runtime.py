@@ -14,7 +14,7 @@ import importlib.util
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -49,14 +49,16 @@ def unavailable_reason(runtime: str) -> str | None:
 
 def open_session(path: str | Path, runtime: str = DEFAULT_RUNTIME, threads: int = 2, spinning: bool = False,
                  release_idle_s: float | None = None, static_shapes: bool = False, bf16: bool = False,
-                 device: str = "cpu") -> Session:
+                 device: str = "cpu", fp16: bool = False, batch_sizes: Sequence[int] = ()) -> Session:
     """A callable running the graph at ``path`` on ``runtime`` with ``threads`` threads.
 
     ``static_shapes`` (OpenVINO): compile one static-shape model per input shape met instead of running the
     dynamic-shape graph (faster per call once compiled; :class:`_StaticShapes`). ``aotinductor``: ``path`` is an
     AOTInductor package (``export/aoti.py``). ``bf16`` (OpenVINO): bfloat16 maths (:func:`openvino_config`).
     ``torch``: the registered PyTorch module ``path``'s card names, checked against ``path`` before it serves, on
-    ``device`` (``cpu`` or ``cuda:N``; the other runtimes run on the CPU only).
+    ``device`` (``cpu`` or ``cuda:N``; the other runtimes run on the CPU only); ``bf16`` / ``fp16``: bfloat16 /
+    float16 behind the card's fp16 gate, ``batch_sizes``: CUDA graphs captured at load
+    (:func:`unroll.serving.torch_runtime.torch_session`).
 
     OpenVINO gives its intermediate buffers back after ``release_idle_s`` seconds without an inference
     (:class:`IdleRelease`; default :data:`RELEASE_IDLE_S`); ONNX Runtime's are bounded by the largest input it
@@ -71,14 +73,17 @@ def open_session(path: str | Path, runtime: str = DEFAULT_RUNTIME, threads: int 
         raise RuntimeUnavailable(why)
     if threads < 1:
         raise ValueError(f"threads must be ≥ 1, got {threads}")
-    if bf16 and runtime != "openvino":
-        raise ValueError(f"bf16 maths is an OpenVINO setting, not one of {runtime}")
+    if bf16 and runtime not in ("openvino", "torch"):
+        raise ValueError(f"bf16 maths is an OpenVINO or torch setting, not one of {runtime}")
+    if fp16 and (runtime != "torch" or bf16):
+        raise ValueError("fp16 maths is a torch runtime setting, and one of bf16 and fp16 at most")
     if device != "cpu" and runtime != "torch":
         raise ValueError(f"{runtime} runs on the CPU here; device {device!r} takes the torch runtime")
     if runtime == "torch":
         from unroll.serving.torch_runtime import torch_session  # (PyTorch only when this runtime is asked for)
 
-        return torch_session(path, threads, device)
+        half = "bfloat16" if bf16 else "float16" if fp16 else None
+        return torch_session(path, threads, device, half=half, batch_sizes=batch_sizes)
     if runtime == "onnxruntime":
         return _ort_session(str(path), threads, spinning)
     if runtime == "aotinductor":

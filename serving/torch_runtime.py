@@ -1,6 +1,8 @@
 """The ``torch`` runtime: the registered PyTorch module a served graph was exported from, run in the Python backend
 on the instance's device — the CPU here, ``cuda:N`` for a ``KIND_GPU`` instance — with the call of every session of
-:func:`unroll.serving.cpu_runtime.open_session` (``run(feeds) -> outputs``, ``.runtime``, ``.inputs``).
+:func:`unroll.serving.cpu_runtime.open_session` (``run(feeds) -> outputs``, ``.runtime``, ``.inputs``), and
+``run.tensors(feeds)``: the same call on PyTorch tensors, answering tensors on the device (the Python backend's
+DLPack path, no host round trip for tensors already there).
 
 Which module: the card's model from the registry with its committed weights, wrapped and fed as the ONNX export
 fed it (λ an input when the card has one, σ for a denoiser); an iteration companion (``companion_of``) is its model
@@ -9,17 +11,33 @@ same seeded input (the card's shape, value range, λ default, σ gate level) and
 tolerance (:data:`PARITY_MAX_ABS`). A graph exported from another checkpoint, or one with no PyTorch code behind it
 (a third-party ONNX, a λ rule), is refused with the reason — it is never answered by another model.
 
-On CUDA, small unrolled models are launch-bound (``gpu_check``: the eager digit classifier at batch 1 spends its time
-launching kernels), so each input shape met gets a CUDA graph (:class:`_Graphs`): static input buffers, a warm-up on
-a side stream, one capture, then each call copies its inputs in, replays and clones the outputs; at most
-:data:`MAX_GRAPHS` shapes are kept (least recently used dropped). PyTorch is imported only when a session opens.
+**Half precision** (``half``: ``float16`` on a GPU, ``bfloat16`` too): only behind the card's FP16 gate, decided at
+load on the instance's device. The module in half precision (inputs cast in, outputs cast back to FP32) is compared
+with the same module in FP32 on the card's gate data (:func:`unroll.gates.gate_cases`: its gate split and stress
+set) with the card's ``fp16`` tolerances (``card.gate("fp16")``, also for bfloat16, which has fewer mantissa bits),
+as ``unroll quantize`` gates its FP16 graphs; the main output is gated. A refusal (a missed tolerance, or no gate
+data) serves FP32 and says why: ``run.precision`` is what serves, ``run.precision_note`` the verdict.
+
+**CUDA graphs** (``cuda:N``): small unrolled models are launch-bound (``gpu_check``: the eager digit classifier at
+batch 1 spends its time launching kernels), so calls replay CUDA graphs (:class:`_Graphs`: static input buffers, a
+warm-up on a side stream, one capture; each call copies its inputs in, replays and clones its rows of the outputs).
+At load, one graph per batch size the dynamic batcher forms (``batch_sizes``, :func:`capture_sizes`: 1, the
+config's ``preferred_batch_size`` and ``max_batch_size``) at the card's fixed input shape; where the card leaves H×W
+free (the denoiser) nothing is captured at load and each shape met is captured on first use (said in a log line).
+**A batch smaller than a captured size is padded up to the nearest captured size** (:func:`padded_batch`; the
+padding rows are whatever the static buffers held, a previous real input: rows never mix, their outputs are
+dropped) and the outputs sliced to its rows, so steady-state serving never captures. A shape with no graph yet is
+captured on first use (lazily, the fallback), at the padded size; at most :data:`MAX_GRAPHS` lazily captured graphs
+are kept (least recently used dropped; the load-time ones stay). PyTorch is imported only when a session opens.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,22 +51,46 @@ log = logging.getLogger("unroll.serving")
 #: Largest difference from the graph (max abs) at which the module may stand in for it (the ONNX export's own
 #: tolerance against PyTorch).
 PARITY_MAX_ABS = 1e-4
-#: Input shapes with a captured CUDA graph at once (each holds its static buffers on the device).
+#: Lazily captured CUDA graphs kept at once (each holds its static buffers on the device); load-time ones stay.
 MAX_GRAPHS = 16
 #: Calls on a side stream before a capture (CUDA's lazy initialisations and cuDNN's choices happen outside it).
 WARMUP_CALLS = 3
 #: The spatial side of the parity input where the card leaves it free (-1).
 PARITY_SIDE = 64
+#: Half-precision dtypes the runtime serves behind the card's fp16 gate, by their short names.
+HALF = {"float16": "fp16", "bfloat16": "bf16"}
+#: The card's gate these run behind (``card.gate(GATE_PRECISION)``).
+GATE_PRECISION = "fp16"
 
 
-def torch_session(graph: str | Path, threads: int, device: str = "cpu", cuda_graphs: bool = True) -> Session:
+def capture_sizes(max_batch_size: int, preferred: Sequence[int] = ()) -> list[int]:
+    """The batch sizes whose CUDA graphs are captured at load: 1, each preferred size and ``max_batch_size`` (sizes
+    outside 1..max dropped); none for a model without batching (``max_batch_size`` 0)."""
+    if max_batch_size < 1:
+        return []
+    return sorted({1, max_batch_size, *(int(p) for p in preferred if 1 <= int(p) <= max_batch_size)})
+
+
+def padded_batch(n: int, sizes: Sequence[int]) -> int:
+    """The captured size a batch of ``n`` runs at: the smallest of ``sizes`` that holds it, else ``n`` itself."""
+    return min((s for s in sizes if s >= n), default=n)
+
+
+def torch_session(graph: str | Path, threads: int, device: str = "cpu", cuda_graphs: bool = True,
+                  half: str | None = None, batch_sizes: Sequence[int] = ()) -> Session:
     """A session running the PyTorch module behind ``graph`` (an exported ONNX file: its card names the model) on
     ``device`` with ``threads`` CPU threads. Raises :class:`RuntimeUnavailable` with the reason when there is no
-    such module or it does not answer as the graph."""
+    such module or it does not answer as the graph.
+
+    ``half`` (``float16`` / ``bfloat16``): serve in that precision if the module passes the card's fp16 gate on this
+    device, else FP32 (module doc). ``batch_sizes``: the batch sizes to capture CUDA graphs of at load
+    (:func:`capture_sizes`; CUDA only), every input's first axis being the batch."""
     import torch
 
     from unroll.card import CardError, from_onnx
 
+    if half is not None and half not in HALF:
+        raise ValueError(f"half must be one of {', '.join(HALF)}, not {half!r}")
     try:
         card = from_onnx(graph)
     except CardError as e:
@@ -56,29 +98,114 @@ def torch_session(graph: str | Path, threads: int, device: str = "cpu", cuda_gra
     module, ins = _module(card)
     torch.set_num_threads(threads)
     dev = torch.device(device)
-    call = _outputs(module.to(dev).eval(), card)
-    graphs = _Graphs(call, dev) if dev.type == "cuda" and cuda_graphs else None
+    module = module.to(dev).eval()
+    call = fp32 = _outputs(module, card)
     lock = threading.Lock()
+    graphs: _Graphs | None = None
 
-    def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def tensors(feeds: dict[str, Any]) -> dict[str, Any]:
         extra, missing = feeds.keys() - set(ins), set(ins) - feeds.keys()
         if extra or missing:
             raise ValueError(f"{'unknown' if extra else 'missing'} input(s) {sorted(extra or missing)}; the model's "
                              f"inputs are {ins}")
-        args = [torch.from_numpy(np.require(feeds[k], np.float32, ["C", "W"])) for k in ins]
+        args = [_as_tensor(feeds[k]) for k in ins]
         with lock, torch.inference_mode():
             if graphs is not None:
                 out = graphs.run(args)
             else:
                 torch.set_num_threads(threads)  # the calling thread's setting (Triton calls from its own threads)
                 out = call(*(a.to(dev) for a in args))
-        return {n: np.ascontiguousarray(t.detach().to("cpu").numpy())
-                for n, t in zip(card.output_names, out, strict=True)}
+        return dict(zip(card.output_names, out, strict=True))
 
+    def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {n: np.ascontiguousarray(t.detach().to("cpu").numpy()) for n, t in tensors(feeds).items()}
+
+    run.tensors = tensors  # type: ignore[attr-defined]
     run.runtime = "torch"  # type: ignore[attr-defined]
     run.device = str(dev)  # type: ignore[attr-defined]
     run.inputs = _check_parity(run, graph, card, ins)  # type: ignore[attr-defined]
+    run.precision, run.precision_note = "fp32", None  # type: ignore[attr-defined]
+    if half is not None:
+        halved = copy.deepcopy(module).to(getattr(torch, half))
+        candidate = _cast(_outputs(halved, card), getattr(torch, half))
+        verdict = half_gate(card, ins, fp32, candidate, dev, half)
+        run.precision_note = verdict.note  # type: ignore[attr-defined]
+        if verdict.passed:
+            call = candidate
+            run.precision = HALF[half]  # type: ignore[attr-defined]
+            del module, fp32  # the FP32 weights leave the device
+        log.log(logging.INFO if verdict.passed else logging.WARNING, "torch runtime: %s", verdict.note)
+    if dev.type == "cuda" and cuda_graphs:
+        graphs = _Graphs(_cuda_capture(call, dev), batch_sizes, call, dev)
+        fixed = all(d > 0 for d in card.input.shape)
+        if batch_sizes and fixed:
+            with lock, torch.inference_mode():
+                for b in batch_sizes:
+                    feeds = parity_feeds(card, ins, b)
+                    graphs.prepare([torch.from_numpy(feeds[k]) for k in ins])
+        elif batch_sizes:
+            log.info("torch runtime: %s takes any H×W (card input.shape %s): CUDA graphs are captured on first use "
+                     "of each shape, at the batch sizes %s", card.name, list(card.input.shape), list(batch_sizes))
     return run
+
+
+class GateVerdict:
+    """The card's fp16 gate on a half-precision module: ``passed``, and ``note`` (what was asked, the metrics or the
+    reason for a refusal)."""
+
+    def __init__(self, passed: bool, note: str) -> None:
+        self.passed, self.note = passed, note
+
+
+def half_gate(card: Any, ins: list[str], reference: Callable, candidate: Callable, device: Any,
+              half: str = "float16") -> GateVerdict:
+    """``candidate`` (the module in half precision) against ``reference`` (FP32) on the card's gate data with the
+    card's fp16 tolerances, as ``unroll quantize`` gates an FP16 graph (:func:`unroll.gates.evaluate`)."""
+    import torch
+
+    from unroll import gates
+    from unroll.errors import CardError
+
+    asked = f"{card.name}: {half} asked for on {device}"
+    try:
+        tol = gates.tolerances(card, GATE_PRECISION)
+        cases = gates.gate_cases(card)
+    except CardError as e:
+        return GateVerdict(False, f"{asked}; serving FP32: no gate data to check it on ({e})")
+    if not tol:
+        return GateVerdict(False, f"{asked}; serving FP32: the card has no {GATE_PRECISION} gate")
+
+    def runner(call: Callable) -> Callable[[dict[str, np.ndarray]], np.ndarray]:
+        def run(feeds: dict[str, np.ndarray]) -> np.ndarray:
+            with torch.inference_mode():
+                out = call(*(_as_tensor(feeds[k]).to(device) for k in ins))[0]
+            return out.float().cpu().numpy()
+        return run
+
+    res = gates.evaluate(card, cases, runner(reference), runner(candidate), tol)
+    where = gates.gate_source(card, cases)
+    if not res.passed:
+        return GateVerdict(False, f"{asked}; the card's {GATE_PRECISION} gate refused it on {where}: "
+                           f"{'; '.join(res.failures)}; serving FP32")
+    shown = ", ".join(f"{k} {gates.METRICS[k].format(float(res.metrics[k]))} (tolerance "
+                      f"{gates.METRICS[k].format(v)})" for k, v in tol.items() if k in res.metrics)
+    return GateVerdict(True, f"{asked}; passed the card's {GATE_PRECISION} gate on {where}: {shown}")
+
+
+def _as_tensor(a: Any) -> Any:
+    """A float32 tensor of ``a`` (a NumPy array — copied if read-only — or a tensor, left where it is)."""
+    import torch
+
+    if isinstance(a, np.ndarray):
+        return torch.from_numpy(np.require(a, np.float32, ["C", "W"]))
+    return a if a.dtype == torch.float32 else a.float()
+
+
+def _cast(call: Callable, dtype: Any) -> Callable:
+    """``call`` taking and answering FP32 around a module in ``dtype`` (the casts are part of a captured graph)."""
+    import torch
+
+    return lambda *args: tuple(o.to(torch.float32) for o in call(*(a.to(dtype) for a in args)))
 
 
 def why_not(card: Any) -> str | None:
@@ -118,7 +245,8 @@ def _module(card: Any) -> tuple[Any, list[str]]:
 
 def _outputs(module: Any, card: Any) -> Any:
     """``module`` as a call returning the graph's outputs as a tuple (``card.output_names``): its output, and
-    where the card declares ``ood`` its first solver layer's residual, computed as the export traced it."""
+    where the card declares ``ood`` its first solver layer's residual and code size, computed as the export traced
+    them."""
     if card.ood is None:
         return lambda *args: (module(*args),)
     from unroll.solvers.residual import WithResidual
@@ -169,58 +297,91 @@ def _graph_shape(a: np.ndarray, graph_input: Any) -> np.ndarray:
 
 
 class _Graphs:
-    """CUDA graphs of ``module`` per input shape (module doc): ``run(args)`` with host or device tensors."""
+    """Replays of ``call`` on static buffers, per (batch size, per-row shapes) (module doc): ``run(args)``.
 
-    def __init__(self, module: Any, device: Any) -> None:
-        self.module, self.device = module, device
-        self._cache: OrderedDict[tuple, tuple[Any, list[Any], Any]] = OrderedDict()
+    ``capture(static_inputs)`` records the call on those buffers and returns its replay (answering the static
+    outputs); on CUDA :func:`_cuda_capture`. ``sizes``: the batch sizes a batch is padded up to (:func:`padded_batch`;
+    none: each shape as it comes). ``call``: the eager call for a shape whose capture failed."""
+
+    def __init__(self, capture: Callable[[list[Any]], Callable[[], tuple]], sizes: Sequence[int], call: Callable,
+                 device: Any) -> None:
+        self.capture, self.sizes, self.call, self.device = capture, sorted(sizes), call, device
+        self._cache: OrderedDict[tuple, tuple[Callable[[], tuple], list[Any]]] = OrderedDict()
+        self._pinned: set[tuple] = set()  # captured at load: never dropped
         #: Shapes whose capture failed: run eagerly (logged once each).
         self._eager: set[tuple] = set()
+        #: How many captures were made (the load-time ones included).
+        self.captures = 0
 
-    def run(self, args: list[Any]) -> Any:
-        import torch
+    @staticmethod
+    def key(args: list[Any], batch: int) -> tuple:
+        return tuple(((batch, *a.shape[1:]), a.dtype) for a in args)
 
-        key = tuple((tuple(a.shape), a.dtype) for a in args)
+    def prepare(self, args: list[Any]) -> None:
+        """Capture at load for ``args``' shapes (a batch of a captured size), kept for good."""
+        key = self.key(args, len(args[0]))
+        if self._cached_capture(key, args) is not None:
+            self._pinned.add(key)
+
+    def run(self, args: list[Any]) -> tuple:
+        n = len(args[0])
+        m = padded_batch(n, self.sizes) if self.sizes else n
+        key = self.key(args, m)
         entry = self._cache.get(key)
         if entry is None and key not in self._eager:
-            entry = self._cached_capture(key, args)
+            entry = self._cached_capture(key, [_pad_rows(a, m) for a in args])
         if entry is None:  # a shape whose capture failed
-            return self.module(*(a.to(self.device) for a in args))  # the outputs' tuple (``_outputs``)
+            return self.call(*(a.to(self.device) for a in args))  # the outputs' tuple (``_outputs``)
         self._cache.move_to_end(key)
-        graph, static_in, static_out = entry
+        replay, static_in = entry
         for buf, a in zip(static_in, args, strict=True):
-            buf.copy_(a, non_blocking=True)
-        graph.replay()
-        out = tuple(t.clone() for t in static_out)
-        torch.cuda.current_stream(self.device).synchronize()
-        return out
+            buf[:n].copy_(a, non_blocking=True)
+        return tuple(t[:n].clone() for t in replay())
 
-    def _cached_capture(self, key: tuple, args: list[Any]) -> tuple[Any, list[Any], Any] | None:
-        """A new graph for ``key``'s shapes, kept (the least recently used dropped past :data:`MAX_GRAPHS`); ``None``
-        when it cannot be captured (an op that syncs with the host): that shape runs eagerly, said once."""
+    def _cached_capture(self, key: tuple, args: list[Any]) -> tuple[Callable[[], tuple], list[Any]] | None:
+        """A new replay for ``key``'s shapes, kept (the least recently used lazy one dropped past
+        :data:`MAX_GRAPHS`); ``None`` when it cannot be captured (an op that syncs with the host): that shape runs
+        eagerly, said once."""
+        static_in = [a.to(self.device).clone() for a in args]
         try:
-            entry = self._capture(args)
+            replay = self.capture(static_in)
         except RuntimeError as e:
             log.warning("torch runtime: no CUDA graph for input shapes %s (%s); running them eagerly",
                         [s for s, _ in key], str(e).splitlines()[0])
             self._eager.add(key)
             return None
-        self._cache[key] = entry
-        while len(self._cache) > MAX_GRAPHS:
-            self._cache.popitem(last=False)
-        return entry
+        self.captures += 1
+        self._cache[key] = (replay, static_in)
+        lazy = [k for k in self._cache if k not in self._pinned]
+        for k in lazy[:max(0, len(lazy) - MAX_GRAPHS)]:
+            del self._cache[k]
+        return self._cache[key]
 
-    def _capture(self, args: list[Any]) -> tuple[Any, list[Any], Any]:
-        import torch
 
-        static_in = [a.to(self.device).clone() for a in args]
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
+def _pad_rows(a: Any, m: int) -> Any:
+    """``a`` with its last row repeated up to ``m`` rows (a new graph's first contents: real rows)."""
+    n = len(a)
+    return a if n >= m else a[list(range(n)) + [n - 1] * (m - n)]
+
+
+def _cuda_capture(call: Callable, device: Any) -> Callable[[list[Any]], Callable[[], tuple]]:
+    """The CUDA capture of :class:`_Graphs` (PyTorch's documented whole-network capture: warm-up on a side stream,
+    then ``torch.cuda.graph``); each replay answers the same static output tensors."""
+    import torch
+
+    def capture(static_in: list[Any]) -> Callable[[], tuple]:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(WARMUP_CALLS):
-                self.module(*static_in)
-        torch.cuda.current_stream(self.device).wait_stream(side)
+                call(*static_in)
+        torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            static_out = self.module(*static_in)
-        return graph, static_in, static_out
+            static_out = call(*static_in)
+
+        def replay() -> tuple:
+            graph.replay()
+            return static_out
+        return replay
+    return capture

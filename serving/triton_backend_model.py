@@ -1,4 +1,5 @@
-"""Triton Python-backend model that runs an exported model on the CPU (ONNX Runtime, OpenVINO or AOTInductor).
+"""Triton Python-backend model that runs an exported model on the CPU (ONNX Runtime, OpenVINO or AOTInductor), or its
+PyTorch module on the CPU or the instance's GPU (the ``torch`` runtime).
 
 :mod:`unroll.serving.repository` copies this file unchanged to ``<model>/1/model.py``; everything model-specific
 comes from ``config.pbtxt`` parameters (``onnx_file``, ``cpu_runtime``, ``intra_op_num_threads``,
@@ -9,6 +10,16 @@ inputs outside the profile as TensorRT does). Tensors cross the stub zero-copy t
 stub predates NumPy 2's dtype ABI and its ``as_numpy()`` returns wrong data under NumPy 2 (``BYTES`` tensors too,
 both ways, and DLPack has no ``BYTES``: hence the protocol below is ``UINT8``/``INT32``). One dynamic batch runs as
 one ``session.run`` per group of equal shapes; a failing group fails only its requests.
+
+**The torch runtime** (``cpu_runtime`` ``torch``, :mod:`unroll.serving.torch_runtime`): float tensors stay PyTorch
+tensors end to end, by DLPack both ways — ``torch.from_dlpack`` of each input (on the GPU where Triton hands it
+there: GPU configs set ``FORCE_CPU_ONLY_INPUT_TENSORS`` "no"), joined on the device, run, and answered with
+``pb_utils.Tensor.from_dlpack`` of the output on the device: no host round trip in this model for tensors already on
+the device (the other runtimes keep the NumPy path above). CUDA graphs are captured at load for the batch sizes this
+config's dynamic batcher forms (``max_batch_size``, ``dynamic_batching.preferred_batch_size``); smaller batches are
+padded up to the nearest captured size and their outputs sliced (the module's doc). ``inference_precision``
+``fp16`` / ``bf16``: half precision only behind the card's fp16 gate, decided at load on the instance's device; a
+refusal serves FP32 and the reason is logged (Triton's log, ``verbose`` not needed).
 
 **Encoded images** (:mod:`unroll.serving.imaging.wire`; written into the CPU configs of every classifier and
 image-to-image model, e.g. denoisers, by ``unroll repo``). Besides its float input (now optional), such a model takes
@@ -77,17 +88,30 @@ class TritonPythonModel:
         runtime = params.get("cpu_runtime", DEFAULT_RUNTIME)
         if runtime == "aotinductor":
             onnx_path = onnx_path.with_name(params.get("aoti_package", "model.pt2"))
+        self.max_batch = int(cfg.get("max_batch_size", 0))
+        self.batching = self.max_batch > 0
+        #: The torch runtime's tensors cross by DLPack as PyTorch tensors (module doc); the others' as NumPy arrays.
+        self.dlpack = runtime == "torch"
+        precision = params.get("inference_precision", "f32")
+        extra = {}
+        if self.dlpack:
+            from unroll.serving.torch_runtime import capture_sizes
+
+            preferred = cfg.get("dynamic_batching", {}).get("preferred_batch_size", [])
+            extra = {"fp16": precision == "fp16",
+                     "batch_sizes": capture_sizes(self.max_batch, [int(b) for b in preferred])}
         try:
             # intra_op_spinning "1": threads spin briefly before sleeping (serving/repository.py's measurement).
             self.session = open_session(onnx_path, runtime, int(params["intra_op_num_threads"]),
                                         spinning=params.get("intra_op_spinning", "0") == "1",
                                         static_shapes=params.get("static_shapes", "0") == "1",
-                                        bf16=params.get("inference_precision", "f32") == "bf16",
-                                        device=_device(args))
+                                        bf16=precision == "bf16", device=_device(args), **extra)
         except RuntimeUnavailable as e:  # e.g. the card names OpenVINO and it is not installed here
             raise pb_utils.TritonModelException(f"cpu_runtime {runtime!r}: {e}") from None
-        self.max_batch = int(cfg.get("max_batch_size", 0))
-        self.batching = self.max_batch > 0
+        note = getattr(self.session, "precision_note", None)
+        if note is not None:  # the torch runtime's half-precision verdict (passed, or why FP32 serves)
+            passed = self.session.precision != "fp32"
+            (pb_utils.Logger.log_info if passed else pb_utils.Logger.log_warn)(f"{self.name}: {note}")
         names = {i["name"] for i in cfg["input"]}
         # the encoded-image protocol (module docstring): its inputs are no graph inputs; which half of it the
         # config has says the kind (the task, which `unroll repo` looked up, may be unknown in this process)
@@ -144,7 +168,7 @@ class TritonPythonModel:
             if t is None:
                 missing.append((name, dtype, shape, default))
                 continue
-            a = np.from_dlpack(t)  # zero-copy view of the request's buffer (as_numpy: wrong under NumPy 2)
+            a = self._from_triton(t)  # zero-copy view of the request's buffer (as_numpy: wrong under NumPy 2)
             if shape is not None and list(a.shape[1:] if self.batching else a.shape) != shape:
                 # config `reshape` (dims [1] → graph []), applied here too so either client form works
                 a = a.reshape((a.shape[0], *shape) if self.batching else tuple(shape))
@@ -173,13 +197,28 @@ class TritonPythonModel:
         return feed
 
     def _default(self, name: str, dtype, shape: tuple, value) -> np.ndarray:
-        """A filled default input, made once per shape (read-only: ONNX Runtime does not write its inputs)."""
+        """A filled default input, made once per shape (read-only: ONNX Runtime does not write its inputs; a tensor
+        on the torch runtime's path)."""
         key = (name, shape)
         a = self._defaults.get(key)
         if a is None:
-            a = self._defaults[key] = np.full(shape, value, dtype=dtype)
-            a.flags.writeable = False
+            a = np.full(shape, value, dtype=dtype)
+            if self.dlpack:
+                import torch
+
+                a = torch.from_numpy(a)
+            else:
+                a.flags.writeable = False
+            self._defaults[key] = a
         return a
+
+    def _from_triton(self, t):
+        """An input tensor, zero-copy: a PyTorch tensor where it lies (the torch runtime), else a NumPy array."""
+        if self.dlpack:
+            import torch
+
+            return torch.from_dlpack(t)
+        return np.from_dlpack(t)
 
     def execute(self, requests: list) -> list:
         # The stub copies output tensors into shared memory only after execute() returns, and a
@@ -203,7 +242,8 @@ class TritonPythonModel:
             feeds[idx] = feed
         # a model without batching runs each request alone (its tensors have no batch axis to join on)
         keys = None if self.batching else list(feeds)
-        for idx, arrays in zip(feeds, batch_rows.run_grouped(list(feeds.values()), self._run, keys), strict=True):
+        run = self._run_tensors if self.dlpack else self._run
+        for idx, arrays in zip(feeds, batch_rows.run_grouped(list(feeds.values()), run, keys), strict=True):
             try:
                 if isinstance(arrays, Exception):  # e.g. an image below the model's minimum size
                     raise arrays
@@ -225,13 +265,22 @@ class TritonPythonModel:
         for (name, dtype, dims), a in zip(self.outputs, arrays, strict=True):
             if wanted is not None and name not in wanted:
                 continue
-            a = self._client_shape(np.ascontiguousarray(a, dtype=dtype), dims)
+            if isinstance(a, np.ndarray):
+                a = self._client_shape(np.ascontiguousarray(a, dtype=dtype), dims)
+                tensors.append(_to_triton(name, a))
+            else:  # a PyTorch tensor (the torch runtime, FP32 like the config's outputs), left on its device
+                a = self._client_shape(a, dims).contiguous()
+                tensors.append(pb_utils.Tensor.from_dlpack(name, a))
             self._keep.append(a)
-            tensors.append(_to_triton(name, a))
         return tensors
 
     def _run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         outs = self.session(feeds)
+        return [outs[n] for n in self.output_names]
+
+    def _run_tensors(self, feeds: dict) -> list:
+        """:meth:`_run` on PyTorch tensors, answering tensors on the device (the torch runtime's DLPack path)."""
+        outs = self.session.tensors(feeds)
         return [outs[n] for n in self.output_names]
 
     def _client_shape(self, a: np.ndarray, dims: list[int] | None) -> np.ndarray:
@@ -247,7 +296,7 @@ class TritonPythonModel:
         assert self.card is not None
         if pb_utils.get_input_tensor_by_name(request, self.card.input.name) is not None:
             raise ImageRejected(400, "invalid_input", _neither(self.card, both=True))
-        raw = np.from_dlpack(pb_utils.get_input_tensor_by_name(request, wire.IMAGE_BYTES))
+        raw = _host(pb_utils.get_input_tensor_by_name(request, wire.IMAGE_BYTES))
         return [r.tobytes() for r in raw.reshape(len(raw) if self.batching else 1, -1)]
 
     def _per_item(self, request, name: str, n: int, codes: dict[int, str] | None = None) -> list | None:
@@ -256,7 +305,7 @@ class TritonPythonModel:
         t = pb_utils.get_input_tensor_by_name(request, name)
         if t is None:
             return None
-        vals = np.from_dlpack(t).reshape(-1).tolist()
+        vals = _host(t).reshape(-1).tolist()
         if codes is not None:
             bad = [v for v in vals if v not in codes]
             if bad:
@@ -443,6 +492,16 @@ _capsule_is_valid = ctypes.pythonapi.PyCapsule_IsValid
 _capsule_is_valid.argtypes, _capsule_is_valid.restype = [ctypes.py_object, ctypes.c_char_p], ctypes.c_int
 _capsule_set_name = ctypes.pythonapi.PyCapsule_SetName
 _capsule_set_name.argtypes, _capsule_set_name.restype = [ctypes.py_object, ctypes.c_char_p], ctypes.c_int
+
+
+def _host(t) -> np.ndarray:
+    """An input as a NumPy array: zero-copy on the host, copied from the GPU where Triton handed it there (a GPU
+    config's inputs stay where they lie)."""
+    if t.is_cpu():
+        return np.from_dlpack(t)
+    import torch  # (only the torch runtime's GPU configs receive tensors on the GPU)
+
+    return torch.from_dlpack(t).cpu().numpy()
 
 
 def _to_triton(name: str, a: np.ndarray):

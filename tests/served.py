@@ -9,7 +9,11 @@ probabilities.
 from __future__ import annotations
 
 import io
+import os
+import signal
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -104,3 +108,33 @@ def recv_until_closed(s: socket.socket) -> bytes:
             break
         data += chunk
     return data
+
+
+def paused_burst(pid: int, clients: list, model: str, requests: list[list], output: str) -> list[np.ndarray]:
+    """``requests`` (gRPC inputs) sent with ``async_infer``, round-robin over ``clients``, while tritonserver ``pid``
+    is stopped (SIGSTOP … SIGCONT, a real stall): on SIGCONT every request is queued at once and the dynamic batcher
+    forms batches of them (a server that keeps up would run each alone). Each request's ``output``, in order."""
+    results: dict[int, np.ndarray] = {}
+    errors: list = []
+    done = threading.Semaphore(0)
+
+    def callback(i: int):
+        def cb(result, error) -> None:
+            if error is not None:
+                errors.append(error)
+            else:
+                results[i] = result.as_numpy(output)
+            done.release()
+        return cb
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for i, inputs in enumerate(requests):
+            clients[i % len(clients)].async_infer(model, inputs, callback(i))
+        time.sleep(1.0)  # every request is sent (in the socket's buffers) while the server cannot read it
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    for _ in requests:
+        assert done.acquire(timeout=60)
+    assert not errors, [e.message() for e in errors[:3]]
+    return [results[i] for i in range(len(requests))]

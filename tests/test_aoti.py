@@ -15,7 +15,7 @@ import unroll
 from unroll.data import add_noise, bundled_image, mnist_split
 from unroll.export.aoti import compile_package, read_sidecar
 from unroll.serving.aoti_runtime import aoti_session
-from unroll.solvers.residual import forward_with_residual
+from unroll.solvers.residual import WithResidual
 
 # each compile takes 10–15 s (2 cores, warm Inductor cache) to ~1 min (cold)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -47,8 +47,9 @@ def test_sdnet_mnist(package: Callable[[str], Path]) -> None:
     path = package("sdnet-mnist")
     side = read_sidecar(path)
     assert side["model"] == "sdnet-mnist" and side["torch"] == torch.__version__
-    # the solver's residual too (card.ood), as the ONNX export carries it
-    assert side["inputs"] == {"image": [None, 1, 28, 28], "lam": [None]} and side["outputs"] == ["logits", "residual"]
+    # the solver's residual and code size too (card.ood), as the ONNX export carries them
+    assert side["inputs"] == {"image": [None, 1, 28, 28], "lam": [None]}
+    assert side["outputs"] == ["logits", "solver_fit"]
     lam = side["card"]["lam"]["default"]
     assert lam is not None  # filled in from the model, as in the ONNX export
 
@@ -60,8 +61,9 @@ def test_sdnet_mnist(package: Callable[[str], Path]) -> None:
         lams = np.array([lam, lam / 2, 3 * lam][:b], np.float32)
         got = run({"image": digits[:b], "lam": lams})
         assert _max_err(got["logits"], model, digits[:b], lams) <= TOL
-        _, residual, _ = forward_with_residual(model, torch.from_numpy(digits[:b]), torch.from_numpy(lams))
-        assert np.abs(got["residual"] - residual.numpy()).max() <= TOL
+        with torch.no_grad():
+            _, fit = WithResidual(model)(torch.from_numpy(digits[:b]), torch.from_numpy(lams))
+        assert np.abs(got["solver_fit"] - fit.numpy()).max() <= TOL * max(1.0, float(fit.abs().max()))
 
     with pytest.raises(ValueError, match="unknown input"):
         run({"image": digits[:1], "lam": lams[:1], "sigma": lams[:1]})

@@ -129,7 +129,7 @@ def test_openvino_agrees_on_a_real_digit(demo_onnx_dir: Path) -> None:
     feeds = {k: v.numpy() for k, v in case_inputs(CLASSIFIER, 4, lam_default(CLASSIFIER, demo_onnx_dir)).items()}
     path = demo_onnx_dir / f"{CLASSIFIER}.onnx"
     a, b = open_session(path, "onnxruntime")(feeds), open_session(path, "openvino")(feeds)
-    assert list(a) == list(b) == ["logits", "residual"]  # the solver's residual too (card.ood)
+    assert list(a) == list(b) == ["logits", "solver_fit"]  # the solver's signals too (card.ood)
     for k in a:
         np.testing.assert_allclose(b[k], a[k], atol=1e-4, rtol=0)
     assert (b["logits"].argmax(1) == a["logits"].argmax(1)).all()

@@ -18,7 +18,7 @@ from unroll import ood_sets, registry
 from unroll.benchmarks import ood, ood_served, serve_ab
 from unroll.benchmarks.common import RESULTS
 from unroll.solvers.csc import output_padding
-from unroll.solvers.residual import first_solver, forward_with_residual
+from unroll.solvers.residual import WithResidual, _fit, first_solver, forward_with_residual
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,6 +53,20 @@ def test_the_residual_leaves_the_output_alone_and_is_the_layers_reconstruction_e
         assert torch.equal(y, model(x))  # the hook only watches
     assert type(first_solver(model)).__name__ == kind and r.shape == (4,)
     assert bool((torch.isfinite(r) & (r > 0)).all()), r  # (a relative residual may pass 1: D·z can overshoot)
+    # the graph's third output: the code's size against the target's, from the code the layer found
+    _, both = WithResidual(model)(x)
+    assert both.shape == (4, 2)
+    torch.testing.assert_close(both[:, 0], r)
+    torch.testing.assert_close(both[:, 1], fit.code.abs().flatten(1).sum(1) / fit.target.flatten(1).norm(dim=1))
+    if kind == "VARSAttention":  # the codes the attention kept are those its solver gives again from its input
+        seen = []
+        handle = fit.layer.register_forward_hook(lambda _, inputs, out: seen.append((inputs[0], out)))
+        with torch.no_grad():
+            model(x)
+        handle.remove()
+        again = _fit(fit.layer, *seen[0])
+        assert again.difference is None  # recomputed, not kept
+        torch.testing.assert_close(fit.code, again.code)
     if kind == "DictBlock":  # by hand: the input minus the reconstruction of the iterate one step before the code
         layer = copy.deepcopy(fit.layer)
         layer.n_steps -= 1
@@ -71,15 +85,30 @@ def test_a_model_without_a_solver_has_no_residual() -> None:
         forward_with_residual(registry.load("cnn-mnist").eval(), torch.zeros(1, 1, 28, 28))
 
 
+def _signals(residual: np.ndarray, code: np.ndarray | None = None, msp: np.ndarray | None = None) -> dict:
+    rng = np.random.default_rng(0)
+    return {"residual": residual, "code_l1": rng.permutation(residual) if code is None else code,
+            "msp": rng.permutation(residual) if msp is None else msp}
+
+
 def test_the_scores_and_the_rule() -> None:
     inside = np.linspace(0.4, 0.6, 200)
     assert ood.auroc(inside, inside + 1) == 1.0 and ood.fpr95(inside, inside + 1) == 0.0
     assert ood.auroc(inside, inside - 1) == 0.0 and ood.fpr95(inside, inside - 1) == 1.0
-    rule, mean = ood.choose_rule(inside, {"low": inside - 1, "high": inside + 1})  # out on both sides: two-sided
-    assert rule.sided == "both" and mean["both"] > mean["high"]
-    assert rule.flags(inside).mean() <= 1 - ood.FLAG_QUANTILE + 1e-9
-    rule, _ = ood.choose_rule(inside, {"high": inside + 1})
-    assert rule.sided == "high"
+    digits = _signals(inside)
+    # out on both sides by the residual alone: the simplest rule that tells them apart, two-sided
+    rule, name, mean = ood.choose_rule(digits, {"low": _signals(inside - 1), "high": _signals(inside + 1)})
+    assert name == "residual, two-sided" and mean[name] > mean["residual, one-sided"]
+    assert [t.signal for t in rule.terms] == ["residual"] and rule.terms[0].sided == "both"
+    assert (rule.score(digits) > rule.threshold).mean() <= 1 - ood.FLAG_QUANTILE + 1e-9
+    rule, name, _ = ood.choose_rule(digits, {"high": _signals(inside + 1)})
+    assert name == "residual, one-sided" and rule.terms[0].sided == "high"
+    # the residual says nothing, the code's size and the softmax each catch one set: all three terms
+    odd = {"big codes": _signals(inside, code=inside + 1), "unsure": _signals(inside, msp=inside + 1)}
+    rule, name, mean = ood.choose_rule(digits, odd)
+    assert {t.signal for t in rule.terms} == {"residual", "code_l1", "msp"} and mean[name] == max(mean.values())
+    one = {k: v[:1] for k, v in odd["unsure"].items()}  # the card scores one image as the benchmark scored many
+    assert float(rule.score({k: float(v[0]) for k, v in one.items()})) == pytest.approx(float(rule.score(one)[0]))
 
 
 @pytest.mark.triton
@@ -119,7 +148,7 @@ def test_the_plain_copy_is_the_same_graph_without_the_residual_branch(tmp_path: 
         (tmp_path / f.name).symlink_to(f)
     plain = ood_served.plain_copy(tmp_path, "sdnet-mnist")
     full_model, plain_model = (onnx.load(str(tmp_path / f"{n}.onnx")) for n in ("sdnet-mnist", plain))
-    assert [o.name for o in full_model.graph.output] == ["logits", "residual"]
+    assert [o.name for o in full_model.graph.output] == ["logits", "solver_fit"]
     assert [o.name for o in plain_model.graph.output] == ["logits"]
     assert len(plain_model.graph.node) < len(full_model.graph.node)
     card = from_onnx(plain_model)

@@ -8,9 +8,8 @@ import numpy as np
 import onnx
 import pytest
 
-from unroll import data, stress_patterns
+from unroll import data, gates, stress_patterns
 from unroll.card import from_onnx
-from unroll.export import gates
 from unroll.export.quantize import calibration_inputs, quantize, to_int8
 from unroll.registry import get_spec, list_models
 

@@ -1,4 +1,4 @@
-"""FP16 / INT8 behind accuracy gates, and the one gate implementation (unroll.export.gates) they use."""
+"""FP16 / INT8 behind accuracy gates, and the one gate implementation (unroll.gates) they use."""
 
 import json
 import math
@@ -12,10 +12,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from unroll import data
+from unroll import data, gates
 from unroll.card import DataCard, InputCard, ModelCard, from_onnx, write_to_onnx
 from unroll.errors import GateFailed, LintError
-from unroll.export import gates
 from unroll.export import quantize as quantize_module
 from unroll.export.quantize import calibration_inputs, quantize
 from unroll.export.trt_lint import lint

@@ -109,7 +109,7 @@ def test_gpu_configs_for_the_bundled_triton_run_the_module_on_the_gpu_and_say_wh
         demo_onnx_dir: Path, tmp_path: Path) -> None:
     """``unroll repo --target gpu --runtime torch``: KIND_GPU Python-backend instances running the module, with the
     encoded-image inputs and the optional λ of the CPU configs; a λ rule (no PyTorch module) is served on the CPU by
-    its card's runtime, and its config and the CLI's table say so. FP32 only; no TensorRT plan is looked for."""
+    its card's runtime, and its config and the CLI's table say so. No INT8; no TensorRT plan is looked for."""
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2 as mc
     from typer.testing import CliRunner
@@ -137,8 +137,8 @@ def test_gpu_configs_for_the_bundled_triton_run_the_module_on_the_gpu_and_say_wh
     assert cfg.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
     note = cfg.parameters[TORCH_NOTE_KEY].string_value
     assert "on the CPU" in note and "companion" in note and note in (repo / rule / "config.pbtxt").read_text()
-    with pytest.raises(RepositoryError, match="FP32"):
-        write_repository("gpu", [CLASSIFIER], repo, precision="fp16", onnx_dir=demo_onnx_dir, runtime="torch")
+    with pytest.raises(RepositoryError, match="FP32"):  # fp16 is the module's (tests/test_torch_runtime_gpu_paths.py)
+        write_repository("gpu", [CLASSIFIER], repo, precision="int8", onnx_dir=demo_onnx_dir, runtime="torch")
     with pytest.raises(RepositoryError, match="CPU runtime"):
         write_repository("gpu", [CLASSIFIER], repo, onnx_dir=demo_onnx_dir, runtime="openvino")
     out = CliRunner().invoke(app, ["repo", "--target", "gpu", "--runtime", "openvino", "--models", CLASSIFIER,

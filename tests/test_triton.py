@@ -25,6 +25,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import typer
 from google.protobuf import text_format
+from served import paused_burst
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 from typer.testing import CliRunner
@@ -112,7 +113,7 @@ def test_models_load_and_server_metadata(server, http, grpc) -> None:
     meta = grpc.get_model_metadata("sdnet-mnist")
     # the float input and λ, and the encoded-image protocol's (tests/test_triton_images.py)
     assert [i.name for i in meta.inputs] == ["image", "lam", "image_bytes", "invert"]
-    assert [o.name for o in meta.outputs] == ["logits", "residual", "image_info"]  # residual: the card's ood
+    assert [o.name for o in meta.outputs] == ["logits", "solver_fit", "image_info"]  # solver_fit: the card's ood
     cfg = grpc.get_model_config("csc-denoiser").config
     assert cfg.backend == "python" and cfg.dynamic_batching.max_queue_delay_microseconds >= 0
     with urllib.request.urlopen(server.metrics_url, timeout=5) as r:
@@ -219,30 +220,8 @@ def test_concurrent_burst_is_dynamically_batched(server, grpc, sessions) -> None
     clients = [grpcclient.InferenceServerClient(server.grpc_url) for _ in range(4)]
     inputs = [_inputs(grpcclient, {"image": x[i:i + 1]}) for i in range(n)]  # built first: the burst is sends only
     before = batch_counts()
-    results: dict[int, np.ndarray] = {}
-    errors: list[Exception] = []
-    done = threading.Semaphore(0)
-
-    def callback(i: int):
-        def cb(result, error) -> None:
-            if error is not None:
-                errors.append(error)
-            else:
-                results[i] = result.as_numpy("logits")
-            done.release()
-        return cb
-
-    os.kill(server.pid, signal.SIGSTOP)
-    try:
-        for i in range(n):
-            clients[i % 4].async_infer("sdnet-mnist", inputs[i], callback(i))
-        time.sleep(1.0)  # every request is sent (in the socket's buffers) while the server cannot read it
-    finally:
-        os.kill(server.pid, signal.SIGCONT)
-    for _ in range(n):
-        assert done.acquire(timeout=60)
-    assert not errors, [e.message() for e in errors[:3]]
-    np.testing.assert_allclose(np.concatenate([results[i] for i in range(n)]), want, rtol=0, atol=TOL)
+    results = paused_burst(server.pid, clients, "sdnet-mnist", inputs, "logits")
+    np.testing.assert_allclose(np.concatenate(results), want, rtol=0, atol=TOL)
     # Triton records an execution's statistics just after sending its responses: the last batch of a burst can be
     # answered before it is counted, so read until the counts settle (a CI run saw 2 of 32 counted)
     deadline = time.monotonic() + 10

@@ -17,10 +17,11 @@ import typer
 from onnx import TensorProto, helper, numpy_helper
 from typer.testing import CliRunner
 
+from unroll import gates
 from unroll.app.trt_cli import build
 from unroll.card import InputCard, ModelCard, from_onnx, write_to_onnx
-from unroll.export import gates, trt_engine, trt_memory
 from unroll.export import trt_build as tb
+from unroll.export import trt_engine, trt_memory
 from unroll.export.onnx_export import export_model
 from unroll.export.quantize import to_fp16
 from unroll.registry import get_spec, list_models
@@ -652,7 +653,7 @@ def test_build_flow_against_the_documented_api(onnx_dir: Path, tmp_path: Path, m
     assert report["io"] == [{"name": "image", "mode": "input", "dtype": "float32", "shape": [-1, 1, 28, 28]},
                             {"name": "lam", "mode": "input", "dtype": "float32", "shape": [-1]},
                             {"name": "logits", "mode": "output", "dtype": "float32", "shape": [-1, 10]},
-                            {"name": "residual", "mode": "output", "dtype": "float32", "shape": [-1]}]  # card.ood
+                            {"name": "solver_fit", "mode": "output", "dtype": "float32", "shape": [-1, 2]}]  # ood
     assert report["lint"] == {"checker": "unroll.export.trt_lint", "issues": []}
     assert report["memory"]["input_shapes"] == {"image": [32, 1, 28, 28], "lam": [32]}
     assert 0 < report["memory"]["total_bytes"] < report["memory"]["budget"]["bytes"] == 16 * trt_memory.GIB

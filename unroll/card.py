@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -205,29 +205,57 @@ class TileCard(_Strict):
         return self
 
 
-class OodCard(_Strict):
-    """An out-of-distribution score from the model's first solver layer (:mod:`unroll.solvers.residual`): the
-    graph's extra output ``output``, the relative residual ``‖x − D·z‖ / ‖x‖`` per sample, and the rule that turns
-    it into a score and a verdict, chosen on validation data by ``unroll bench ood`` (kept in the model's training
-    record; export fills it in). Calibrated at the card's trained λ and iteration count: another λ or count changes
-    the residual, so the verdict is given only at those."""
+#: The columns of the graph's solver output (``OodCard.output``), per sample.
+SOLVER_SIGNALS = ("residual", "code_l1")
+#: What an out-of-distribution term reads, per image: the solver's signals and one minus the softmax's maximum.
+OodSignal = Literal["residual", "code_l1", "msp"]
 
-    output: str = "residual"
-    #: ``high``: the residual is the score; ``both``: its distance from the validation digits' median in MADs,
-    #: ``|r − center| / scale``. ``None``: not calibrated (the residual is served, no verdict).
-    sided: Literal["high", "both"] | None = None
+
+class OodTerm(_Strict):
+    """One signal's part of the score: ``weight · (s − center) / scale`` (``high``: a large value counts against the
+    image) or ``weight · |s − center| / scale`` (``both``: an atypical value either way); ``center`` and ``scale``
+    are the validation digits' median and MAD."""
+
+    signal: OodSignal
+    sided: Literal["high", "both"]
     center: float = 0.0
     scale: float = Field(1.0, gt=0.0)
+    weight: float = Field(1.0, gt=0.0)
+
+    def value(self, s: Any) -> Any:
+        """The term of one signal value, or of each of an array of them."""
+        d = s - self.center
+        return self.weight * (abs(d) if self.sided == "both" else d) / self.scale
+
+
+class OodCard(_Strict):
+    """An out-of-distribution score from the model's first solver layer (:mod:`unroll.solvers.residual`): the
+    graph's extra output ``output``, ``[B, 2]``: per sample the relative residual ``‖x − D·z‖ / ‖x‖`` and the code's
+    size ``‖z‖₁ / ‖x‖`` (:data:`SOLVER_SIGNALS`, one output: each output a Python-backend model returns costs a
+    request more than these few norms), and the rule that turns them (and the softmax's maximum, where validation
+    showed it adds something) into a score and a verdict, chosen on validation data by ``unroll bench ood`` (kept in
+    the model's training record; export fills it in). Calibrated at the card's trained λ and iteration count:
+    another λ or count changes the residual, so the verdict is given only at those."""
+
+    output: str = "solver_fit"
+    #: The score is the sum of the terms; none: not calibrated (the signals are served, no verdict).
+    terms: tuple[OodTerm, ...] = ()
     #: Scores above it are out of distribution (a quantile of the validation digits' scores).
     threshold: float | None = None
 
     @property
     def calibrated(self) -> bool:
-        return self.sided is not None and self.threshold is not None
+        return bool(self.terms) and self.threshold is not None
 
-    def score(self, residual: float) -> float:
-        """The residual as a score (higher: less like the training data)."""
-        return float(residual) if self.sided == "high" else abs(float(residual) - self.center) / self.scale
+    @property
+    def signals(self) -> set[str]:
+        """The signals the rule reads."""
+        return {t.signal for t in self.terms}
+
+    def score(self, signals: dict[str, Any]) -> Any:
+        """The score of an image from its signals (higher: less like the training data); of each image, given arrays
+        of them."""
+        return sum(t.value(signals[t.signal]) for t in self.terms)
 
 
 class ModelCard(_Strict):
@@ -304,7 +332,7 @@ class ModelCard(_Strict):
 
     @property
     def output_names(self) -> list[str]:
-        """Graph outputs in order: the main output, then the residual of ``ood``."""
+        """Graph outputs in order: the main output, then the solver's signals of ``ood``."""
         return [self.output, *([self.ood.output] if self.ood is not None else [])]
 
     @property

@@ -21,12 +21,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from unroll import stress_patterns
 from unroll.errors import UnknownName
+
+if TYPE_CHECKING:
+    import torch
 
 #: Held-out grayscale test images for denoising (never trained, calibrated or chosen on: reported only).
 DENOISE_TEST_IMAGES = ("camera", "moon", "coins", "brick", "grass", "gravel", "cell", "text")
@@ -335,3 +338,47 @@ def dataset(dataset_id: str) -> Dataset:
     if dataset_id not in DATASETS:
         raise UnknownName(f"unknown dataset {dataset_id!r}; known: {', '.join(DATASETS)}")
     return DATASETS[dataset_id]
+
+
+# ---------------------------------------------------------------------------------------------- fitted to a model
+# (PyTorch imported where used: the serving image imports this module without it)
+
+
+def _tokens(n_tokens: int, dim: int, name: str) -> torch.Tensor:
+    """``[1, n_tokens, dim]``: non-overlapping √dim×√dim patches of a bundled image, as tokens."""
+    import torch
+    import torch.nn.functional as F
+
+    p = int(round(dim**0.5))
+    img = torch.from_numpy(bundled_image(name))[None, None]
+    side = int(np.ceil(n_tokens**0.5)) * p
+    img = F.interpolate(img, size=(side, side), mode="bilinear", antialias=True, align_corners=False)
+    return F.unfold(img, p, stride=p).transpose(1, 2)[:, :n_tokens]
+
+
+def photo_features(shape: tuple[int, ...]) -> torch.Tensor:
+    """``[3, *shape]`` real features for a token (``[N, d]``) or feature-map (``[C, H, W]``) block: √d×√d patches
+    of three bundled photos as tokens, or laid out on the H×W grid; seeded random when d is no square number."""
+    import torch
+
+    dim = shape[-1] if len(shape) == 2 else shape[0]
+    if round(dim**0.5) ** 2 != dim:
+        return torch.rand(3, *shape, generator=torch.Generator().manual_seed(2))
+    if len(shape) == 2:
+        return torch.cat([_tokens(shape[0], dim, p) for p in PHOTOS[:3]])
+    c, h, w = shape
+    return torch.cat([_tokens(h * w, c, p).transpose(1, 2).reshape(1, c, h, w) for p in PHOTOS[:3]])
+
+
+def fit_images(x: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """``[N, C, H, W]`` images resized (bilinear, antialiased) and channel-matched to ``shape = (C, H, W)``."""
+    import torch
+    import torch.nn.functional as F
+
+    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    c, h, w = shape
+    if t.shape[1] != c:
+        t = t.mean(1, keepdim=True).expand(-1, c, -1, -1) if c != 1 else t.mean(1, keepdim=True)
+    if t.shape[2:] != (h, w):
+        t = F.interpolate(t, size=(h, w), mode="bilinear", antialias=True, align_corners=False)
+    return t.contiguous()

@@ -184,9 +184,9 @@ async def classify(
         res, inverted, lam_v = await _decoded(gw, entry, data, inv, lam_v, hw, rule, n_classes)
     with tracing.span("encode"):
         if n_classes is None:  # a class axis only known once the model answers: logits, bounded now
-            preds = _from_logits(np.asarray(res[card.output], np.float32)[0], top_k, card, entry.name)
+            preds, msp = _from_logits(np.asarray(res[card.output], np.float32)[0], top_k, card, entry.name)
         else:
-            preds = _classes(res[card.output][0], top_k)
+            preds, msp = _classes(res[card.output][0], top_k)
     latency = round((time.perf_counter() - t0) * 1000.0, 2)
     # The documented ClassifyResponse, built as a plain dict (no per-request model validation and dump).
     body: dict = {"model": model, "predictions": preds, "latency_ms": latency}
@@ -195,7 +195,7 @@ async def classify(
     if k is not None:
         body["iters"] = k
     body["inverted"] = inverted
-    body.update(ood.fields(model_card, card, float(lam_v) if card.lam is not None else None, res))
+    body.update(ood.fields(model_card, card, float(lam_v) if card.lam is not None else None, res, msp))
     if abstain and body["in_distribution"] is False:
         body["predictions"], body["abstained"] = [], True
     return JSONResponse(body, headers={"X-Latency-Ms": str(latency), ood.HEADER: ood.header(body)})
@@ -240,17 +240,23 @@ def class_count(card: ModelCard, info) -> int | None:
     return len(card.labels) if card.labels else None
 
 
-def _from_logits(logits: np.ndarray, top_k: int, card: ModelCard, name: str) -> list[dict]:
-    """Top-k from raw logits (a model whose class axis is dynamic), labels from the card where it has them."""
+def _from_logits(logits: np.ndarray, top_k: int, card: ModelCard, name: str) -> tuple[list[dict], float]:
+    """Top-k from raw logits (a model whose class axis is dynamic), labels from the card where it has them; and one
+    minus the softmax's maximum."""
     logits = logits.reshape(-1).astype(np.float64)
     if top_k > logits.size:
         raise ApiError(422, "invalid_parameter", f"top_k: {name} has {logits.size} classes (got {top_k})")
+    labels = card.labels if card.labels and len(card.labels) == logits.size else None
+    return _top(logits, [(int(i), labels[i] if labels else str(int(i))) for i in range(logits.size)], top_k)
+
+
+def _top(logits: np.ndarray, classes: list[tuple[int, str]], top_k: int) -> tuple[list[dict], float]:
+    """The ``top_k`` classes (``(index, label)`` per logit) by softmax probability, and one minus the largest."""
     probs = np.exp(logits - logits.max())
     probs /= probs.sum()
     order = np.argsort(-probs, kind="stable")[:top_k]
-    labels = card.labels if card.labels and len(card.labels) == logits.size else None
-    return [{"label": labels[i] if labels else str(int(i)), "index": int(i), "score": round(float(probs[i]), 6)}
-            for i in order]
+    preds = [{"label": classes[i][1], "index": classes[i][0], "score": round(float(probs[i]), 6)} for i in order]
+    return preds, float(1.0 - probs.max())
 
 
 async def _auto_lam(gw: Gateway, rule: Entry, img: Image.Image, fitted: images.Fitted, fitted_for: InputCard) -> float:
@@ -267,8 +273,9 @@ async def _auto_lam(gw: Gateway, rule: Entry, img: Image.Image, fitted: images.F
     return lam
 
 
-def _classes(entries: np.ndarray, top_k: int) -> list[dict]:
-    """Parse Triton's ``score:index[:label]`` strings (all classes) → top-k with softmax probabilities."""
+def _classes(entries: np.ndarray, top_k: int) -> tuple[list[dict], float]:
+    """Parse Triton's ``score:index[:label]`` strings (all classes) → top-k with softmax probabilities, and one minus
+    the largest."""
     parsed = []
     for e in entries.reshape(-1):
         text = e.decode() if isinstance(e, bytes) else str(e)
@@ -277,8 +284,4 @@ def _classes(entries: np.ndarray, top_k: int) -> list[dict]:
             parsed.append((float(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else parts[1]))
         except (ValueError, IndexError):
             raise TritonRejected(f"unexpected classification entry from Triton: {text!r}") from None
-    logits = np.array([p[0] for p in parsed], dtype=np.float64)
-    probs = np.exp(logits - logits.max())
-    probs /= probs.sum()
-    order = np.argsort(-probs, kind="stable")[:top_k]
-    return [{"label": parsed[i][2], "index": parsed[i][1], "score": round(float(probs[i]), 6)} for i in order]
+    return _top(np.array([p[0] for p in parsed], dtype=np.float64), [(p[1], p[2]) for p in parsed], top_k)

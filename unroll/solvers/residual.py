@@ -1,7 +1,9 @@
-"""How well a model's first solver layer reconstructs what it was given: ``‖target − D·z‖ / ‖target‖`` per sample.
+"""How well a model's first solver layer reconstructs what it was given: ``‖target − D·z‖ / ‖target‖`` per sample,
+and how large a code it needed for that, ``‖z‖₁ / ‖target‖`` (:func:`solver_signals`).
 
 Each unrolled solver fits a code ``z`` to a target over a dictionary ``D``; on inputs like its training data the fit
-is typical, on others it is not (an out-of-distribution signal that costs one reconstruction, no second model):
+and the code's size are typical, on others they are not (an out-of-distribution signal that costs one
+reconstruction, no second model):
 
 - CSC (SDNet's ``DictBlock``): the residual ``x − D⊛c`` its last FISTA step computed anyway (at the iterate before
   the final code), so the score adds two norms and no convolution; a layer without steps falls back to
@@ -15,8 +17,8 @@ is typical, on others it is not (an out-of-distribution signal that costs one re
 code) with a forward hook; for the attention and NMF layers, whose codes stay inside their ``forward``, the codes
 are recomputed from that input with the layer's own solver (deterministic in eval: the same numbers). The CSC and
 VARS layers instead keep ``(target, target − D·z)`` for one forward when asked (``keep_residual``): the graph then
-adds only the norms. Nothing here changes a layer's output. :func:`reconstruct` is ``D·z`` for the layers that
-keep nothing.
+adds only the norms (VARS keeps its codes too). Nothing here changes a layer's output. :func:`reconstruct` is
+``D·z`` for the layers that keep nothing.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class Fit:
     #: ``target − D·z`` where the layer computed it already (``keep_residual``; CSC: its last step's, at the iterate
     #: before its output). ``dictionary`` and ``code`` are then not needed (VARS: not recomputed, ``None``).
     difference: Tensor | None = None
+    #: The solver keeps its codes ≥ 0 (CSC's nonnegative shrinkage, NMF): their L1 norm is their sum.
+    nonnegative: bool = False
 
 
 def first_solver(model: nn.Module) -> nn.Module | None:
@@ -57,9 +61,9 @@ def first_solver(model: nn.Module) -> nn.Module | None:
 @torch.no_grad()
 def _fit(layer: nn.Module, x: Tensor, out: Tensor, kept: tuple[Tensor, Tensor] | None = None) -> Fit:
     if isinstance(layer, DictBlock):
-        return Fit("csc", x, layer.weight, out, layer, None if kept is None else kept[1])
+        return Fit("csc", x, layer.weight, out, layer, None if kept is None else kept[1], nonnegative=True)
     if isinstance(layer, VARSAttention) and kept is not None:
-        return Fit("vars", kept[0], None, None, layer, kept[1])
+        return Fit("vars", kept[0], None, kept[2], layer, kept[1])
     if isinstance(layer, VARSAttention):
         qv = layer.qkv(x).unflatten(-1, (2, layer.num_heads, layer.head_dim)).permute(2, 0, 3, 1, 4)
         q, v = qv[0], qv[1]
@@ -73,7 +77,7 @@ def _fit(layer: nn.Module, x: Tensor, out: Tensor, kept: tuple[Tensor, Tensor] |
         return Fit("dic", x, layer.dictionary, phi, layer)
     X = torch.relu(x.flatten(2))
     bases, coef = layer.decompose(x)
-    return Fit("nmf", X, bases, coef, layer)
+    return Fit("nmf", X, bases, coef, layer, nonnegative=True)
 
 
 def reconstruct(fit: Fit) -> Tensor:
@@ -93,28 +97,37 @@ def reconstruct(fit: Fit) -> Tensor:
 TINY = 1e-12
 
 
-def relative_residual(fit: Fit) -> Tensor:
-    """``‖target − D·z‖ / ‖target‖`` per sample ``[B]`` (a zero target counts as fully unexplained: 1). Written
-    without a comparison (``zero`` is 1 for a zero norm, 0 from :data:`TINY` up), so the exported graph stays free of
-    the branch ops TensorRT's lint and the fused-shrinkage check look for."""
+def solver_signals(fit: Fit) -> Tensor:
+    """``[B, 2]``: per sample ``‖target − D·z‖ / ‖target‖`` and ``‖z‖₁ / ‖target‖`` (:data:`unroll.card.SOLVER_SIGNALS`;
+    a zero target counts as fully unexplained: both 1). Few graph nodes, since each costs a served request about a
+    microsecond whatever its size: reductions over all but the batch axis kept as ``[B, 1, …]`` and joined, one
+    division, and no comparison (``+ TINY`` on both sides makes a zero target 1 and changes no other value in float32;
+    the exported graph stays free of the branch ops TensorRT's lint and the fused-shrinkage check look for)."""
     difference = fit.target - reconstruct(fit) if fit.difference is None else fit.difference
-    diff = difference.flatten(1).norm(dim=1)
-    norm = fit.target.flatten(1).norm(dim=1)
-    zero = 1.0 - (norm / TINY).clamp(max=1.0)
-    return diff / norm.clamp_min(TINY) * (1.0 - zero) + zero
+    axes = tuple(range(1, fit.target.dim()))
+    code = fit.code if fit.nonnegative else fit.code.abs()
+    sizes = torch.cat([torch.linalg.vector_norm(difference, dim=axes, keepdim=True),
+                       code.sum(dim=axes, keepdim=True)], dim=1)
+    return ((sizes + TINY) / (torch.linalg.vector_norm(fit.target, dim=axes, keepdim=True) + TINY)).flatten(1)
+
+
+def relative_residual(fit: Fit) -> Tensor:
+    """``‖target − D·z‖ / ‖target‖`` per sample ``[B]`` (:func:`solver_signals`' first column)."""
+    return solver_signals(fit)[:, 0]
 
 
 class WithResidual(nn.Module):
-    """``module``'s output and its first solver layer's relative residual per sample (``card.ood``): what the
-    exported graph's two outputs are, and what the AOTInductor package and the torch runtime run."""
+    """``module``'s output and, per sample, its first solver layer's relative residual and code size as one ``[B, 2]``
+    tensor (``card.ood``, columns :data:`unroll.card.SOLVER_SIGNALS`): what the exported graph's two outputs are, and
+    what the AOTInductor package and the torch runtime run."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
 
     def forward(self, *inputs: Tensor) -> tuple[Tensor, Tensor]:
-        y, r, _ = forward_with_residual(self.module, *inputs)
-        return y, r
+        y, _, fit = forward_with_residual(self.module, *inputs)  # (its residual alone: dead code in the graph)
+        return y, solver_signals(fit)
 
 
 @torch.no_grad()

@@ -113,10 +113,11 @@ class VARSAttention(nn.Module):
     ``use_mask`` declares the official (unused by VARS's forward) ``att_mask`` of the ``-plus`` RVT variants.
     """
 
-    #: Set by :func:`unroll.solvers.residual.forward_with_residual` around one forward: keep ``(v, v − D·codes)``
-    #: (the values and what the sparse reconstruction, computed anyway, leaves of them) in :attr:`solver_residual`.
+    #: Set by :func:`unroll.solvers.residual.forward_with_residual` around one forward: keep ``(v, v − D·codes,
+    #: codes)`` (the values, what the sparse reconstruction, computed anyway, leaves of them, and the codes) in
+    #: :attr:`solver_residual`.
     keep_residual: bool = False
-    solver_residual: tuple[Tensor, Tensor] | None = None
+    solver_residual: tuple[Tensor, Tensor, Tensor] | None = None
 
     def __init__(self, dim: int, num_heads: int = 8, mode: Mode = "d", num_tokens: int = 196, lam: float = 0.3,
                  num_step: int = 5, rand_feat_dim_ratio: int = 2, qkv_bias: bool = True, shrink: Shrink = "gelu",
@@ -165,7 +166,7 @@ class VARSAttention(nn.Module):
                            self.learned_k, self.learned_L, nonneg=self.mode == "d")  # random features are > 0
         recon = D @ codes
         if self.keep_residual:
-            self.solver_residual = (v, v - recon)
+            self.solver_residual = (v, v - recon, codes)
         return self.proj(recon.transpose(1, 2).flatten(2))
 
 

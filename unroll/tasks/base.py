@@ -67,7 +67,7 @@ class Task:
 
     name: str
     description: str
-    #: Default gate tolerances per precision (metric → tolerance; units in ``unroll.export.gates``).
+    #: Default gate tolerances per precision (metric → tolerance; units in ``unroll.gates``).
     gates: dict[str, dict[str, float]]
     #: Gate metrics the task produces besides ``rel_err`` (which every task has).
     metrics: tuple[str, ...] = ()

@@ -1,4 +1,5 @@
-"""The one accuracy gate: held-out data, metrics, tolerances and their units, used by quantize and build.
+"""The one accuracy gate: held-out data, metrics, tolerances and their units, used by quantize and build (export)
+and by the ``torch`` runtime's FP16/BF16 gate at load (serving): the core, since both stages use it.
 
 A candidate (an FP16/INT8 ONNX in ONNX Runtime, or a TensorRT engine) is compared with the reference (the verified
 FP32 ONNX in ONNX Runtime) on real held-out data the model card names: its gate split (validation) and its stress
@@ -124,21 +125,17 @@ def role_dataset(card: ModelCard, role: str) -> data.Dataset:
 
 def fit_to_card(card: ModelCard, x: np.ndarray) -> np.ndarray:
     """``[N, C, H, W]`` images fitted to the card's input: resized to a fixed H×W, channels matched."""
-    from unroll.export.inputs import fit_images  # local: torch (quantize and build use these gates without it)
-
     shape = card.input.shape
     if len(shape) != 3:
         raise CardError(f"{card.name}: images cannot feed an input of shape {list(shape)} "
                          "(card.input.shape is not [C, H, W])")
     c, h, w = shape
     target = (c, h if h > 0 else x.shape[2], w if w > 0 else x.shape[3])
-    return fit_images(x, target).numpy()
+    return data.fit_images(x, target).numpy()
 
 
 def feature_inputs(card: ModelCard) -> np.ndarray:
     """A feature/token block's example inputs: patches of the bundled photos, ``[3, *card.input.shape]``."""
-    from unroll.export.inputs import photo_features  # local: torch (see fit_to_card)
-
     shape = list(card.input.shape)
     for axis, n in enumerate(shape):
         if n < 0:
@@ -152,7 +149,7 @@ def feature_inputs(card: ModelCard) -> np.ndarray:
         raise CardError(f"{card.name}: no example inputs for a feature input of shape {list(card.input.shape)}; "
                          f"give the card a dataset ({card.field_hint('data', 'test', value='<dataset id>')}) "
                          "and an image input")
-    x = photo_features(tuple(shape)).numpy()
+    x = data.photo_features(tuple(shape)).numpy()
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
