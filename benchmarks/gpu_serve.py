@@ -1,15 +1,16 @@
 """The GPU serving check (issue 37): ``unroll serve --target gpu`` on a CUDA machine — the real tritonserver running
 each model's PyTorch module on the GPU, and the gateway — measured from outside, as a client sees it.
 
-Per workload (``sdnet-mnist`` digits; ``csc-denoiser`` photos at 256² and 512², σ=25) and per path — Triton direct
-with binary tensors, Triton direct with the encoded image (``image_bytes``), the gateway (PNG) — it runs closed-loop
-levels (:mod:`~unroll.benchmarks.gpu_serve_load`): concurrency 1 (p50/p99) and 64 and 256 in flight (throughput).
-Per level: the batch sizes Triton formed (its statistics extension), the GPU's utilisation (NVML, sampled), CPU ms per
-request of each of the service's processes (gateway, tritonserver, backend stubs; ``/proc``) and of the client.
-Beside them: the same model in-process on the same device at batch 1 and at the batch Triton formed (eager, and a
-CUDA graph's replay on a GPU), and the parity gate: the card's gate data through Triton within the card's FP32
-tolerance of the CPU FP32 model (:mod:`~unroll.benchmarks.gpu_check_run`). ``rvt-tiny-vars-d`` has no committed
-weights, so the torch runtime does not serve it: on a GPU its module (random weights) is timed in-process at 224².
+Per workload (the demo classifier's digits; the demo denoiser's photos at 256² and 512², σ=25) and per path — Triton
+direct with binary tensors, Triton direct with the encoded image (``image_bytes``), the gateway (PNG) — it runs
+closed-loop levels (:mod:`~unroll.benchmarks.gpu_serve_load`): concurrency 1 (p50/p99) and 64 and 256 in flight
+(throughput). Per level: the batch sizes Triton formed (its statistics extension), the GPU's utilisation (NVML,
+sampled), CPU ms per request of each of the service's processes (gateway, tritonserver, backend stubs; ``/proc``) and
+of the client. Beside them: the same model in-process on the same device at batch 1 and at the batch Triton formed
+(eager, and a CUDA graph's replay on a GPU), and the parity gate: the card's gate data through Triton within the
+card's FP32 tolerance of the CPU FP32 model (:mod:`~unroll.benchmarks.gpu_check_run`). ``--timed-only NAME:SIDE`` adds
+a model that has no committed weights, which the torch runtime therefore does not serve: on a GPU its module (random
+weights) is timed in-process at SIDE² (the script names the VARS RVT at 224²).
 
 Without CUDA it says why and writes nothing. ``--device cpu`` runs the same check with ``unroll serve --target cpu``
 (the card's CPU runtime through the same real tritonserver and gateway): the tests' dry run. Usage:
@@ -31,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from unroll import artifacts
-from unroll.benchmarks.common import RESULTS, latency_summary
+from unroll import artifacts, tasks
+from unroll.benchmarks.common import RESULTS, demo_model, latency_summary
 from unroll.benchmarks.gpu_check_device import cuda_unavailable, machine
 from unroll.benchmarks.gpu_serve_load import Request, ceiling, default_processes, drive
 from unroll.benchmarks.gpu_serve_report import STEM, write
@@ -49,12 +50,16 @@ from unroll.benchmarks.soak import ServeProcess, start_serve, stop_serve
 from unroll.errors import BenchError
 from unroll.serving.triton import free_ports
 
-MODELS = ("sdnet-mnist", "csc-denoiser")
 LEVELS, QUICK_LEVELS = (1, 64, 256), (1, 8)
 PATHS = ("triton-tensors", "triton-image", "gateway")
 #: Seconds: warm-up and measured time per level (full, quick).
 TIMING = {False: (1.0, 3.0), True: (0.3, 0.8)}
 READY_TIMEOUT_S = 360.0
+
+
+def default_models() -> tuple[str, ...]:
+    """The demo classifier and the demo denoiser (the first trained model of each task)."""
+    return demo_model(tasks.CLASSIFICATION), demo_model(tasks.DENOISING)
 
 
 class GpuSampler:
@@ -119,8 +124,10 @@ def _level(svc: ServeProcess, triton: TritonHttp, sampler: GpuSampler, model: st
 
 def run_check(out: Path, device: str = "cuda", quick: bool = False, onnx_dir: Path = artifacts.ONNX_DIR,
               workers: int | None = None, client_procs: int | None = None,
-              models: tuple[str, ...] = MODELS) -> dict | None:
-    """Serve, measure, stop; the results (also written to ``out``), or ``None`` (nothing written) without CUDA."""
+              models: tuple[str, ...] | None = None, timed_only: tuple[str, int] | None = None) -> dict | None:
+    """Serve ``models`` (default :func:`default_models`), measure, stop; the results (also written to ``out``), or
+    ``None`` (nothing written) without CUDA. ``timed_only``: (a model without weights, its side), timed in-process."""
+    models = models or default_models()
     if device == "cuda" and (why := cuda_unavailable()):
         print(f"gpu_serve: skipped, no CUDA GPU here: {why}. Nothing written.")
         return None
@@ -177,8 +184,8 @@ def run_check(out: Path, device: str = "cuda", quick: bool = False, onnx_dir: Pa
             parity += parity_rows(triton, models, quick)
         finally:
             stop_serve(svc)
-    if device == "cuda" and not quick:
-        inproc += inprocess_times(None, device, 1, quick)  # rvt-tiny-vars-d: not served (no weights), timed alone
+    if device == "cuda" and not quick and timed_only is not None:
+        inproc += inprocess_times(None, device, 1, quick, timed_only)  # not served (no weights): timed alone
     result["complete"] = True
     save()
     print(f"gpu_serve: wrote {out / (STEM + '.json')} and {out / (STEM + '.md')} in {result['elapsed_s']:.0f} s")
@@ -198,12 +205,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--onnx-dir", type=Path, default=artifacts.ONNX_DIR, help="the exported graphs to serve")
     p.add_argument("--workers", type=int, default=None, help="gateway workers (default: a quarter of the cores)")
     p.add_argument("--client-procs", type=int, default=None, help="load-client processes (default: by level)")
-    p.add_argument("--models", default=",".join(MODELS), help="served models (default: %(default)s)")
+    p.add_argument("--models", default=",".join(default_models()), help="served models (default: %(default)s)")
+    p.add_argument("--timed-only", default=None, metavar="NAME:SIDE",
+                   help="a model without committed weights to time in-process only, at SIDE×SIDE (on a GPU)")
     a = p.parse_args(argv)
+    timed_only = None
+    if a.timed_only:
+        name, _, side = a.timed_only.partition(":")
+        if not side.isdigit():
+            p.error(f"--timed-only {a.timed_only!r}: expected NAME:SIDE, e.g. a model name and 224")
+        timed_only = (name, int(side))
     signal.signal(signal.SIGTERM, _stop)  # a time limit's SIGTERM still stops the service (finally-blocks run)
     try:
         run_check(a.out, a.device, a.quick, a.onnx_dir, a.workers, a.client_procs,
-                  tuple(m for m in a.models.split(",") if m))
+                  tuple(m for m in a.models.split(",") if m), timed_only)
     except BenchError as e:
         print(f"gpu_serve: {e}", file=sys.stderr)
         return 1

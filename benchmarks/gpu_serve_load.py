@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,8 @@ class LevelResult:
     client_cpu_s: float
     processes: int
     concurrency: int
+    #: Each client process's measured window (wall-clock start, end): the processes ran together where they overlap.
+    windows: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def requests(self) -> int:
@@ -126,9 +129,10 @@ async def _run(spec: dict) -> dict:
     wall0 = time.time()
     await runner
     out["cpu_s"] = time.process_time() - cpu0
-    out["elapsed_s"] = max(time.time(), deadline) - max(wall0, start_at)
+    end = time.time()
+    out["elapsed_s"] = max(end, deadline) - max(wall0, start_at)
     return {"lat": out["lat"], "errors": out["errors"], "samples": out["samples"], "cpu_s": out["cpu_s"],
-            "elapsed_s": out["elapsed_s"]}
+            "elapsed_s": out["elapsed_s"], "window": [max(wall0, start_at), end]}
 
 
 def client_main() -> int:
@@ -143,7 +147,12 @@ def client_main() -> int:
         loop = "asyncio"
     result = asyncio.run(_run(spec))
     result["loop"] = loop
-    sys.stdout.write(json.dumps(result))
+    # Plain writes to the pipe: after uvloop's loop, a result larger than the pipe (64 KiB) written through
+    # sys.stdout was cut off at 64 KiB whenever the parent read late (seen on a loaded machine; reproduced with a
+    # parent that reads after a pause), while os.write delivers it all.
+    view = memoryview(json.dumps(result).encode())
+    while view:
+        view = view[os.write(sys.stdout.fileno(), view):]
     return 0
 
 
@@ -164,8 +173,10 @@ def drive(host: str, port: int, requests: list[Request], concurrency: int, durat
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         procs.append((p, json.dumps(spec)))
     results = []
-    for p, spec in procs:
-        out, err = p.communicate(spec, timeout=duration_s + warmup_s + 300)
+    # every process gets its spec at once (one after another, each would start when the one before had ended)
+    with ThreadPoolExecutor(len(procs)) as pool:
+        answers = list(pool.map(lambda ps: ps[0].communicate(ps[1], timeout=duration_s + warmup_s + 300), procs))
+    for (p, _), (out, err) in zip(procs, answers, strict=True):
         if p.returncode != 0:
             raise RuntimeError(f"load client exited {p.returncode}: {err.strip()[-400:]}")
         results.append(json.loads(out))
@@ -173,7 +184,7 @@ def drive(host: str, port: int, requests: list[Request], concurrency: int, durat
         latencies_ms=[x for r in results for x in r["lat"]], errors=sum(r["errors"] for r in results),
         error_samples=[s for r in results for s in r["samples"]][:MAX_ERROR_SAMPLES],
         elapsed_s=max(r["elapsed_s"] for r in results), client_cpu_s=sum(r["cpu_s"] for r in results),
-        processes=processes, concurrency=concurrency)
+        processes=processes, concurrency=concurrency, windows=[tuple(r["window"]) for r in results])
 
 
 def _serve_nothing(port: int, seconds: float) -> int:

@@ -45,8 +45,6 @@ PY = "3.12"
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64",
              "manylinux_2_35_x86_64")
-#: The models the check serves (each with its companions, as ``unroll serve`` serves them).
-SERVED = ("sdnet-mnist", "csc-denoiser")
 #: Distributions (pip names) that must travel: the gateway, the Triton client protocol pieces it and ``unroll repo``
 #: use, the CLI, MNIST's test digits. Versions: whatever is installed here.
 WHEELS = (
@@ -247,9 +245,12 @@ def pack_graphs(models: list[str], out: Path, export: bool = True) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from unroll.benchmarks.gpu_serve import default_models
+
     p = argparse.ArgumentParser(prog="scripts/gpu_serve_pack.sh", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=PACK, help="pack folder (default: .gpu_pack, git-ignored)")
-    p.add_argument("--models", default=",".join(SERVED), help="served models (their companions come along)")
+    p.add_argument("--models", default=",".join(default_models()),
+                   help="served models (default: the check's, %(default)s; their companions come along)")
     p.add_argument("--no-optional", action="store_true", help=f"leave out {', '.join(OPTIONAL_WHEELS)}")
     p.add_argument("--account-only", action="store_true", help="print the size table of the pack as it is")
     p.add_argument("--no-export", action="store_true",

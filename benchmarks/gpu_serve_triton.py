@@ -29,8 +29,6 @@ from unroll.serving.triton import RESTRICTED_HEADER
 
 DTYPES = {np.dtype(np.float32): "FP32", np.dtype(np.uint8): "UINT8", np.dtype(np.int32): "INT32"}
 NP = {v: k for k, v in DTYPES.items()}
-#: A model registered without weights, timed in-process only (the torch runtime serves committed weights only).
-UNSERVED = ("rvt-tiny-vars-d", 224)
 CLASSIFY_SAMPLES, QUICK_CLASSIFY_SAMPLES, DENOISE_IMAGES = 64, 16, 2
 
 
@@ -156,13 +154,16 @@ def _cuda_graph(module: Any, args: list[Any]) -> Any:
     return graph.replay
 
 
-def inprocess_times(w: Workload | None, device: str, batch: int, quick: bool) -> list[dict]:
+def inprocess_times(w: Workload | None, device: str, batch: int, quick: bool,
+                    timed_only: tuple[str, int] | None = None) -> list[dict]:
     """The same model in this process on ``device`` at batch 1 and ``batch`` (eager; on CUDA also a CUDA graph's
-    replay); ``w=None``: :data:`UNSERVED` with random weights at batch 1."""
+    replay); ``w=None``: ``timed_only``'s model (a model registered without weights, which the torch runtime serves
+    not) with random weights at batch 1, at its side."""
     import torch
 
     if w is None:
-        name, side = UNSERVED
+        assert timed_only is not None
+        name, side = timed_only
         card = get_spec(name).card
         model = unroll.load(name, pretrained=False)
         feeds = {card.input.name: np.random.default_rng(0).random((1, card.input.shape[0], side, side), np.float32)}

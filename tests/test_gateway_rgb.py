@@ -146,8 +146,9 @@ def test_top_k_is_bounded_by_the_real_class_count() -> None:
     info.outputs["logits"] = SimpleNamespace(shape=(-1, -1))
     assert class_count(card, info) == 3
     assert class_count(card.model_copy(update={"labels": None}), info) is None
-    preds = _from_logits(np.array([[0.0, 2.0, 1.0]], np.float32), 2, card, "m")
+    preds, msp = _from_logits(np.array([[0.0, 2.0, 1.0]], np.float32), 2, card, "m")
     assert [(p["label"], p["index"]) for p in preds] == [("b", 1), ("c", 2)]
+    assert msp == pytest.approx(1 - np.exp(2) / np.exp([0.0, 2.0, 1.0]).sum())  # one minus the softmax's maximum
     with pytest.raises(ApiError) as e:
         _from_logits(np.zeros((1, 3), np.float32), 4, card, "m")
     assert e.value.status == 422 and "3 classes" in e.value.message

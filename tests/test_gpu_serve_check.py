@@ -76,6 +76,8 @@ def test_the_load_generator_holds_many_requests_in_flight_and_reports_its_own_cp
     r = ceiling(free_ports(1)[0], concurrency=64, processes=2, duration_s=0.5)
     assert r.errors == 0 and r.requests > 64 and r.processes == 2 and r.concurrency == 64
     assert r.throughput > 0 and 0 < r.client_cpu_share <= 1.5
+    starts, ends = zip(*r.windows, strict=True)
+    assert len(r.windows) == 2 and max(starts) < min(ends), r.windows  # the two processes measured together
 
 
 def test_size_accounting_flags_a_call_over_64_mib(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from unroll import ood_sets, registry
 from unroll.benchmarks import ood, ood_served, serve_ab
 from unroll.benchmarks.common import RESULTS
 from unroll.solvers.csc import output_padding
-from unroll.solvers.residual import WithResidual, _fit, first_solver, forward_with_residual
+from unroll.solvers.residual import WithResidual, _fit, first_solver, forward_with_residual, reconstruct
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,15 +58,16 @@ def test_the_residual_leaves_the_output_alone_and_is_the_layers_reconstruction_e
     assert both.shape == (4, 2)
     torch.testing.assert_close(both[:, 0], r)
     torch.testing.assert_close(both[:, 1], fit.code.abs().flatten(1).sum(1) / fit.target.flatten(1).norm(dim=1))
-    if kind == "VARSAttention":  # the codes the attention kept are those its solver gives again from its input
+    if kind in ("VARSAttention", "NMFHam"):  # what the layer kept is what its solver gives again from its input
         seen = []
         handle = fit.layer.register_forward_hook(lambda _, inputs, out: seen.append((inputs[0], out)))
         with torch.no_grad():
             model(x)
         handle.remove()
         again = _fit(fit.layer, *seen[0])
-        assert again.difference is None  # recomputed, not kept
+        assert again.difference is None and fit.difference is not None  # recomputed, not kept
         torch.testing.assert_close(fit.code, again.code)
+        torch.testing.assert_close(fit.difference, again.target - reconstruct(again))
     if kind == "DictBlock":  # by hand: the input minus the reconstruction of the iterate one step before the code
         layer = copy.deepcopy(fit.layer)
         layer.n_steps -= 1

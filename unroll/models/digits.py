@@ -138,13 +138,14 @@ def digit_cnn(**kw: Any) -> DigitCNN:
 
 _register("vars-vit-mnist", digit_vit, "RVT-style digit ViT (49 tokens, 3 blocks, 64 wide) with the official VARS-D "
           "attention (3 learned ISTA steps, trained demo)", {"attention": "vars-d"}, served=(1, 2, 3, 5),
-          ood=True)  # the first attention's sparse reconstruction; Dic-Attn's and the NMF's do not separate (ood.md)
+          ood=True)  # the first attention's sparse reconstruction (Dic-Attn's separates less than its softmax: ood.md)
 _register("dic-vit-mnist", digit_vit, "RVT-style digit ViT (49 tokens, 3 blocks, 64 wide) with Dic-Attn (3 elastic-net "
           "ISTA steps over 96 atoms, trained demo)", {"attention": "dic"}, served=(1, 2, 3, 5))
 _register("vit-mnist", digit_vit, "RVT-style digit ViT (49 tokens, 3 blocks, 64 wide) with softmax attention: the "
           "transformer baseline (trained demo)", {"attention": "softmax"})
 _register("ham-cnn-mnist", digit_cnn, "residual digit CNN with a Hamburger block (NMF rank 8, 6 updates, seeded "
-          "bases) on its 7×7 map (trained demo)", {"ham": True}, served=(2, 4, 6, 10))
+          "bases) on its 7×7 map (trained demo)", {"ham": True}, served=(2, 4, 6, 10),
+          ood=True)  # the NMF's residual and coefficients' size (ood.md)
 _register("cnn-mnist", digit_cnn, "residual digit CNN: the convolutional baseline (trained demo)", {"ham": False})
 
 __all__ = ["DigitCNN", "DigitViT", "parameter_count"]

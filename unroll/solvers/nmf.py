@@ -185,9 +185,19 @@ class NMFHam(nn.Module):
         coef = nmf_coef_step(X, final, coef)
         return final, coef
 
+    #: Set by :func:`unroll.solvers.residual.forward_with_residual` around one forward: keep ``(X, X − bases·coefᵀ,
+    #: coef)`` (the factorised ``relu(x)``, what the factors leave of it, the coefficients) in
+    #: :attr:`solver_residual`, so the residual needs no second factorisation.
+    keep_residual: bool = False
+    solver_residual: tuple[Tensor, Tensor, Tensor] | None = None
+
     def forward(self, x: Tensor, bases: Tensor | None = None) -> Tensor:
         final, coef = self.decompose(x, bases)
-        return (final @ coef.transpose(-1, -2)).reshape(x.shape)
+        recon = final @ coef.transpose(-1, -2)
+        if self.keep_residual:
+            X = torch.relu(x.flatten(2))
+            self.solver_residual = (X, X - recon, coef)
+        return recon.reshape(x.shape)
 
     @torch.no_grad()
     def warm_up(self, batches: list[Tensor], eta: float = ETA) -> Tensor:

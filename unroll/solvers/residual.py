@@ -15,9 +15,9 @@ reconstruction, no second model):
 
 :func:`forward_with_residual` runs the model once, catching the first solver layer's input (and the CSC layer's
 code) with a forward hook; for the attention and NMF layers, whose codes stay inside their ``forward``, the codes
-are recomputed from that input with the layer's own solver (deterministic in eval: the same numbers). The CSC and
-VARS layers instead keep ``(target, target − D·z)`` for one forward when asked (``keep_residual``): the graph then
-adds only the norms (VARS keeps its codes too). Nothing here changes a layer's output. :func:`reconstruct` is
+are recomputed from that input with the layer's own solver (deterministic in eval: the same numbers). The CSC, VARS
+and NMF layers instead keep ``(target, target − D·z)`` for one forward when asked (``keep_residual``): the graph then
+adds only the norms (VARS and NMF keep their codes too). Nothing here changes a layer's output. :func:`reconstruct` is
 ``D·z`` for the layers that keep nothing.
 """
 
@@ -75,6 +75,8 @@ def _fit(layer: nn.Module, x: Tensor, out: Tensor, kept: tuple[Tensor, Tensor] |
     if isinstance(layer, DicAttention):
         phi = elastic_net_codes(layer.dictionary, x, layer.beta, layer.mu, layer.n_steps, layer.lipschitz)
         return Fit("dic", x, layer.dictionary, phi, layer)
+    if kept is not None:
+        return Fit("nmf", kept[0], None, kept[2], layer, kept[1], nonnegative=True)
     X = torch.relu(x.flatten(2))
     bases, coef = layer.decompose(x)
     return Fit("nmf", X, bases, coef, layer, nonnegative=True)
