@@ -71,7 +71,7 @@ TRITON_FILES = (
     "pytriton/tritonserver/bin/tritonserver",
     "pytriton/tritonserver/backends/python/libtriton_python.so",
     "pytriton/tritonserver/backends/python/triton_python_backend_utils.py",
-    f"pytriton/tritonserver/python_backend_stubs/{PY}/triton_python_backend_stub",
+    "pytriton/tritonserver/python_backend_stubs/{py}/triton_python_backend_stub",
     "pytriton/tritonserver/caches/local/libtritoncache_local.so",
 )
 LIBS = "nvidia_pytriton.libs"
@@ -158,12 +158,14 @@ def library_closure(site: Path, roots: list[Path]) -> tuple[list[str], list[str]
     return sorted(own), sorted(system)
 
 
-def pack_triton(site: Path, out: Path) -> dict:
-    """``out`` (tar.xz): :data:`TRITON_FILES` and the libraries they reach, in the wheel's layout."""
-    files = [site / f for f in TRITON_FILES]
+def pack_triton(site: Path, out: Path, py: str = PY) -> dict:
+    """``out`` (tar.xz): :data:`TRITON_FILES` (the stub of Python ``py``) and the libraries they reach, in the
+    wheel's layout."""
+    names = [f.format(py=py) for f in TRITON_FILES]
+    files = [site / f for f in names]
     missing = [str(f) for f in files if not f.exists()]
     if missing:
-        raise SystemExit(f"gpu_serve_pack: the pytriton wheel here lacks {missing} (a Python {PY} stub is needed)")
+        raise SystemExit(f"gpu_serve_pack: the pytriton wheel here lacks {missing} (a Python {py} stub is needed)")
     own, system = library_closure(site, [f for f in files if f.suffix != ".py"])
     with tarfile.open(out, "w:xz", preset=9 | lzma.PRESET_EXTREME) as tar:
         info = tarfile.TarInfo("pytriton/__init__.py")  # a package for find_spec; pytriton's own would import more
@@ -172,7 +174,7 @@ def pack_triton(site: Path, out: Path) -> dict:
         for f in files + [site / LIBS / n for n in own]:
             tar.add(f, arcname=str(f.relative_to(site)))
     left_out = sorted({p.name for p in (site / LIBS).iterdir()} - set(own))
-    return {"files": list(TRITON_FILES), "libraries": own, "system_libraries": system,
+    return {"files": names, "libraries": own, "system_libraries": system,
             "libraries_not_needed": left_out, "version": metadata.version("nvidia-pytriton"),
             "unpacked_bytes": sum(f.stat().st_size for f in files) + sum((site / LIBS / n).stat().st_size
                                                                          for n in own)}
@@ -181,7 +183,7 @@ def pack_triton(site: Path, out: Path) -> dict:
 # ----------------------------------------------------------------------------------------------- wheels and graphs
 
 
-def download_wheel(dist: str, dest: Path) -> Path:
+def download_wheel(dist: str, dest: Path, py: str = PY) -> Path:
     """The cp312 manylinux wheel of ``dist`` at the version installed here, into ``dest`` (reused when there)."""
     version = metadata.version(dist)
     norm = re.sub(r"[-_.]+", "_", dist).lower()
@@ -189,13 +191,13 @@ def download_wheel(dist: str, dest: Path) -> Path:
         name, ver = w.name.split("-")[:2]
         if name.lower() == norm and ver == version:
             return w
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", PY,
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", py,
            "--implementation", "cp", *(a for p in PLATFORMS for a in ("--platform", p)), "-d", str(dest),
            f"{dist}=={version}"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     got = [w for w in dest.glob("*.whl") if w.name.split("-")[0].lower() == norm and w.name.split("-")[1] == version]
     if r.returncode != 0 or not got:
-        raise SystemExit(f"gpu_serve_pack: could not download {dist}=={version} for CPython {PY} "
+        raise SystemExit(f"gpu_serve_pack: could not download {dist}=={version} for CPython {py} "
                          f"(pip: {(r.stderr or r.stdout).strip().splitlines()[-1:] or r.returncode})")
     return got[0]
 
@@ -251,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=PACK, help="pack folder (default: .gpu_pack, git-ignored)")
     p.add_argument("--models", default=",".join(default_models()),
                    help="served models (default: the check's, %(default)s; their companions come along)")
+    p.add_argument("--python", default=PY, help="the GPU machine's Python (its stub and wheels; default %(default)s; "
+                   "another only for a dry run of the set-up on a machine with that Python)")
     p.add_argument("--no-optional", action="store_true", help=f"leave out {', '.join(OPTIONAL_WHEELS)}")
     p.add_argument("--account-only", action="store_true", help="print the size table of the pack as it is")
     p.add_argument("--no-export", action="store_true",
@@ -262,25 +266,25 @@ def main(argv: list[str] | None = None) -> int:
         if out.exists():
             shutil.rmtree(out)
         (out / "wheels").mkdir(parents=True)
-        manifest: dict = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "python": PY}
-        print(f"==> tritonserver from nvidia-pytriton (Python {PY} stub) → {out / 'triton.tar.xz'}", flush=True)
-        manifest["triton"] = pack_triton(site_packages(), out / "triton.tar.xz")
+        manifest: dict = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "python": a.python}
+        print(f"==> tritonserver from nvidia-pytriton (Python {a.python} stub) → {out / 'triton.tar.xz'}", flush=True)
+        manifest["triton"] = pack_triton(site_packages(), out / "triton.tar.xz", a.python)
         print(f"==> exported graphs of {a.models} → {out / 'onnx.tar.xz'}", flush=True)
         manifest["graphs"] = pack_graphs([m for m in a.models.split(",") if m], out / "onnx.tar.xz",
                                          export=not a.no_export)
-        cache = ROOT / ".whl-cache"  # downloads kept between packs (git-ignored like the pack)
-        cache.mkdir(exist_ok=True)
-        print(f"==> {len(WHEELS)} wheels for CPython {PY} → {out / 'wheels'}", flush=True)
+        cache = ROOT / ".whl-cache" / a.python  # downloads kept between packs (git-ignored like the pack)
+        cache.mkdir(parents=True, exist_ok=True)
+        print(f"==> {len(WHEELS)} wheels for CPython {a.python} → {out / 'wheels'}", flush=True)
         wheels = {}
         for dist in WHEELS:
-            w = download_wheel(dist, cache)
+            w = download_wheel(dist, cache, a.python)
             shutil.copy2(w, out / "wheels" / w.name)
             wheels[dist] = w.name
         base = sent_bytes(ROOT)
         left_out = {}
         for dist in () if a.no_optional else OPTIONAL_WHEELS:
             try:
-                w = download_wheel(dist, cache)
+                w = download_wheel(dist, cache, a.python)
             except SystemExit as e:
                 left_out[dist] = str(e)
                 continue
