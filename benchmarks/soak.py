@@ -153,18 +153,19 @@ def start_serve(root: Path, models: list[str], log: Callable[[str], None],
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     s = ServeProcess(proc, f"http://127.0.0.1:{port}", repo, onnx_dir or root / "onnx", (http, grpc, metrics),
                      (spare[0], spare[1], spare[2]) if standby else None)
-    ready = threading.Event()
+    ready, announced = threading.Event(), threading.Event()
 
     def pump() -> None:
         for line in proc.stdout:
             s.output.append(line)
             if "unroll gateway ready" in line:
+                announced.set()
                 ready.set()
-        ready.set()
+        ready.set()  # its output ended: it exited (or is exiting) without being ready
 
     threading.Thread(target=pump, daemon=True).start()
     log("starting unroll serve (exports and repository on first run)")
-    if not ready.wait(ready_timeout_s) or proc.poll() is not None:
+    if not ready.wait(ready_timeout_s) or not announced.is_set() or proc.poll() is not None:
         stop_serve(s)
         raise BenchError("unroll serve did not become ready:\n" + "".join(s.output)[-4000:])
     s.record()

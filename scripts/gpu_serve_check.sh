@@ -14,6 +14,11 @@
 #
 # Usage: scripts/gpu_serve_check.sh [--out DIR] [--device cpu] [--quick] [--workers N] [--client-procs N] [...]
 #        (`--help` lists the options; --device cpu runs the same check on `unroll serve --target cpu`: the tests' dry run)
+# A dry run of the set-up on this machine (done before the first GPU run; it found a missing wheel): a pack for this
+# machine's Python (`scripts/gpu_serve_pack.sh --python 3.11 --out /tmp/pack311`), a bare virtualenv holding only what
+# the lent machine has (its KINDS.md list: torch, numpy, onnxruntime, Pillow, httpx, uvloop, grpcio, scikit-image,
+# scikit-learn ...; openvino too, since --device cpu serves the cards' CPU runtimes), then from a fresh clone
+# `PYTHON=that/bin/python UNROLL_GPU_PACK=/tmp/pack311 scripts/gpu_serve_check.sh --device cpu --quick --out DIR`.
 # Environment: PYTHON (default: .venv/bin/python when present, else python3), UNROLL_GPU_PACK (default: .gpu_pack),
 #              UNROLL_GPU_SERVE_LIMIT_S (default 470: the check is stopped past it, so one 8-minute run holds it).
 set -euo pipefail
@@ -81,7 +86,8 @@ root, target = Path(sys.argv[1]), Path(sys.argv[2])
 dirs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
 # this interpreter's packages (PyTorch, NumPy …) under the carried ones, their own .pth files processed
 parents = [p for p in site.getsitepackages() if Path(p).is_dir() and Path(p) != target]
-(target / "_unroll_parent.pth").write_text(f"import site; [site.addsitedir(p) for p in {parents!r}]\n")
+# (a .pth line runs in exec's scope, where a comprehension before Python 3.12 cannot see `site`: map instead)
+(target / "_unroll_parent.pth").write_text(f"import site; list(map(site.addsitedir, {parents!r}))\n")
 (target / "_unroll_checkout.py").write_text(f'''"""`unroll` from the checkout {root}, mapped as pyproject's package-dir says."""
 import importlib.util
 import sys
