@@ -34,7 +34,7 @@ import numpy as np
 
 from unroll import artifacts, tasks
 from unroll.benchmarks.common import RESULTS, demo_model, latency_summary
-from unroll.benchmarks.gpu_check_device import cuda_unavailable, machine
+from unroll.benchmarks.gpu_check_device import cuda_unavailable, machine, set_tf32
 from unroll.benchmarks.gpu_serve_load import Request, ceiling, default_processes, drive
 from unroll.benchmarks.gpu_serve_report import STEM, write
 from unroll.benchmarks.gpu_serve_triton import (
@@ -131,6 +131,8 @@ def run_check(out: Path, device: str = "cuda", quick: bool = False, onnx_dir: Pa
     if device == "cuda" and (why := cuda_unavailable()):
         print(f"gpu_serve: skipped, no CUDA GPU here: {why}. Nothing written.")
         return None
+    if device == "cuda":
+        set_tf32(False)  # the in-process times in FP32, as the torch runtime serves (serving/torch_runtime.py)
     t0 = time.perf_counter()
     cores = os.cpu_count() or 1
     workers = workers or max(1, cores // 4)
