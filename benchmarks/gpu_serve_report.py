@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from unroll.benchmarks import gpu_serve_decode as decode
 from unroll.benchmarks.common import write_results
 
 STEM = "gpu_serve"
@@ -66,6 +67,8 @@ def markdown(r: dict) -> str:
         verdict = "yes" if x["passed"] else "NO: " + "; ".join(x["violations"])
         lines.append(f"| {x['model']} | {x['label']} | {x['metrics']['max_abs']:.2e} | {x['metrics']['rel_err']:.2e} "
                      f"| {tol} ({x['tolerance_source']}) | {verdict} |")
+    if "decode" in r:
+        lines += decode.markdown(r["decode"])
     return "\n".join(lines) + "\n"
 
 
