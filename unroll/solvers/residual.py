@@ -128,7 +128,7 @@ class WithResidual(nn.Module):
         self.module = module
 
     def forward(self, *inputs: Tensor) -> tuple[Tensor, Tensor]:
-        y, _, fit = forward_with_residual(self.module, *inputs)  # (its residual alone: dead code in the graph)
+        y, fit = _forward_fit(self.module, *inputs)
         return y, solver_signals(fit)
 
 
@@ -137,6 +137,13 @@ def forward_with_residual(model: nn.Module, *inputs: Tensor) -> tuple[Tensor, Te
     """The model's output on ``inputs`` (its positional inputs: the image, then e.g. λ), its first solver layer's
     relative residual ``[B]``, and the fit behind it. Raises ``ValueError`` for a model with no solver layer
     (:func:`first_solver`)."""
+    y, fit = _forward_fit(model, *inputs)
+    return y, relative_residual(fit), fit
+
+
+@torch.no_grad()
+def _forward_fit(model: nn.Module, *inputs: Tensor) -> tuple[Tensor, Fit]:
+    """The model's output and its first solver layer's fit, from one forward (:func:`forward_with_residual`)."""
     layer = first_solver(model)
     if layer is None:
         raise ValueError(f"{type(model).__name__} has no solver layer, so no reconstruction residual")
@@ -158,5 +165,4 @@ def forward_with_residual(model: nn.Module, *inputs: Tensor) -> tuple[Tensor, Te
         if keeps:  # back to the class default: a plain forward holds no extra activation
             del layer.keep_residual
             layer.solver_residual = None
-    fit = _fit(layer, caught["x"], caught["out"], caught["kept"])
-    return y, relative_residual(fit), fit
+    return y, _fit(layer, caught["x"], caught["out"], caught["kept"])
