@@ -15,7 +15,9 @@ against the model's forward).
 
 Served (:mod:`unroll.benchmarks.ood_served`): for each model whose card declares ``ood``, the served graph with its
 residual output beside the same graph without it, through Triton and the gateway at concurrency 1: the added
-latency and CPU per request. ``unroll bench ood`` writes ``ood.{json,md,png}`` and the README's table.
+latency and CPU per request. The denoiser: its residual as a noise estimate (:mod:`~unroll.benchmarks.denoise_residual`)
+and as an out-of-distribution score (:mod:`~unroll.benchmarks.denoise_ood`). ``unroll bench ood`` writes
+``ood.{json,md,png}`` and the README's table.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ import numpy as np
 import torch
 
 from unroll import artifacts, data, ood_sets, registry
-from unroll.benchmarks import denoise_residual, ood_served
+from unroll.benchmarks import denoise_ood, denoise_residual, ood_served
 from unroll.benchmarks.common import RESULTS, machine_info, time_call, trained_models, write_readme_block, write_results
+from unroll.benchmarks.ood_scores import auroc, fpr95
 from unroll.card import SOLVER_SIGNALS, OodCard, OodTerm
 from unroll.corruptions import CORRUPTIONS, SEVERITIES, corrupt
 from unroll.solvers.residual import WithResidual, first_solver
@@ -63,18 +66,6 @@ def term(signal: str, sided: str, inside: np.ndarray, weight: float = 1.0) -> Oo
     center = float(np.median(inside))
     return OodTerm(signal=signal, sided=sided, center=center, weight=weight,
                    scale=float(np.median(np.abs(inside - center))) or 1e-12)
-
-
-def auroc(inside: np.ndarray, outside: np.ndarray) -> float:
-    """Probability that an out-of-distribution image scores above a digit (higher score = more out)."""
-    from sklearn.metrics import roc_auc_score
-
-    return float(roc_auc_score(np.r_[np.zeros(len(inside)), np.ones(len(outside))], np.r_[inside, outside]))
-
-
-def fpr95(inside: np.ndarray, outside: np.ndarray) -> float:
-    """Share of out-of-distribution images taken for digits at the threshold that keeps 95 % of the digits."""
-    return float((outside <= np.quantile(inside, 0.95)).mean())
 
 
 @torch.no_grad()
@@ -243,6 +234,7 @@ def run(models: list[str] | None = None, digits: int | None = None, out_dir: Pat
                "models": {n: evaluate(n, digits, tick, ood) for n in names}}
     tick("the denoiser's residual as a noise estimate")
     payload["denoiser"] = denoise_residual.measure()
+    payload["denoiser_ood"] = denoise_ood.evaluate(tick=tick, crops=denoise_ood.CROPS if digits is None else 1)
     committed = out_dir is not None and Path(out_dir).resolve() == RESULTS.resolve()
     if committed and digits is None:  # the whole validation split: the rules the served graphs carry
         record_rules(payload)
@@ -333,6 +325,8 @@ def markdown(p: dict) -> str:
                   *(_row(k, s) for k, s in m["sets"].items()), ""]
     if p.get("denoiser"):
         lines += denoise_residual.markdown(p["denoiser"])
+    if p.get("denoiser_ood"):
+        lines += denoise_ood.markdown(p["denoiser_ood"])
     if p.get("served"):
         lines += ["## Served: what the solver output costs a request", "",
                   "Each model whose card declares `ood`, served by tritonserver and the gateway as `unroll serve` "
@@ -400,10 +394,19 @@ def readme_block(p: dict) -> str:
                            for level, s in d["summary"].items())
         extra.append(f"{d['model']}'s residual as a noise estimate (`X-Sigma-Residual`) against the wavelet estimate "
                      f"it is run at (`X-Sigma-Used`), mean absolute error on its test photos (0–255 scale): {errors}.")
+    if p.get("denoiser_ood"):
+        d = p["denoiser_ood"]
+        extra.append(f"{d['model']}'s discrepancy, log(`X-Sigma-Residual` / `X-Sigma-Used`), as an out-of-distribution "
+                     f"score ({d['rule']}, chosen on validation), test AUROC: " + ", ".join(
+                         f"{k} {s['rule']['auroc']:.3f}" for k, s in d["sets"].items())
+                     + "; the σ estimate alone: " + ", ".join(f"{k} {s['sigma']['auroc']:.3f}"
+                                                                for k, s in d["sets"].items())
+                     + f"; in-distribution test crops flagged {d['in_distribution']['flagged']:.1%}.")
     return "\n".join([*lines, "", f"What {first} says of the three whole photos — {said}.", "",
                       *(f"{e}\n" for e in extra),
                       "Per test set, corrupted digits by severity, the served cost, the denoiser's noise estimate and "
-                      "the targets: [`ood.md`](benchmarks/results/ood.md) (`unroll bench ood`)."])
+                      "out-of-distribution score, and the targets: [`ood.md`](benchmarks/results/ood.md) "
+                      "(`unroll bench ood`)."])
 
 
 def plot(p: dict, out_dir: Path) -> Path:

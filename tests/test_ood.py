@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from unroll import ood_sets, registry
-from unroll.benchmarks import ood, ood_served, serve_ab
+from unroll.benchmarks import denoise_ood, ood, ood_served, serve_ab
 from unroll.benchmarks.common import RESULTS
 from unroll.solvers.csc import output_padding
 from unroll.solvers.residual import WithResidual, _fit, first_solver, forward_with_residual, reconstruct
@@ -169,3 +169,20 @@ def test_the_committed_results_their_markdown_and_the_readme_agree() -> None:
     readme = (ROOT / "README.md").read_text()
     start, end = readme.index(ood.README_BEGIN) + len(ood.README_BEGIN), readme.index(ood.README_END)
     assert readme[start:end].strip() == ood.readme_block(p).strip()
+
+
+def test_the_denoisers_halves_share_no_photo_no_graphic_family_and_no_parameter() -> None:
+    """The denoiser's out-of-distribution rule is chosen on images and noise the report never uses."""
+    card = registry.get_spec("csc-denoiser").card
+    halves = denoise_ood._halves(card)
+    (val_photos, val_graphics), (test_photos, test_graphics) = halves["validation"], halves["test"]
+    assert val_photos and test_photos and not set(val_photos) & set(test_photos)
+    family = {h: {k.split("-")[0] for k in g} for h, g in (("validation", val_graphics), ("test", test_graphics))}
+    assert family["validation"] and family["test"] and not family["validation"] & family["test"]
+    val, test = denoise_ood.PARAMS["validation"], denoise_ood.PARAMS["test"]
+    assert val.keys() == test.keys()
+    for key in val:
+        assert not set(np.atleast_1d(val[key])) & set(np.atleast_1d(test[key])), key
+    sent = denoise_ood.requests("test", card, crops=1)
+    assert set(sent) == {"in distribution", *denoise_ood.KINDS} and all(sent.values())
+    assert sent == denoise_ood.requests("test", card, crops=1)  # seeded: the same bytes again
