@@ -36,7 +36,7 @@ from unroll import artifacts, tasks
 from unroll.benchmarks.common import RESULTS, demo_model, latency_summary
 from unroll.benchmarks.gpu_check_device import cuda_unavailable, machine, set_tf32
 from unroll.benchmarks.gpu_serve_decode import decode_times
-from unroll.benchmarks.gpu_serve_load import Request, ceiling, default_processes, drive
+from unroll.benchmarks.gpu_serve_load import CLIENT_START_S, Request, ceiling, default_processes, drive
 from unroll.benchmarks.gpu_serve_report import STEM, write
 from unroll.benchmarks.gpu_serve_triton import (
     TritonHttp,
@@ -54,7 +54,7 @@ from unroll.serving.triton import free_ports
 LEVELS, QUICK_LEVELS = (1, 64, 256), (1, 8)
 PATHS = ("triton-tensors", "triton-image", "gateway")
 #: Seconds: warm-up and measured time per level (full, quick).
-TIMING = {False: (1.0, 3.0), True: (0.3, 0.8)}
+TIMING = {False: (1.0, 3.0), True: (0.5, 2.0)}
 READY_TIMEOUT_S = 360.0
 
 
@@ -104,7 +104,7 @@ def _level(svc: ServeProcess, triton: TritonHttp, sampler: GpuSampler, model: st
     """One level through ``port``; the service's CPU, Triton's statistics and the GPU sampled over its window."""
     warmup_s, duration_s = TIMING[quick]
     procs = client_procs or default_processes(concurrency)
-    start_at = time.time() + 0.5 + warmup_s
+    start_at = time.time() + CLIENT_START_S + warmup_s
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(drive, "127.0.0.1", port, requests, concurrency, duration_s, warmup_s, procs,
                           None, start_at)

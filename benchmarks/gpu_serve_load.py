@@ -66,6 +66,11 @@ class LevelResult:
         return self.client_cpu_s / (self.elapsed_s * self.processes) if self.elapsed_s > 0 else 0.0
 
 
+#: Seconds allowed for the client processes to start before the warm-up (a loaded machine starts Python slowly: a
+#: process that started after the window had closed would report no request at all).
+CLIENT_START_S = 1.0
+
+
 async def _connection(host: str, port: int, requests: list[Request], offset: int, step: int, start_at: float,
                       deadline: float, out: dict) -> None:
     import h11
@@ -159,10 +164,10 @@ def client_main() -> int:
 def drive(host: str, port: int, requests: list[Request], concurrency: int, duration_s: float, warmup_s: float,
           processes: int = 1, python: str | None = None, start_at: float | None = None) -> LevelResult:
     """Run one level: ``concurrency`` connections over ``processes`` client processes (at most one per connection),
-    recording from wall-clock ``start_at`` (default: half a second for the processes to start, then ``warmup_s``);
-    returns when every process has reported."""
+    recording from wall-clock ``start_at`` (default: :data:`CLIENT_START_S` for the processes to start, then
+    ``warmup_s``); returns when every process has reported."""
     processes = max(1, min(processes, concurrency))
-    start_at = start_at if start_at is not None else time.time() + 0.5 + warmup_s
+    start_at = start_at if start_at is not None else time.time() + CLIENT_START_S + warmup_s
     encoded = [{"path": r.path, "body": base64.b64encode(r.body).decode(), "headers": r.headers} for r in requests]
     procs = []
     for k in range(processes):

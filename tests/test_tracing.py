@@ -315,6 +315,10 @@ def _with_triton(receiver: Receiver, batches: list[Span]) -> list[Span]:
     return [b for b in batches if b.trace_id in computed]
 
 
+def _triton_under(receiver: Receiver, trace_id: str, parent: str) -> bool:
+    return any(s.service == TRITON_SERVICE_NAME and s.parent == parent for s in receiver.trace(trace_id))
+
+
 def test_a_batch_is_parented_by_its_first_request_and_linked_to_the_others(served: Served) -> None:
     """Concurrent requests that the batcher sends as one Triton call: the ``batch`` span (and Triton's spans under
     it) sits in one request's trace, below its ``batch.wait``, with a link to every other request's ``batch.wait``."""
@@ -339,7 +343,8 @@ def test_a_batch_is_parented_by_its_first_request_and_linked_to_the_others(serve
         spans = receiver.trace(batch.trace_id)
         call = next(s for s in spans if s.parent == batch.span_id and s.name == f"triton.infer {MODEL}")
         assert call.attributes["unroll.batch.items"] == batch.attributes["unroll.batch.items"]
-        assert any(s.service == TRITON_SERVICE_NAME and s.parent == call.span_id for s in spans)
+        # Triton exports each span as it ends: its request span, the call's child, ends after "compute" has landed
+        assert receiver.wait(functools.partial(_triton_under, receiver, batch.trace_id, call.span_id), 10)
 
 
 def test_tracing_off_exports_nothing(served: Served) -> None:
