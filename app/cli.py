@@ -403,6 +403,11 @@ def quantize(
                   f"{artifacts.graph(name, precision, out)}")
     for line in _per_image_lines(r):
         console.print(line)
+    if r.get("ood"):
+        o = r["ood"]
+        console.print(f"  out-of-distribution rule measured again on this graph: threshold {o['threshold_fp32']:.3f} "
+                      f"(FP32) → {o['threshold']:.3f}; verdicts as the FP32 graph's on {o['verdict_agreement']:.1%} "
+                      f"of {o['samples']} validation samples")
     for note in r.get("notes", []):
         console.print(f"[yellow]note:[/] {note}")
 

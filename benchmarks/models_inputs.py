@@ -117,8 +117,8 @@ def torch_call(model: torch.nn.Module, name: str, feeds: dict[str, torch.Tensor]
     """The PyTorch call on the graph's inputs, in the card's order (λ ``None``: the model's own)."""
     card = get_spec(name).card
     x = feeds[card.input.name]
-    if tasks.get(card.task).logits:
-        return partial(model, x, feeds.get(card.lam.input) if card.lam is not None else None)
+    if tasks.get(card.task).logits and card.lam is not None:
+        return partial(model, x, feeds.get(card.lam.input))
     if card.sigma is not None:
         return partial(model, x, feeds[card.sigma.input])
     return partial(model, x)

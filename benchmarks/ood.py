@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from unroll import artifacts, data, ood_sets, registry
-from unroll.benchmarks import denoise_ood, denoise_residual, ood_served
+from unroll.benchmarks import denoise_ood, denoise_residual, ood_precisions, ood_served
 from unroll.benchmarks.common import RESULTS, machine_info, time_call, trained_models, write_readme_block, write_results
 from unroll.benchmarks.ood_scores import auroc, fpr95
 from unroll.card import SOLVER_SIGNALS, OodCard, OodTerm
@@ -63,9 +63,7 @@ SOFTMAX_WEIGHTS = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
 
 def term(signal: str, sided: str, inside: np.ndarray, weight: float = 1.0) -> OodTerm:
     """A term centred on the validation digits' median and scaled by their MAD."""
-    center = float(np.median(inside))
-    return OodTerm(signal=signal, sided=sided, center=center, weight=weight,
-                   scale=float(np.median(np.abs(inside - center))) or 1e-12)
+    return OodTerm(signal=signal, sided=sided, weight=weight).fitted(inside)
 
 
 @torch.no_grad()
@@ -107,9 +105,7 @@ def choose_rule(inside: dict[str, np.ndarray], outside: dict[str, dict[str, np.n
         probe = OodCard(terms=terms)
         mean_auroc[name] = float(np.mean([auroc(probe.score(inside), probe.score(s)) for s in outside.values()]))
     best = max(mean_auroc, key=mean_auroc.get)  # the first of equals: the simplest
-    probe = OodCard(terms=options[best])
-    return (probe.model_copy(update={"threshold": float(np.quantile(probe.score(inside), FLAG_QUANTILE))}), best,
-            mean_auroc)
+    return OodCard(terms=options[best], quantile=FLAG_QUANTILE).refit(inside), best, mean_auroc
 
 
 def added_cost(model: torch.nn.Module, x: np.ndarray) -> dict[str, float]:
@@ -222,11 +218,13 @@ def _verdicts(name: str, m: dict) -> list[dict]:
 
 def run(models: list[str] | None = None, digits: int | None = None, out_dir: Path | None = RESULTS,
         tick: Callable[[str], None] = lambda m: None, served: bool = True, onnx_dir: Path = artifacts.ONNX_DIR,
-        served_rounds: int = 12, served_round_s: float = 2.0) -> dict:
-    """Evaluate ``models`` (default :func:`scored_models`); with ``served``, measure what the residual costs the
-    served requests of those whose card declares ``ood`` (:mod:`~unroll.benchmarks.ood_served`, graphs exported into
-    ``onnx_dir`` where missing or stale); write the results (and the README's table when writing into the committed
-    results folder)."""
+        served_rounds: int = 12, served_round_s: float = 2.0,
+        quantized: tuple[str, ...] = ood_precisions.PRECISIONS) -> dict:
+    """Evaluate ``models`` (default :func:`scored_models`); judge the ``quantized`` graphs of those whose card declares
+    ``ood`` by the rules measured on them (:mod:`~unroll.benchmarks.ood_precisions`); with ``served``, measure what
+    the residual costs their served requests (:mod:`~unroll.benchmarks.ood_served`; graphs exported and quantized
+    into ``onnx_dir`` where missing or stale); write the results (and the README's table when writing into the
+    committed results folder)."""
     names = list(models or scored_models())
     ood = images()
     payload = {"benchmark": STEM, "machine": machine_info(torch.get_num_threads()),
@@ -238,6 +236,9 @@ def run(models: list[str] | None = None, digits: int | None = None, out_dir: Pat
     committed = out_dir is not None and Path(out_dir).resolve() == RESULTS.resolve()
     if committed and digits is None:  # the whole validation split: the rules the served graphs carry
         record_rules(payload)
+    if quantized:  # after the rules are recorded: the graphs are exported and quantized with them
+        payload["quantized"] = ood_precisions.measure(ood_served.declaring_ood(names), ood, onnx_dir, digits,
+                                                      quantized, tick)
     if served:
         payload["served"] = ood_served.measure(names, onnx_dir, served_rounds, served_round_s, tick)
     payload["targets"] = verdicts(payload)
@@ -250,7 +251,7 @@ def run(models: list[str] | None = None, digits: int | None = None, out_dir: Pat
 
 
 #: The rule's fields a card's ``ood`` takes (:class:`unroll.card.OodCard`).
-RULE_FIELDS = ("terms", "threshold")
+RULE_FIELDS = ("terms", "threshold", "quantile")
 
 
 def record_rules(payload: dict) -> list[Path]:
@@ -323,6 +324,7 @@ def markdown(p: dict) -> str:
                   "*Served* below", "",
                   "| test set | images | rule | solver | MSP | energy | flagged |", "|---|---|---|---|---|---|---|",
                   *(_row(k, s) for k, s in m["sets"].items()), ""]
+    lines += ood_precisions.markdown(p.get("quantized") or {})
     if p.get("denoiser"):
         lines += denoise_residual.markdown(p["denoiser"])
     if p.get("denoiser_ood"):

@@ -27,6 +27,7 @@ from unroll import gates as gate
 from unroll.card import CardError, ModelCard, from_onnx, write_to_onnx
 from unroll.errors import GateFailed
 from unroll.export.card_attach import NO_CARD_HINT, attach_card
+from unroll.export.ood_calibration import recalibrate
 from unroll.export.trt_lint import lint, lint_failure, lint_report
 
 FP16_KEEP_FP32 = ["Div", "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "ReduceMean", "ReduceSum", "ReduceMax",
@@ -350,10 +351,13 @@ def quantize(name: str, precision: str, onnx_dir: Path = artifacts.ONNX_DIR, cal
     model, res, desc, kept, style = chosen
     if res.unmeasured:
         notes.append(f"not measured (the gate data has no labels): {', '.join(res.unmeasured)}")
+    card, ood = recalibrate(card, fp32, model, cases, precision) if res.passed else (card, None)
     write_to_onnx(model, card)  # the converters do not all keep metadata_props: the card travels on explicitly
     issues = lint(model)  # TensorRT parses this graph: lint it like the FP32 export, before anything is written
     report = _quantize_report(name, precision, src, card, fp32, model, res, desc, kept, style, tol, cases, tries,
                               notes, issues, {"calib": calib, "gates": gates, "safety": safety}, t0)
+    if ood is not None:
+        report["ood"] = ood
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     if issues:
         out.unlink(missing_ok=True)

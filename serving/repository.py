@@ -29,7 +29,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from unroll import artifacts, tasks
-from unroll.card import CARD_KEY, CardError, ModelCard, from_onnx
+from unroll.card import CARD_KEY, CardError, ModelCard, OodCard, from_onnx
 from unroll.errors import RepositoryError  # re-exported: callers import it from here
 from unroll.serving import torch_runtime
 from unroll.serving.imaging import prepare, wire
@@ -121,6 +121,8 @@ def _source(name: str, target: Target, precision: str, onnx_dir: Path, plan_dir:
         raise RepositoryError(str(e)) from None
     if card.name != name:  # the Triton model name, the gateway's model= and the card must agree
         raise RepositoryError(f"{fp32} carries the card of {card.name!r}: a graph's file stem must be its card's name")
+    if precision != "fp32" and card.ood is not None and card.ood.calibrated:
+        card = card.model_copy(update={"ood": _quantized_rule(name, precision, graph)})
     plan = artifacts.plan(name, precision, plan_dir) if target == "gpu" and plans else None
     plan_report = profile = None
     if plan is not None and plan.exists():
@@ -137,6 +139,20 @@ def _source(name: str, target: Target, precision: str, onnx_dir: Path, plan_dir:
     else:
         plan = None
     return Source(name, graph, json.loads(report_path.read_text()), card, plan, plan_report, profile)
+
+
+def _quantized_rule(name: str, precision: str, graph: Path) -> OodCard:
+    """The out-of-distribution rule measured on the quantized graph itself (``unroll quantize`` measures it again:
+    a quantized solver's residual moves), or a clear error for a graph quantized before it did."""
+    try:
+        rule = from_onnx(graph).ood
+    except CardError as e:
+        raise RepositoryError(str(e)) from None
+    if rule is None or not rule.calibrated or rule.measured_on != precision:
+        raise RepositoryError(f"{name}: {graph} carries no out-of-distribution rule measured on its own {precision} "
+                              f"outputs (the FP32 rule would misjudge them); re-run `unroll quantize {name} "
+                              f"--precision {precision}`")
+    return rule
 
 
 def class_labels(card: ModelCard, num_classes: int) -> list[str]:

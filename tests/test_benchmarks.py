@@ -460,3 +460,23 @@ def test_readme_serve_block_is_the_one_generated_from_the_committed_results() ->
     payload = json.loads((RESULTS / "serve.json").read_text())
     assert block == serve_report.readme_block(payload)
     assert "gateway CPU per classify request" in block and "Triton direct" in block
+
+
+def test_the_pytorch_call_fits_every_registered_models_inputs() -> None:
+    """`unroll bench models` times every registered model in PyTorch: the call it builds takes each model's inputs
+    (a classifier without λ takes the image alone)."""
+    import torch
+
+    from unroll import registry
+    from unroll.benchmarks.models_inputs import torch_call
+
+    for name in ("sdnet-mnist", "vit-mnist", "csc-denoiser"):
+        card = registry.get_spec(name).card
+        shape = [s if s > 0 else 32 for s in card.input.shape]
+        feeds = {card.input.name: torch.rand(1, *shape)}
+        if card.lam is not None:
+            feeds[card.lam.input] = torch.full((1,), 0.1)
+        if card.sigma is not None:
+            feeds[card.sigma.input] = torch.full((1,), 0.1)
+        with torch.no_grad():
+            assert torch.isfinite(torch_call(registry.load(name, pretrained=False).eval(), name, feeds)()).all(), name

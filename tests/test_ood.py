@@ -117,7 +117,7 @@ def test_a_quick_run_writes_consistent_results_and_serves_both_graphs(tmp_path: 
     if serve_ab.find() is None:
         pytest.skip(serve_ab.missing_reason())
     p = ood.run(["sdnet-mnist"], digits=120, out_dir=tmp_path, onnx_dir=demo_onnx_dir, served_rounds=1,
-                served_round_s=1)
+                served_round_s=1, quantized=())  # the quantized graphs' part: tests/test_quantize.py
     assert (tmp_path / "ood.md").read_text() == ood.markdown(json.loads((tmp_path / "ood.json").read_text()))
     assert (tmp_path / "ood.png").stat().st_size > 0
     m = p["models"]["sdnet-mnist"]

@@ -46,7 +46,7 @@ def test_fp16_passes_gate_with_fp32_io_and_carries_the_card(onnx_dir, cards, nam
     model = onnx.load(onnx_dir / f"{name}.fp16.onnx")
     assert all(i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT for i in model.graph.input)
     assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in model.graph.initializer)
-    assert from_onnx(model) == cards[name]  # later stages (build, repo) read the card from this file
+    _same_card_with_its_own_ood_rule(from_onnx(model), cards[name], r, "fp16")  # build and repo read it here
     assert r["card"]["name"] == name and r["gate"] == cards[name].gate("fp16")
     assert r["trt_lint"]["ok"] and lint(model) == []  # TensorRT parses the FP16 graph too: it is linted
     if name == "sdnet-mnist":
@@ -57,6 +57,22 @@ def test_fp16_passes_gate_with_fp32_io_and_carries_the_card(onnx_dir, cards, nam
         n = len(data.DENOISE_VALIDATION_IMAGES) + len(data.dataset("denoise-stress").load())  # the patterns too
         assert all(v["psnr_loss_db"] <= 0.02 and v["images"] == n for v in r["metrics"]["per_sigma"].values())
         assert r["metrics"]["psnr_loss_db_worst"] <= 0.02 and len(r["test"]["metrics"]["per_image"]) == 8
+
+
+def _same_card_with_its_own_ood_rule(got: ModelCard, fp32: ModelCard, report: dict, precision: str) -> None:
+    """The quantized graph carries the FP32 graph's card, except that a calibrated out-of-distribution rule keeps
+    its signals, sides and weights and is measured again on the quantized graph's own outputs."""
+    assert got.model_copy(update={"ood": fp32.ood}) == fp32
+    if fp32.ood is None or not fp32.ood.calibrated:
+        assert got.ood == fp32.ood and "ood" not in report
+        return
+    shape = [(t.signal, t.sided, t.weight) for t in fp32.ood.terms]
+    assert [(t.signal, t.sided, t.weight) for t in got.ood.terms] == shape and got.ood.measured_on == precision
+    assert fp32.ood.measured_on == "fp32" and got.ood.quantile == fp32.ood.quantile
+    ood = report["ood"]
+    assert ood["threshold"] == got.ood.threshold and ood["threshold_fp32"] == fp32.ood.threshold
+    assert ood["samples"] == data.MNIST_VALIDATION and ood["verdict_agreement"] >= 0.98, ood
+    assert ood["flagged"] == pytest.approx(1 - got.ood.quantile, abs=0.01), ood  # its own quantile of its own scores
 
 
 def _crops(monkeypatch, side: int = 160) -> None:
@@ -80,7 +96,7 @@ def test_int8_explicit_qdq_passes_gate(onnx_dir, cards, name: str, monkeypatch) 
     r = quantize(name, "int8", onnx_dir, calib=256 if name == "sdnet-mnist" else 32)
     assert r["passed"], r["failures"]
     model = onnx.load(onnx_dir / f"{name}.int8.onnx")
-    assert from_onnx(model) == cards[name]
+    _same_card_with_its_own_ood_rule(from_onnx(model), cards[name], r, "int8")
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("QuantizeLinear") > 0 and ops.count("DequantizeLinear") > 0
     inits = {t.name: t for t in model.graph.initializer}
@@ -311,3 +327,48 @@ def test_lambda_rule_gate_is_rel_err_on_the_classifier_images(onnx_dir, cards) -
     assert gates.evaluate(card, cases, run, run, card.gate("fp32")).passed
     res = gates.evaluate(card, cases, run, lambda f: run(f) * 1.01, card.gate("fp32"))
     assert res.metrics["rel_err"] == pytest.approx(0.01, rel=1e-3) and not res.passed
+
+
+def test_the_repository_serves_a_quantized_graph_with_the_rule_measured_on_it(demo_onnx_dir: Path, cards,
+                                                                               tmp_path: Path) -> None:
+    """``unroll repo --precision fp16`` puts the FP16 graph's own out-of-distribution rule on the served card (the
+    gateway judges by it); a quantized graph that carries the FP32 rule is refused with the command that fixes it."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from unroll.card import CARD_KEY
+    from unroll.errors import RepositoryError
+    from unroll.serving.repository import write_repository
+
+    name = "sdnet-mnist"
+    src = tmp_path / "onnx"
+    src.mkdir()
+    for f in demo_onnx_dir.glob(f"{name}.*"):
+        shutil.copy(f, src / f.name)
+    r = subprocess.run([sys.executable, "-m", "unroll.app.cli", "quantize", name, "--precision", "fp16", "--out",
+                        str(src)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "out-of-distribution rule measured again on this graph" in " ".join(r.stdout.split()), r.stdout
+    write_repository("cpu", [name], tmp_path / "repo", precision="fp16", onnx_dir=src)
+    cfg = mc.ModelConfig()
+    text_format.Parse((tmp_path / "repo" / name / "config.pbtxt").read_text(), cfg)
+    served = ModelCard.from_json(cfg.parameters[CARD_KEY].string_value)
+    fp16 = from_onnx(src / f"{name}.fp16.onnx")
+    assert served.ood == fp16.ood and served.ood.measured_on == "fp16" and served.ood != cards[name].ood
+    # what `unroll bench ood` reports of it: each graph judged by its own rule on the test data
+    from unroll import ood_sets
+    from unroll.benchmarks import ood_precisions
+
+    sets = {"validation": {}, "test": ood_sets.ood_sets("test")}
+    rows = ood_precisions.measure([name], sets, src, digits=200, precisions=("fp16",))[name]
+    assert list(rows) == ["fp32", "fp16"] and rows["fp16"]["measured_on"] == "fp16"
+    assert rows["fp32"]["threshold"] == cards[name].ood.threshold and rows["fp16"]["threshold"] == fp16.ood.threshold
+    assert rows["fp16"]["verdict_agreement"] >= 0.98 and rows["fp32"]["verdict_agreement"] == 1.0
+    assert set(rows["fp16"]["sets"]) == set(ood_sets.KINDS)
+    assert all(abs(rows["fp16"]["sets"][k] - rows["fp32"]["sets"][k]) < 0.02 for k in ood_sets.KINDS), rows
+    assert ood_precisions.markdown({name: rows})[0].startswith("## Quantized graphs")
+    stale = onnx.load(src / f"{name}.fp16.onnx")
+    write_to_onnx(stale, cards[name])  # as `unroll quantize` wrote it before it measured the rule again
+    onnx.save(stale, src / f"{name}.fp16.onnx")
+    with pytest.raises(RepositoryError, match=f"re-run `unroll quantize {name} --precision fp16`"):
+        write_repository("cpu", [name], tmp_path / "repo", precision="fp16", onnx_dir=src)

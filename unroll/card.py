@@ -227,6 +227,15 @@ class OodTerm(_Strict):
         d = s - self.center
         return self.weight * (abs(d) if self.sided == "both" else d) / self.scale
 
+    def fitted(self, inside: Any) -> OodTerm:
+        """This term centred on the median of ``inside`` (the signal on in-distribution data) and scaled by its
+        median absolute deviation."""
+        import numpy as np
+
+        center = float(np.median(inside))
+        return self.model_copy(update={"center": center,
+                                       "scale": float(np.median(np.abs(np.asarray(inside) - center))) or 1e-12})
+
 
 class OodCard(_Strict):
     """An out-of-distribution score from the model's first solver layer (:mod:`unroll.solvers.residual`): the
@@ -240,8 +249,12 @@ class OodCard(_Strict):
     output: str = "solver_fit"
     #: The score is the sum of the terms; none: not calibrated (the signals are served, no verdict).
     terms: tuple[OodTerm, ...] = ()
-    #: Scores above it are out of distribution (a quantile of the validation digits' scores).
+    #: Scores above it are out of distribution: the :attr:`quantile` of the validation digits' scores.
     threshold: float | None = None
+    quantile: float = Field(0.99, gt=0.0, lt=1.0)
+    #: The precision of the graph whose signals the terms and threshold were measured on (``unroll quantize``
+    #: measures them again on its FP16/INT8 graph: a quantized solver's residual moves).
+    measured_on: Precision = "fp32"
 
     @property
     def calibrated(self) -> bool:
@@ -256,6 +269,15 @@ class OodCard(_Strict):
         """The score of an image from its signals (higher: less like the training data); of each image, given arrays
         of them."""
         return sum(t.value(signals[t.signal]) for t in self.terms)
+
+    def refit(self, inside: dict[str, Any], precision: str | None = None) -> OodCard:
+        """The same rule (signals, sides, weights) with each term's centre and scale and the threshold measured again
+        on ``inside``, the signals of the validation data (arrays), e.g. as a quantized graph gives them."""
+        import numpy as np
+
+        rule = self.model_copy(update={"terms": tuple(t.fitted(inside[t.signal]) for t in self.terms),
+                                       **({"measured_on": precision} if precision else {})})
+        return rule.model_copy(update={"threshold": float(np.quantile(rule.score(inside), self.quantile))})
 
 
 class ModelCard(_Strict):

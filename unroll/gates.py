@@ -236,12 +236,17 @@ def _role_cases(card: ModelCard, role: str, max_batch: int | None,
     if tasks.get(card.task).data == "noisy":
         return _denoising_cases(card, role, max_hw)
     x, y, source = real_inputs(card, role)
-    step = max_batch or DEFAULT_MAX_BATCH
+    return array_cases(card, x, source, y, role, max_batch or DEFAULT_MAX_BATCH)
+
+
+def array_cases(card: ModelCard, x: np.ndarray, source: str, labels: np.ndarray | None = None, role: str = "",
+                step: int = DEFAULT_MAX_BATCH) -> list[GateCase]:
+    """Inputs ``x`` (fitted to the card) as cases of at most ``step`` samples, each with the card's default λ."""
     cases = []
     for s in range(0, len(x), step):
         part = x[s:s + step]
         cases.append(GateCase(f"{source} [{s}:{s + len(part)}]", {card.input.name: part, **_lam_feed(card, len(part))},
-                              labels=None if y is None else y[s:s + step], role=role))
+                              labels=None if labels is None else labels[s:s + step], role=role))
     return cases
 
 

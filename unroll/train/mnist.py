@@ -177,8 +177,8 @@ def _evaluate(model: MNISTSDNet, tick: Callable[[], None] = lambda: None,
                       "acc_auto_lam": measured(xn, yte, auto), "mean_auto_lam": float(auto.mean())})
     return {"test_accuracy": clean, "robustness": table,
             "split": {"train": len(roles["train"][0]), "validation": len(xva), "test": len(xte),
-                      "note": "validation = the last 500 digits of the seeded 4,000-digit training part; weights "
-                              "trained before the split saw them (clean) in training (see recipe.split)"}}
+                      "note": "validation = the last 500 digits of the seeded 4,000-digit training part, held out "
+                              "from training (see recipe.split)"}}
 
 
 # ---------------------------------------------------------------------------------------------- recipe interface
