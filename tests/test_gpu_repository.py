@@ -59,11 +59,21 @@ def _copy_exports(src: Path, dst: Path, names=DEMO) -> Path:
 
 
 def _fp16_graph(onnx_dir: Path, name: str) -> Path:
-    """A real FP16 graph (ONNX Runtime's float16 converter, I/O kept FP32, the card carried along): what
-    ``unroll quantize --precision fp16`` writes, without running its accuracy gate."""
+    """A real FP16 graph (ONNX Runtime's float16 converter, I/O kept FP32, the card carried along, its
+    out-of-distribution rule measured on its own outputs): what ``unroll quantize --precision fp16`` writes, without
+    running its accuracy gate."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    m16 = convert_float_to_float16(onnx.load(str(onnx_dir / f"{name}.onnx")), keep_io_types=True)
+    from unroll import gates
+    from unroll.card import from_onnx, write_to_onnx
+    from unroll.export.ood_calibration import recalibrate
+
+    fp32 = onnx.load(str(onnx_dir / f"{name}.onnx"))
+    m16 = convert_float_to_float16(fp32, keep_io_types=True)
+    card = from_onnx(fp32)
+    if card.ood is not None and card.ood.calibrated:
+        card, _ = recalibrate(card, fp32, m16, gates.gate_cases(card), "fp16")
+        write_to_onnx(m16, card)
     out = onnx_dir / f"{name}.fp16.onnx"
     onnx.save(m16, str(out))
     return out
