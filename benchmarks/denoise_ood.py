@@ -27,9 +27,9 @@ import torch
 
 from unroll import registry, tasks
 from unroll.benchmarks.common import demo_model, png_bytes
+from unroll.benchmarks.denoise_residual import estimates
 from unroll.benchmarks.ood_scores import auroc, fpr95
 from unroll.data import add_noise, dataset
-from unroll.serving.imaging import images, prepare, wire
 
 #: In-distribution noise levels (0–255 scale): the range the card serves.
 LEVELS = (10.0, 25.0, 50.0)
@@ -99,20 +99,9 @@ def requests(half: str, card, crops: int = CROPS) -> dict[str, list[bytes]]:
     return out
 
 
-@torch.no_grad()
-def estimates(model: torch.nn.Module, card, sent: bytes) -> dict[str, float]:
-    """One request as the gateway serves it without ``sigma``: the wavelet σ it runs the model at, how many of the
-    estimate's reliability rules fired, and the RMS of what the model removed (0–255 scale)."""
-    planes, sigma = prepare.denoiser_planes(sent, wire.DEFAULT_MAX_PIXELS, None, card.input.min_size,
-                                           sigma_max=card.sigma.max)
-    x = images.to_graph(prepare.to_batch(planes.data, card.input), card.input)
-    out = model(torch.from_numpy(x), torch.full((x.shape[0],), sigma.value * 255.0 / card.sigma.scale)).numpy()
-    return {"sigma": sigma.value * 255.0, "sigma_rules": float(len(sigma.rules)),
-            "residual": images.removed_noise_sigma(x, out, card.input)}
-
-
 def signals(model: torch.nn.Module, card, sent: list[bytes]) -> dict[str, np.ndarray]:
-    """:func:`estimates` of every request as arrays, with the discrepancy ``log(residual σ / σ used)``."""
+    """:func:`~unroll.benchmarks.denoise_residual.estimates` of every request as arrays, with the discrepancy
+    ``log(residual σ / σ used)``."""
     rows = [estimates(model, card, s) for s in sent]
     out = {k: np.array([r[k] for r in rows]) for k in rows[0]}
     out["discrepancy"] = np.log((out["residual"] + 0.5) / (out["sigma"] + 0.5))  # +½ level: σ = 0 stays finite

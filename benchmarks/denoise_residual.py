@@ -30,15 +30,8 @@ def measure(name: str | None = None, levels: tuple[float, ...] = LEVELS, photos:
     rows = []
     for photo, clean in list(dataset(card.data.test).load().items())[:photos]:
         for level in levels:
-            sent = png_bytes(add_noise(clean, level, noise_seed(photo, level)))
-            # decoded, σ estimated and fitted to the graph as the gateway and the Python backend do it
-            planes, wavelet = prepare.denoiser_planes(sent, wire.DEFAULT_MAX_PIXELS, None, card.input.min_size,
-                                                      sigma_max=card.sigma.max)
-            x = images.to_graph(prepare.to_batch(planes.data, card.input), card.input)
-            with torch.no_grad():
-                out = model(torch.from_numpy(x), torch.tensor([wavelet.value * 255.0 / card.sigma.scale])).numpy()
-            rows.append({"photo": photo, "sigma": level, "wavelet": wavelet.value * 255.0,
-                         "residual": images.removed_noise_sigma(x, out, card.input)})
+            e = estimates(model, card, png_bytes(add_noise(clean, level, noise_seed(photo, level))))
+            rows.append({"photo": photo, "sigma": level, "wavelet": e["sigma"], "residual": e["residual"]})
     summary = {}
     for level in levels:
         at = [r for r in rows if r["sigma"] == level]
@@ -47,6 +40,19 @@ def measure(name: str | None = None, levels: tuple[float, ...] = LEVELS, photos:
                                  for k in ("wavelet", "residual")}
     return {"model": name, "photos": sorted({r["photo"] for r in rows}), "levels": list(levels), "rows": rows,
             "summary": summary}
+
+
+@torch.no_grad()
+def estimates(model: torch.nn.Module, card, sent: bytes) -> dict[str, float]:
+    """One request as the gateway serves it without ``sigma`` (decoded, σ estimated and fitted to the graph as the
+    gateway and the Python backend do it): the wavelet σ it runs the model at, how many of the estimate's
+    reliability rules fired, and the RMS of what the model removed (0–255 scale)."""
+    planes, sigma = prepare.denoiser_planes(sent, wire.DEFAULT_MAX_PIXELS, None, card.input.min_size,
+                                           sigma_max=card.sigma.max)
+    x = images.to_graph(prepare.to_batch(planes.data, card.input), card.input)
+    out = model(torch.from_numpy(x), torch.full((x.shape[0],), sigma.value * 255.0 / card.sigma.scale)).numpy()
+    return {"sigma": sigma.value * 255.0, "sigma_rules": float(len(sigma.rules)),
+            "residual": images.removed_noise_sigma(x, out, card.input)}
 
 
 def markdown(p: dict) -> list[str]:

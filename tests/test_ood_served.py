@@ -192,7 +192,7 @@ def test_triton_direct_clients_get_the_signals_the_gateway_scores(demo_triton, g
 def test_the_denoisers_discrepancy_is_read_from_what_the_gateway_answers(gateway: httpx.Client) -> None:
     """The denoiser's out-of-distribution signal needs nothing new served: for one test image of each kind, the
     gateway's ``X-Sigma-Used`` and ``X-Sigma-Residual`` are the benchmark's in-process numbers."""
-    from unroll.benchmarks import denoise_ood
+    from unroll.benchmarks import denoise_ood, denoise_residual
 
     card = registry.get_spec("csc-denoiser").card
     model = registry.load("csc-denoiser").eval()
@@ -200,6 +200,6 @@ def test_the_denoisers_discrepancy_is_read_from_what_the_gateway_answers(gateway
         r = gateway.post("/v1/denoise?model=csc-denoiser", content=sent[0],
                          headers={"Content-Type": "image/jpeg" if sent[0][:2] == b"\xff\xd8" else "image/png"})
         assert r.status_code == 200, (kind, r.text)
-        bench = denoise_ood.estimates(model, card, sent[0])
+        bench = denoise_residual.estimates(model, card, sent[0])
         assert float(r.headers["X-Sigma-Used"]) == pytest.approx(bench["sigma"], abs=1e-3), kind
         assert float(r.headers["X-Sigma-Residual"]) == pytest.approx(bench["residual"], rel=0.01, abs=0.05), kind
