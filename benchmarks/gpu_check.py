@@ -49,10 +49,11 @@ from unroll.benchmarks.gpu_check_cases import (
     build_dial_cases,
     trained_models,
 )
-from unroll.benchmarks.gpu_check_device import cuda_unavailable, machine, set_tf32
+from unroll.benchmarks.gpu_check_device import cuda_unavailable, machine
 from unroll.benchmarks.gpu_check_report import STEM, restore, write
 from unroll.benchmarks.gpu_check_run import measure
 from unroll.errors import BudgetExceeded
+from unroll.serving.torch_runtime import set_tf32
 from unroll.solvers.iterations import set_iterations
 
 #: Seconds kept back for ``compile-max-autotune``: it starts only with at least this much of the budget left.

@@ -70,22 +70,6 @@ def machine(device: str) -> dict:
     return info
 
 
-def set_tf32(on: bool) -> None:
-    """TF32 for FP32 matmuls and convolutions on or off.
-
-    The legacy flags on purpose: reading them (as Inductor does) after the newer per-backend ``fp32_precision``
-    API was used raises "mix of the legacy and new APIs", while the legacy setters keep both views consistent.
-    """
-    import warnings
-
-    import torch
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the legacy setters' deprecation notice
-        torch.backends.cuda.matmul.allow_tf32 = on
-        torch.backends.cudnn.allow_tf32 = on
-
-
 def time_runner(run: Callable[[], Any], device: str, warmup: int, repeats: int, budget_s: float) -> dict:
     """p50/p99/mean ms per call after ``warmup`` calls: CUDA events around each call (wall clock on the CPU)."""
     import torch

@@ -17,9 +17,10 @@ import numpy as np
 
 from unroll import tasks
 from unroll.benchmarks.gpu_check_cases import CANDIDATES, Case
-from unroll.benchmarks.gpu_check_device import set_tf32, time_runner
+from unroll.benchmarks.gpu_check_device import time_runner
 from unroll.errors import BudgetExceeded, UnknownName
 from unroll.metrics import psnr
+from unroll.serving.torch_runtime import set_tf32
 
 #: Tolerance when the card's gate names none of the metrics measured here (metric → bound), per precision.
 STATED_TOLERANCE = {"fp32": {"rel_err": 1e-4}, "fp16": {"rel_err": 1e-2}}

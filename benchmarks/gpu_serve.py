@@ -34,7 +34,7 @@ import numpy as np
 
 from unroll import artifacts, tasks
 from unroll.benchmarks.common import RESULTS, demo_model, latency_summary
-from unroll.benchmarks.gpu_check_device import cuda_unavailable, machine, set_tf32
+from unroll.benchmarks.gpu_check_device import cuda_unavailable, machine
 from unroll.benchmarks.gpu_serve_decode import decode_times
 from unroll.benchmarks.gpu_serve_load import CLIENT_START_S, Request, ceiling, default_processes, drive
 from unroll.benchmarks.gpu_serve_report import STEM, write
@@ -49,6 +49,7 @@ from unroll.benchmarks.processes import cpu_by_pid, cpu_ms_per_request
 from unroll.benchmarks.serve_triton import stats_delta
 from unroll.benchmarks.soak import ServeProcess, start_serve, stop_serve
 from unroll.errors import BenchError
+from unroll.serving.torch_runtime import set_tf32
 from unroll.serving.triton import free_ports
 
 LEVELS, QUICK_LEVELS = (1, 64, 256), (1, 8)

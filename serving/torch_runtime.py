@@ -76,6 +76,22 @@ def padded_batch(n: int, sizes: Sequence[int]) -> int:
     return min((s for s in sizes if s >= n), default=n)
 
 
+def set_tf32(on: bool) -> None:
+    """TF32 for FP32 matmuls and convolutions on or off (the GPU benchmarks time both; served FP32 keeps it off).
+
+    The legacy flags on purpose: reading them (as Inductor does) after the newer per-backend ``fp32_precision``
+    API was used raises "mix of the legacy and new APIs", while the legacy setters keep both views consistent.
+    """
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the legacy setters' deprecation notice
+        torch.backends.cuda.matmul.allow_tf32 = on
+        torch.backends.cudnn.allow_tf32 = on
+
+
 def torch_session(graph: str | Path, threads: int, device: str = "cpu", cuda_graphs: bool = True,
                   half: str | None = None, batch_sizes: Sequence[int] = ()) -> Session:
     """A session running the PyTorch module behind ``graph`` (an exported ONNX file: its card names the model) on
@@ -102,10 +118,8 @@ def torch_session(graph: str | Path, threads: int, device: str = "cpu", cuda_gra
         # FP32 means FP32: PyTorch lets cuDNN's convolutions use TF32 by default (a 10-bit mantissa), far coarser than
         # the parity this module must hold against its graph (PARITY_MAX_ABS: the eager-tf32 rows of
         # benchmarks/results/gpu_check.h200.md, measured on an H200, miss it; eager-fp32 holds it). Reduced
-        # precision goes behind its gate instead (``half``). The stub serves this one model, so the switch is its
-        # own. (The legacy flags, as benchmarks/gpu_check_device.set_tf32 explains.)
-        torch.backends.cudnn.allow_tf32 = False
-        torch.backends.cuda.matmul.allow_tf32 = False
+        # precision goes behind its gate instead (``half``). The stub serves this one model, so the switch is its own.
+        set_tf32(False)
     module = module.to(dev).eval()
     call = fp32 = _outputs(module, card)
     lock = threading.Lock()
