@@ -2,15 +2,16 @@
 serves it, beside a copy of the same graph without the residual and code-size branch, in one tritonserver behind one
 gateway.
 
-``ab`` at concurrency 1 posts one test digit to Triton's v2 HTTP endpoint (tensors; the model with the residual
-is asked for both outputs, the copy for its logits) and to the gateway's ``/v1/classify`` (the PNG; the gateway
-adds the score, the verdict and the header for the model with the residual), in rounds that alternate which
-graph goes first, so drift on a shared machine falls on both. Per graph and path: the median of the rounds' p50, CPU ms
-per request by process kind and Triton's own time for the model's work (its statistics' compute input + infer +
-output). The added latency is the residual's added model time as a share of the request's p50 without it; the
-direct ratio of the two p50s (median over rounds of each back-to-back pair) is kept beside it, but on a shared
-2-core machine a whole request's p50 moves by several percent from one run to the next, more than the residual
-adds.
+``ab`` at concurrency 1 posts one test digit to Triton's v2 HTTP endpoint (tensors; the model with the residual is asked
+for both outputs, the copy for its logits; and, a third path, the model with the residual asked for its logits alone:
+what a client that does not want the score pays, as the backend builds only the outputs a client names) and to the
+gateway's ``/v1/classify`` (the PNG; the gateway adds the score, the verdict and the header for the model with the
+residual), in rounds that alternate which graph goes first, so drift on a shared machine falls on both. Per graph and
+path: the median of the rounds' p50, CPU ms per request by process kind and Triton's own time for the model's work (its
+statistics' compute input + infer + output). The added latency is the residual's added model time as a share of the
+request's p50 without it; the direct ratio of the two p50s (median over rounds of each back-to-back pair) is kept beside
+it, but on a shared 2-core machine a whole request's p50 moves by several percent from one run to the next, more than
+the residual adds.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ from unroll.serving.repository import write_repository
 
 #: The copy's name: the model's, with this suffix.
 PLAIN = "-plain"
-PATHS = ("triton", "gateway")
-PATH_LABELS = {"triton": "Triton HTTP (tensors)", "gateway": "gateway (PNG)"}
+PATHS = ("triton", "triton_unasked", "gateway")
+PATH_LABELS = {"triton": "Triton HTTP (tensors)", "triton_unasked": "Triton HTTP (tensors), score not asked",
+               "gateway": "gateway (PNG)"}
 #: Triton's statistics that time the model's own work (inputs in, execution, outputs out), per request.
 COMPUTE = tuple(k for k in STAT_KEYS if k != "queue")
 
@@ -69,9 +71,13 @@ def plain_copy(onnx_dir: Path, name: str) -> str:
 
 
 def _targets(triton_http: str, gateway: str, name: str, sample: Workload, outputs: list[str]) -> dict[str, tuple]:
-    """Per path: (url, body, content type, headers) for ``sample``'s first digit sent to the graph ``name``."""
+    """Per path: (url, body, content type, headers) for ``sample``'s first digit sent to the graph ``name``, asking
+    Triton for ``outputs`` (``triton``) or for the first of them alone (``triton_unasked``)."""
+    url = f"http://{triton_http}/v2/models/{name}/infer"
     body, headers = serve_ab.triton_body(sample.arrays[0], outputs)
-    return {"triton": (f"http://{triton_http}/v2/models/{name}/infer", body, "application/octet-stream", headers),
+    first, first_headers = serve_ab.triton_body(sample.arrays[0], outputs[:1])
+    return {"triton": (url, body, "application/octet-stream", headers),
+            "triton_unasked": (url, first, "application/octet-stream", first_headers),
             "gateway": (f"{gateway}/v1/classify?model={name}", sample.images[0], "image/png", {})}
 
 

@@ -46,8 +46,10 @@ defaults the gateway's), the card's ``min_size`` and a TensorRT profile's H×W w
   the RMS of what the model removed on the same scale: a residual-based noise estimate). The float output is not
   sent for encoded images.
 
-Only requested outputs are computed (``requested_output_names``). A float-tensor request gets its graph's outputs
-and, where it asks for it (or for every output), ``image_info`` ``{}`` per item; ``encoded`` only comes from images.
+Only requested outputs are built and handed to Triton (``requested_output_names``; Triton names every output when
+a client names none): a client that asks for ``logits`` alone does not pay for the solver output's hand-over. A
+float-tensor request gets the graph outputs it asks for and, where it asks for it (or for every output),
+``image_info`` ``{}`` per item; ``encoded`` only comes from images.
 A client error on this path is ``INVALID_ARG`` with a message that starts ``[STATUS CODE]``, the HTTP status and
 code the gateway answers (e.g. ``[413 image_too_large] …``; :func:`unroll.serving.imaging.wire.format_error`); a bad
 image fails only its own request.
@@ -247,8 +249,9 @@ class TritonPythonModel:
             try:
                 if isinstance(arrays, Exception):  # e.g. an image below the model's minimum size
                     raise arrays
-                tensors = self._tensors(arrays)
-                if self.kind is not None and wire.IMAGE_INFO in requests[idx].requested_output_names():
+                wanted = set(requests[idx].requested_output_names())  # every output where the client named none
+                tensors = self._tensors(arrays, wanted)
+                if self.kind is not None and wire.IMAGE_INFO in wanted:
                     # float tensors in: no image was decoded, nothing to report (every item "{}"), so that
                     # clients asking for every output (perf_analyzer) get each one
                     tensors.append(self._rows(wire.IMAGE_INFO, [wire.info_json({})] * len(arrays[0]), b" "))

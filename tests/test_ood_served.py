@@ -189,6 +189,24 @@ def test_triton_direct_clients_get_the_signals_the_gateway_scores(demo_triton, g
 
 
 @pytest.mark.triton
+def test_a_float_request_gets_the_outputs_it_names_and_every_one_when_it_names_none(demo_triton) -> None:
+    """The backend builds only the outputs a client asks for (a client that wants the logits alone does not pay for
+    the solver output's hand-over); one that names none gets every output (``image_info`` too), the same numbers."""
+    import tritonclient.http as httpclient
+
+    x = mnist_split()[2][:3]
+    with httpclient.InferenceServerClient(demo_triton.url) as client:
+        inp = httpclient.InferInput(registry.get_spec(MODEL).card.input.name, list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        alone = client.infer(MODEL, [inp], outputs=[httpclient.InferRequestedOutput("logits")])
+        every = client.infer(MODEL, [inp])
+    assert [o["name"] for o in alone.get_response()["outputs"]] == ["logits"]
+    assert sorted(o["name"] for o in every.get_response()["outputs"]) == ["image_info", "logits", "solver_fit"]
+    np.testing.assert_array_equal(alone.as_numpy("logits"), every.as_numpy("logits"))
+    assert every.as_numpy("solver_fit").shape == (3, len(SOLVER_SIGNALS))
+
+
+@pytest.mark.triton
 def test_the_denoisers_discrepancy_is_read_from_what_the_gateway_answers(gateway: httpx.Client) -> None:
     """The denoiser's out-of-distribution signal needs nothing new served: for one test image of each kind, the
     gateway's ``X-Sigma-Used`` and ``X-Sigma-Residual`` are the benchmark's in-process numbers."""
