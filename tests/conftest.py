@@ -1,7 +1,10 @@
 """Shared test set-up: deterministic, 2 threads (the CI machine's cores)."""
 
+import json
 import os
+import resource
 import tempfile
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +34,32 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         per_file[item.path] = max(per_file.get(item.path, (0.0, False)), weight(item))
     items.sort(key=lambda item: (-per_file[item.path][0], not per_file[item.path][1]))
+
+
+#: UNROLL_TEST_CPU=PREFIX: each test process writes PREFIX.<worker>.json, the CPU seconds (user + system, its own and
+#: its reaped children's: the servers a file's fixtures started and stopped) spent per test file, setup and teardown
+#: included, to find where the suite's time goes (a session fixture's server counts in the process's last file)
+_CPU_REPORT = os.environ.get("UNROLL_TEST_CPU")
+_cpu_by_file: dict[str, float] = defaultdict(float)
+
+
+def _cpu_s() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    before = _cpu_s() if _CPU_REPORT else 0.0
+    yield
+    if _CPU_REPORT:
+        _cpu_by_file[item.path.name] += _cpu_s() - before
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _CPU_REPORT:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        Path(f"{_CPU_REPORT}.{worker}.json").write_text(json.dumps({"total_s": _cpu_s(), "files": _cpu_by_file}))
 
 
 @pytest.fixture(autouse=True, scope="session")
