@@ -668,12 +668,15 @@ def test_api_key(gw_key: Gateway, digit_png: bytes) -> None:
 def test_concurrency_limit_429_and_triton_timeout_504(triton: Triton, digit_png: bytes,
                                                       tmp_path_factory: pytest.TempPathFactory) -> None:
     """Limit 1 in flight, queue 0: of three concurrent denoises one runs, and its Triton calls (each a batch of
-    windows, far slower than the 20 ms deadline here) hit the deadline: 504."""
+    windows, far slower than the 20 ms deadline here) hit the deadline: 504. The gateway reads Triton's models under
+    the same deadline: the burst waits until it has read the denoiser (on a loaded machine a read can take longer,
+    answered 503 until it is read again: test_a_model_the_gateway_could_not_read_is_503_not_404)."""
     rng = np.random.default_rng(0)
     big = png(to8(rng.random((1536, 1536))))  # windows of 448², four per call: tenths of a second each on a CPU
     settings = Settings(triton_url=triton.url, triton_protocol="http", api_key=API_KEY, max_concurrency=1,
                         max_queue=0, request_timeout_s=0.02)
     with running_gateway(settings, tmp_path_factory.mktemp("gw-deadline") / "gateway.log") as g:
+        _wait_served(g, "csc-denoiser", {"X-API-Key": API_KEY})
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=g.base, timeout=60, headers={"X-API-Key": API_KEY}) as ac:
@@ -692,7 +695,68 @@ def test_concurrency_limit_429_and_triton_timeout_504(triton: Triton, digit_png:
         assert time.monotonic() - t0 < 10
 
 
-# --- Triton down and back (last: restarts the shared server) ------------------------------------------------
+def _wait_served(g: Gateway, name: str, headers: dict[str, str], within_s: float = 60.0) -> None:
+    """Until the gateway lists ``name`` among its served models (each look at most one re-read of Triton's)."""
+    deadline = time.monotonic() + within_s
+    while name not in {m["name"] for m in g.client.get("/v1/models", headers=headers).json()["models"]}:
+        assert time.monotonic() < deadline, f"{name} not served by the gateway within {within_s:g} s"
+        time.sleep(0.2)
+
+
+class _ConfigNotGiven:
+    """The gateway's real Triton client, except that Triton does not give ``name``'s config in time while ``slow``
+    (a slow answer on a loaded machine cannot be caused on cue for one call; every other call is real)."""
+
+    def __init__(self, real, name: str) -> None:
+        self.real, self.name, self.slow = real, name, True
+
+    def __getattr__(self, attr: str):
+        return getattr(self.real, attr)
+
+    async def model_config(self, name: str) -> dict:
+        from unroll.errors import TritonTimeout
+
+        if self.slow and name == self.name:
+            raise TritonTimeout(f"Triton did not answer config of {name} within 0.02 s")
+        return await self.real.model_config(name)
+
+
+def test_a_model_the_gateway_could_not_read_is_503_not_404(triton: Triton, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton lists the denoiser but did not give its config in time: it is not known to be absent, so a request for
+    it, or for its task while nothing else serves it, gets 503 with Retry-After (it was a 404 "serves no denoising
+    model", run 37); the other task is served meanwhile, a model Triton does not list is still 404, and the next
+    read serves the denoiser."""
+    from unroll.errors import ApiError
+    from unroll.serving.gateway import catalog
+    from unroll.serving.gateway.triton_client import TritonBackend
+
+    monkeypatch.setattr(catalog, "MIN_REFRESH_S", 0.0)
+    settings = Settings(triton_url=triton.url, triton_protocol="http")
+
+    async def scenario() -> None:
+        real = TritonBackend(triton.url, "http", 10.0)
+        backend = _ConfigNotGiven(real, "csc-denoiser")
+        cat = catalog.Catalog(backend, settings)  # type: ignore[arg-type]
+        try:
+            assert (await cat.resolve(None, "classification")).name == "sdnet-mnist"
+            for model in (None, "csc-denoiser"):
+                with pytest.raises(ApiError) as e:
+                    await cat.resolve(model, "denoising")
+                assert (e.value.status, e.value.code) == (503, "model_unavailable"), e.value.message
+                assert e.value.headers["Retry-After"] == str(settings.retry_after_s)
+                assert "csc-denoiser: cannot read its config from Triton" in e.value.message, e.value.message
+            with pytest.raises(ApiError) as e:
+                await cat.resolve("no-such-model", "denoising")
+            assert e.value.status == 404
+            with pytest.raises(ApiError) as e:
+                await cat.loaded("csc-denoiser")
+            assert e.value.status == 503
+            backend.slow = False
+            assert (await cat.resolve(None, "denoising")).name == "csc-denoiser"
+        finally:
+            await real.close()
+
+    asyncio.run(scenario())
 
 
 def test_triton_down_then_back(gw: Gateway, gw_key: Gateway, triton: Triton, digit_png: bytes) -> None:

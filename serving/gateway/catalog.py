@@ -32,6 +32,9 @@ MIN_REFRESH_S = 1.0
 NOT_LOADED = "NOT_LOADED"
 #: Version states worth listing: loaded, or on the way in or out (Triton keeps unloaded versions in its index).
 LIVE_STATES = ("READY", "LOADING", "UNLOADING")
+#: State of a loaded model whose metadata or config Triton did not give (a timeout, a restart): not known to serve
+#: or not; a request for it (or for its task, when nothing else serves it) gets 503 and the catalog looks again.
+UNREAD = "UNREAD"
 
 
 @dataclass(frozen=True)
@@ -182,14 +185,26 @@ class Catalog:
         served = snap.served(task)
         if model is None:
             if not served:
+                self._unread([e for e in snap.entries.values() if e.state == UNREAD],
+                             f"Triton serves no {task} model that the gateway could read")
                 raise ApiError(404, "unknown_model", f"Triton serves no {task} model (see GET /v1/models)")
             return snap.entries[served[0]]
         if model not in served:
             entry = snap.entries.get(model)
+            self._unread([entry] if entry is not None and entry.state == UNREAD else [],
+                         f"the gateway could not read {model!r} from Triton")
             why = f" ({entry.reason})" if entry is not None and entry.reason else ""
             raise ApiError(404, "unknown_model",
                            f"unknown {task} model {model!r}{why}; served: {', '.join(served) or 'none'}")
         return snap.entries[model]
+
+    def _unread(self, unread: list[Entry], said: str) -> None:
+        """503 (with ``Retry-After``) instead of a 404 when what was asked for may be among the models whose config
+        Triton did not give the last time it was read: not known to be absent, and read again soon."""
+        if unread:
+            why = "; ".join(f"{e.name}: {e.reason}" for e in unread)
+            raise ApiError(503, "model_unavailable", f"{said} ({why}); it reads Triton's models again within "
+                           f"{MIN_REFRESH_S:g} s", {"Retry-After": str(self.settings.retry_after_s)})
 
     async def loaded(self, name: str) -> Entry:
         """The model Triton has loaded as ``name``, served on a ``/v1`` route or not (the ``/v2`` front takes any);
@@ -199,6 +214,8 @@ class Catalog:
             entry = (await self.snapshot(refresh=refresh)).entries.get(name)
             if entry is not None and entry.info is not None:
                 return entry
+        self._unread([entry] if entry is not None and entry.state == UNREAD else [],
+                     f"the gateway could not read {name!r} from Triton")
         why = f" ({entry.reason})" if entry is not None and entry.reason else ""
         raise ApiError(404, "unknown_model", f"Triton has no loaded model {name!r}{why}")
 
@@ -250,7 +267,7 @@ class Catalog:
             meta, cfg = await asyncio.gather(self.backend.model_metadata(name), self.backend.model_config(name))
             info = model_info(name, meta, cfg)
         except TritonError as e:
-            return Entry(name, "UNKNOWN", reason=f"cannot read its config from Triton: {e}")
+            return Entry(name, UNREAD, reason=f"cannot read its config from Triton: {e}")
         raw = ((cfg.get("parameters") or {}).get(CARD_KEY) or {}).get("string_value")
         if not raw:
             return Entry(name, state, info=info, reason=f"no model card in its Triton config (parameters"
