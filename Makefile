@@ -27,10 +27,13 @@ venv: $(STAMP)  ## create .venv and install unroll with its serving and dev extr
 
 # TEST_WORKERS=N runs the test files in N processes (pytest-xdist, one file per worker at a time so a file's servers
 # start once): about 20 minutes of pytest with 3 on 2 cores instead of 30 in one process (the suite needs about
-# 37 CPU-minutes either way). 0: one process (to bisect a failure without the others beside it).
-TEST_WORKERS ?= 3
+# 41 CPU-minutes either way). Not the default: of four parallel runs in a row two passed, one found a gateway that
+# answered 404 for a model it had not managed to read (fixed) and one met tritonserver's Python backend aborting
+# while a version unloaded (boost lock_exception, upstream; the supervisor restarts it, but the deploy tests then
+# fail) — load makes both likelier. 0: one process.
+TEST_WORKERS ?= 0
 
-test: $(STAMP)  ## run the whole test suite (CI calls this); TEST_WORKERS=N test processes (default 3; 0: one)
+test: $(STAMP)  ## run the whole test suite (CI calls this); TEST_WORKERS=N test processes (default 0: one)
 	$(PY) -m ruff check unroll export serving benchmarks app pipeline tests examples scripts deploy
 	$(VENV)/bin/hadolint Dockerfile
 	@echo "==> perf_analyzer (Triton's own client) in build/perf_analyzer-venv; its tests skip with the reason without it"

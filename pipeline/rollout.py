@@ -85,12 +85,20 @@ class TritonControl:
 
     def call(self, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()`` with Triton's refusals and connection failures as :class:`DeployError` naming ``what``."""
+        from http.client import HTTPException
+
         from tritonclient.utils import InferenceServerException
 
         try:
             return fn()
         except InferenceServerException as e:
             raise DeployError(f"Triton refused {what}: {e.message() or e}") from None
+        except HTTPException as e:  # the connection ended without an answer (tritonclient's geventhttpclient)
+            raise DeployError(f"Triton at {self.url} closed the connection during {what} without answering "
+                              f"({type(e).__name__}: {e}): it ended or restarted meanwhile (`unroll serve`'s "
+                              "supervisor restarts it and says why in its output). The restarted Triton serves what "
+                              "the model's directory says so far (see GET /v1/models); `unroll deploy` run again "
+                              "first brings back a deployment left half-way") from None
         except OSError as e:
             raise DeployError(f"cannot reach Triton at {self.url} (from {self.found_by}) for {what} "
                               f"({type(e).__name__}: {e}); is `unroll serve` running from this folder, or is "

@@ -221,3 +221,49 @@ def test_the_denoisers_discrepancy_is_read_from_what_the_gateway_answers(gateway
         bench = denoise_residual.estimates(model, card, sent[0])
         assert float(r.headers["X-Sigma-Used"]) == pytest.approx(bench["sigma"], abs=1e-3), kind
         assert float(r.headers["X-Sigma-Residual"]) == pytest.approx(bench["residual"], rel=0.01, abs=0.05), kind
+
+
+@pytest.mark.triton
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_unroll_serve_of_an_int8_choice_answers_by_the_int8_graphs_own_rule(demo_onnx_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    """`unroll optimize sdnet-mnist --precision fp32,fp16,int8` chose INT8 on OpenVINO (the committed record); with
+    that choice `unroll serve` (its supervisor, two gateway workers, spare ports) builds the INT8 graph and serves the
+    rule measured on it: ``/v1/models`` shows it, and the verdicts and scores are that rule's, not the FP32 one's."""
+    import shutil
+
+    import onnx
+
+    from unroll import artifacts
+    from unroll.benchmarks.common import RESULTS
+    from unroll.benchmarks.soak import start_serve, stop_serve
+
+    root = tmp_path.resolve()
+    shutil.copytree(demo_onnx_dir, root / "onnx")
+    chosen = root / "optimize"
+    chosen.mkdir()
+    published = RESULTS / f"optimize_{MODEL}.cpu.json"
+    record = json.loads(published.read_text())
+    assert record["choice"]["precision"] == "int8" and record["choice"]["runtime"] == "openvino", record["choice"]
+    (chosen / f"{MODEL}.cpu.json").write_text(published.read_text())
+    s = start_serve(root, [MODEL], log=lambda m: None, settings={"UNROLL_OPTIMIZE_DIR": str(chosen)},
+                    args=("--workers", "2"), ready_timeout_s=600)
+    try:
+        int8 = from_onnx(onnx.load(str(artifacts.graph(MODEL, "int8", onnx_dir=root / "onnx")))).ood
+        fp32 = OodCard(**_recorded_rule())
+        assert int8 is not None and int8.measured_on == "int8" and int8.threshold != fp32.threshold
+        with httpx.Client(base_url=s.base, timeout=60) as client:
+            [listed] = [m for m in client.get("/v1/models").json()["models"] if m["name"] == MODEL]
+            assert listed["runtime"] == "openvino", listed
+            assert OodCard(**listed["card"]["ood"]) == int8, listed["card"]["ood"]
+            for name in PHOTOS:
+                r = classify(client, png(getattr(skdata, name)()), "&abstain=true")
+                assert r.json()["in_distribution"] is False and r.headers[ood.HEADER] == "false", r.json()
+                assert r.json()["ood_score"] > int8.threshold
+            _, _, x, _ = mnist_split()
+            answers = [classify(client, png((x[i, 0] * 255).round().astype(np.uint8))).json() for i in range(40)]
+            assert sum(a["in_distribution"] is False for a in answers) <= 2, answers  # ood.md: INT8 flags ~1 %
+            assert all((a["ood_score"] > int8.threshold) is (a["in_distribution"] is False) for a in answers)
+    finally:
+        stop_serve(s)

@@ -88,3 +88,35 @@ def test_one_deployment_of_a_model_at_a_time(model_dir: ModelDir, demo_onnx_dir:
     with pytest.raises(DeployError, match="cannot reach Triton at 127.0.0.1:9"):  # the lock is free again
         deploy(MODEL, demo_onnx_dir / f"{MODEL}.onnx", model_dir.path.parent, TritonControl("127.0.0.1:9"))
     assert model_dir.versions_on_disk() == [1] and model_dir.served() == [1]
+
+
+def test_a_triton_that_closes_the_connection_mid_deploy_is_a_clear_error(model_dir: ModelDir,
+                                                                        demo_onnx_dir: Path) -> None:
+    """A Triton that ends while a deployment talks to it (run 38: Python-backend abort while a version unloaded)
+    closes the connection without an answer: ``unroll deploy`` says so and what to do, not a traceback. A real
+    socket that reads each request and closes stands in for the dying server."""
+    import socket
+    import threading
+
+    from unroll.errors import DeployError
+    from unroll.pipeline.rollout import TritonControl, deploy
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+
+        def close_each() -> None:
+            while True:
+                try:
+                    conn, _ = server.accept()
+                except OSError:  # the test is over
+                    return
+                with conn:
+                    conn.recv(65536)
+
+        threading.Thread(target=close_each, daemon=True).start()
+        with pytest.raises(DeployError, match="closed the connection during .* without answering") as e:
+            deploy(MODEL, demo_onnx_dir / f"{MODEL}.onnx", model_dir.path.parent,
+                   TritonControl(f"127.0.0.1:{server.getsockname()[1]}", timeout_s=10))
+    assert "`unroll deploy` run again first brings back a deployment left half-way" in str(e.value)
+    assert model_dir.served() == [1]  # nothing was decided: the directory still serves what it did
