@@ -185,22 +185,22 @@ class Catalog:
         served = snap.served(task)
         if model is None:
             if not served:
-                self._unread([e for e in snap.entries.values() if e.state == UNREAD],
-                             f"Triton serves no {task} model that the gateway could read")
+                self._unread(f"Triton serves no {task} model that the gateway could read", *snap.entries.values())
                 raise ApiError(404, "unknown_model", f"Triton serves no {task} model (see GET /v1/models)")
             return snap.entries[served[0]]
         if model not in served:
             entry = snap.entries.get(model)
-            self._unread([entry] if entry is not None and entry.state == UNREAD else [],
-                         f"the gateway could not read {model!r} from Triton")
+            self._unread(f"the gateway could not read {model!r} from Triton", entry)
             why = f" ({entry.reason})" if entry is not None and entry.reason else ""
             raise ApiError(404, "unknown_model",
                            f"unknown {task} model {model!r}{why}; served: {', '.join(served) or 'none'}")
         return snap.entries[model]
 
-    def _unread(self, unread: list[Entry], said: str) -> None:
-        """503 (with ``Retry-After``) instead of a 404 when what was asked for may be among the models whose config
-        Triton did not give the last time it was read: not known to be absent, and read again soon."""
+    def _unread(self, said: str, *candidates: Entry | None) -> None:
+        """503 (with ``Retry-After``) instead of a 404 when what was asked for may be among ``candidates`` whose
+        config Triton did not give the last time it was read (:data:`UNREAD`): not known to be absent, and read
+        again soon."""
+        unread = [e for e in candidates if e is not None and e.state == UNREAD]
         if unread:
             why = "; ".join(f"{e.name}: {e.reason}" for e in unread)
             raise ApiError(503, "model_unavailable", f"{said} ({why}); it reads Triton's models again within "
@@ -214,8 +214,7 @@ class Catalog:
             entry = (await self.snapshot(refresh=refresh)).entries.get(name)
             if entry is not None and entry.info is not None:
                 return entry
-        self._unread([entry] if entry is not None and entry.state == UNREAD else [],
-                     f"the gateway could not read {name!r} from Triton")
+        self._unread(f"the gateway could not read {name!r} from Triton", entry)
         why = f" ({entry.reason})" if entry is not None and entry.reason else ""
         raise ApiError(404, "unknown_model", f"Triton has no loaded model {name!r}{why}")
 
