@@ -12,6 +12,16 @@ statistics' compute input + infer + output). The added latency is the residual's
 request's p50 without it; the direct ratio of the two p50s (median over rounds of each back-to-back pair) is kept beside
 it, but on a shared 2-core machine a whole request's p50 moves by several percent from one run to the next, more than
 the residual adds.
+
+So each path is also measured in pairs (:mod:`~unroll.benchmarks.paired_latency`: one request to each side back to
+back, thousands of times, the median of the differences with its confidence interval). Two copies of the same plain
+graph (an A/A pair) show how far two served models that do the same work can differ here: tens of microseconds that
+move over a run (which process lands on which core), as large as what the residual adds. So the added latency judged
+is built from comparisons free of that: Triton direct, the graph's own added time (in-process, ONNX Runtime as served)
+plus the hand-over of the extra output, measured in pairs on the same served model (asked for both outputs against
+asked for its logits); score not asked, the graph's time alone (the output is not handed over); the gateway, both of
+those and the gateway's own work for the score (its code on the graph's real outputs, in-process, with the served card
+against the same card without ``ood``). The served pairs of the two graphs are kept beside, not judged.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ import numpy as np
 import onnx
 
 from unroll import artifacts, pipeline
-from unroll.benchmarks import serve_ab
+from unroll.benchmarks import paired_latency, serve_ab
 from unroll.benchmarks.processes import cpu_by_pid, cpu_ms_per_request
 from unroll.benchmarks.serve_load import Workload, classify_workload
 from unroll.benchmarks.serve_triton import STAT_KEYS, stats_delta, triton_server, triton_stats
@@ -36,8 +46,9 @@ from unroll.serving.gateway.process import gateway_process
 from unroll.serving.gateway.settings import Settings
 from unroll.serving.repository import write_repository
 
-#: The copy's name: the model's, with this suffix.
+#: The copy's name: the model's, with this suffix; the A/A pair's second copy has :data:`TWIN`.
 PLAIN = "-plain"
+TWIN = "-plain-twin"
 PATHS = ("triton", "triton_unasked", "gateway")
 PATH_LABELS = {"triton": "Triton HTTP (tensors)", "triton_unasked": "Triton HTTP (tensors), score not asked",
                "gateway": "gateway (PNG)"}
@@ -50,24 +61,24 @@ def declaring_ood(models: Sequence[str]) -> list[str]:
     return [m for m in models if get_spec(m).card.ood is not None]
 
 
-def plain_copy(onnx_dir: Path, name: str) -> str:
-    """Write ``NAME-plain.onnx`` beside ``NAME.onnx``: the same graph with the solver output (residual, code size)
-    and every node only it needs removed, its card without ``ood``; returns the copy's name."""
+def plain_copy(onnx_dir: Path, name: str, suffix: str = PLAIN) -> str:
+    """Write ``NAME-plain.onnx`` (``NAME{suffix}``) beside ``NAME.onnx``: the same graph with the solver output
+    (residual, code size) and every node only it needs removed, its card without ``ood``; returns the copy's name."""
     model = onnx.load(str(artifacts.graph(name, onnx_dir=onnx_dir)))
     card = from_onnx(model)
     if card.ood is None:
         raise BenchError(f"{name}: its card declares no residual output (ood)")
     keep = [o.name for o in model.graph.output if o.name != card.ood.output]
     plain = onnx.utils.Extractor(model).extract_model([i.name for i in model.graph.input], keep)
-    plain_card = card.model_copy(update={"name": name + PLAIN, "ood": None, "iters": None})
+    plain_card = card.model_copy(update={"name": name + suffix, "ood": None, "iters": None})
     write_to_onnx(plain, plain_card)
-    onnx.save(plain, str(artifacts.graph(name + PLAIN, onnx_dir=onnx_dir)))
+    onnx.save(plain, str(artifacts.graph(name + suffix, onnx_dir=onnx_dir)))
     report = json.loads(artifacts.graph_report(name, onnx_dir=onnx_dir).read_text())
-    report.update(model=name + PLAIN, card=plain_card.model_dump(mode="json"),
+    report.update(model=name + suffix, card=plain_card.model_dump(mode="json"),
                   derived_from=f"{name} without its {card.ood.output!r} output",
                   outputs=[o for o in report["outputs"] if o["name"] in keep])
-    artifacts.graph_report(name + PLAIN, onnx_dir=onnx_dir).write_text(json.dumps(report, indent=2))
-    return name + PLAIN
+    artifacts.graph_report(name + suffix, onnx_dir=onnx_dir).write_text(json.dumps(report, indent=2))
+    return name + suffix
 
 
 def _targets(triton_http: str, gateway: str, name: str, sample: Workload, outputs: list[str]) -> dict[str, tuple]:
@@ -103,14 +114,49 @@ def graph_cost(onnx_dir: Path, name: str, feeds: dict[str, np.ndarray], rounds: 
         for g in (list(sessions) if r % 2 == 0 else list(sessions)[::-1]):
             times[g].append(time_call(lambda g=g: sessions[g].run(None, feeds), budget_s=0.3)["median_ms"])
     out = {f"{g}_ms": float(np.median(t)) for g, t in times.items()}
+    outputs = dict(zip([o.name for o in sessions["with"].get_outputs()], sessions["with"].run(None, feeds),
+                       strict=True))
     return {**out, "added_ms": float(np.median([w - o for w, o in zip(times["with"], times["without"],
-                                                                       strict=True)]))}
+                                                                       strict=True)])),
+            "gateway_score": gateway_score_cost(onnx_dir, name, outputs)}
+
+
+def gateway_score_cost(onnx_dir: Path, name: str, outputs: dict[str, np.ndarray], rounds: int = 10,
+                       calls: int = 2000) -> dict[str, float]:
+    """What the gateway does for the score, in-process: its own code (:mod:`unroll.serving.gateway.ood`: the fields,
+    the header, the answer's JSON) on the served graph's real outputs for one digit, with the served card and with
+    the same card without ``ood`` (whose answer says there is no score), alternating rounds of ``calls`` calls;
+    median µs per call each and the difference, in ms."""
+    import json as json_module
+    import timeit
+
+    from unroll.serving.gateway import ood as gateway_ood
+
+    card = from_onnx(onnx.load(str(artifacts.graph(name, onnx_dir=onnx_dir))))
+    cards = {"with": card, "without": card.model_copy(update={"ood": None})}
+    logits = outputs[card.output].astype(np.float64)[0]
+    msp = float(1 - (np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()).max())
+    lam = card.lam.default if card.lam is not None else None
+
+    def answer(c: object) -> str:
+        body: dict = {"model": name, "predictions": [{"label": "8", "score": 1 - msp}], "latency_ms": 1.0}
+        body.update(gateway_ood.fields(c, c, lam, outputs, msp))
+        gateway_ood.header(body)
+        return json_module.dumps(body)
+
+    times: dict[str, list[float]] = {g: [] for g in cards}
+    for r in range(rounds):
+        for g in (list(cards) if r % 2 == 0 else list(cards)[::-1]):
+            times[g].append(timeit.timeit(lambda g=g: answer(cards[g]), number=calls) / calls * 1e3)
+    return {**{f"{g}_ms": float(np.median(t)) for g, t in times.items()},
+            "added_ms": float(np.median([w - o for w, o in zip(times["with"], times["without"], strict=True)]))}
 
 
 def measure(models: Sequence[str], onnx_dir: Path = artifacts.ONNX_DIR, rounds: int = 3, round_s: float = 3.0,
-            tick: Callable[[str], None] = lambda m: None) -> dict[str, dict]:
-    """Per model (those that declare ``ood``): per path, the p50 and CPU ms per request with and without the residual
-    and the added latency. The repository is written by the pipeline (exports first where missing or stale)."""
+            tick: Callable[[str], None] = lambda m: None, paired_s: float = 8.0) -> dict[str, dict]:
+    """Per model (those that declare ``ood``): per path, the p50 and CPU ms per request with and without the residual,
+    the added model time, and the added latency measured in pairs for ``paired_s`` seconds. The repository is
+    written by the pipeline (exports first where missing or stale)."""
     names = declaring_ood(models)
     if not names:
         return {}
@@ -127,18 +173,33 @@ def measure(models: Sequence[str], onnx_dir: Path = artifacts.ONNX_DIR, rounds: 
         for name in names:
             for f in (artifacts.graph(name, onnx_dir=onnx_dir), artifacts.graph_report(name, onnx_dir=onnx_dir)):
                 (copies / f.name).symlink_to(f.resolve())
-            write_repository("cpu", [plain_copy(copies, name)], repo, onnx_dir=copies)
+            write_repository("cpu", [plain_copy(copies, name, suffix) for suffix in (PLAIN, TWIN)], repo,
+                             onnx_dir=copies)
         with triton_server(repo, root / "triton.log") as (http, grpc), \
                 gateway_process(Settings(triton_url=grpc.removeprefix("grpc://")), root / "gw.log") as gateway:
             for name in names:
                 tick(f"served cost of {name}'s residual")
-                out[name] = _measure_pair(http, gateway, name, rounds, round_s)
+                out[name] = _measure_pair(http, gateway, name, rounds, round_s, paired_s)
         for name in names:
             out[name]["graph"] = graph_cost(copies, name, classify_workload(name, n=1).arrays[0])
+            judge(out[name])
     return out
 
 
-def _measure_pair(http: str, gateway: str, name: str, rounds: int, round_s: float) -> dict:
+def judge(m: dict) -> None:
+    """Per path, the added latency judged (``judged``: ms, share of the ``ab`` p50 without it, and how it was
+    measured), from the comparisons that the A/A pair does not show to be unresolvable (module docstring)."""
+    parts = {"triton": (m["graph"]["added_ms"] + m["handover"]["added_ms"],
+                        "graph in-process + hand-over of the output (pairs, same served model)"),
+             "triton_unasked": (m["graph"]["added_ms"], "graph in-process (no output handed over)"),
+             "gateway": (m["graph"]["added_ms"] + m["handover"]["added_ms"] + m["graph"]["gateway_score"]["added_ms"],
+                         "graph in-process + hand-over (pairs, same served model, Triton HTTP) + the gateway's "
+                         "score, in-process")}
+    for path, (ms, how) in parts.items():
+        m[path]["judged"] = {"added_ms": ms, "added": ms / m[path]["without"]["p50_ms"], "how": how}
+
+
+def _measure_pair(http: str, gateway: str, name: str, rounds: int, round_s: float, paired_s: float) -> dict:
     card = get_spec(name).card
     sample = classify_workload(name, n=1)  # the first test digit: its tensor and its PNG
     graphs = {"with": (name, [card.output, card.ood.output]), "without": (name + PLAIN, [card.output])}
@@ -183,5 +244,17 @@ def _measure_pair(http: str, gateway: str, name: str, rounds: int, round_s: floa
         row["added_compute_ms"] = float(np.median([w - o for w, o in zip(compute["with"], compute["without"],
                                                                           strict=True)]))
         row["added_latency"] = row["added_compute_ms"] / row["without"]["p50_ms"]
+        row["paired"] = paired_latency.added(_endpoint(targets["without"][p]), _endpoint(targets["with"][p]),
+                                             paired_s)
         result[p] = row
+    twin = _targets(http, gateway, name + TWIN, sample, [card.output])["triton"]
+    result["twin"] = paired_latency.added(_endpoint(targets["without"]["triton"]), _endpoint(twin), paired_s)
+    # the extra output's hand-over on one served model: asked for both outputs against asked for its logits
+    result["handover"] = paired_latency.added(_endpoint(targets["with"]["triton_unasked"]),
+                                              _endpoint(targets["with"]["triton"]), paired_s)
     return result
+
+
+def _endpoint(target: tuple) -> paired_latency.Endpoint:
+    url, body, ctype, headers = target
+    return paired_latency.Endpoint(url, body, {**headers, "Content-Type": ctype})

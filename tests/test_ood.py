@@ -117,7 +117,7 @@ def test_a_quick_run_writes_consistent_results_and_serves_both_graphs(tmp_path: 
     if serve_ab.find() is None:
         pytest.skip(serve_ab.missing_reason())
     p = ood.run(["sdnet-mnist"], digits=120, out_dir=tmp_path, onnx_dir=demo_onnx_dir, served_rounds=1,
-                served_round_s=1, quantized=())  # the quantized graphs' part: tests/test_quantize.py
+                served_round_s=1, served_paired_s=1, quantized=())  # the quantized graphs' part: tests/test_quantize.py
     assert (tmp_path / "ood.md").read_text() == ood.markdown(json.loads((tmp_path / "ood.json").read_text()))
     assert (tmp_path / "ood.png").stat().st_size > 0
     m = p["models"]["sdnet-mnist"]
@@ -132,6 +132,19 @@ def test_a_quick_run_writes_consistent_results_and_serves_both_graphs(tmp_path: 
             assert 0 < served[path][graph]["compute_ms"] < 1e3, (path, graph)
         assert served[path]["added_latency"] == pytest.approx(served[path]["added_compute_ms"] /
                                                               served[path]["without"]["p50_ms"])
+        paired = served[path]["paired"]
+        assert paired["pairs"] >= 10 and paired["base_p50_ms"] > 0 and paired["other_p50_ms"] > 0
+        assert paired["added_ci_ms"][0] <= paired["added_ms"] <= paired["added_ci_ms"][1]
+        assert served[path]["judged"]["added"] == pytest.approx(served[path]["judged"]["added_ms"] /
+                                                                served[path]["without"]["p50_ms"])
+    for pair in ("twin", "handover"):  # the A/A pair and the output's hand-over on one served model
+        assert served[pair]["pairs"] >= 10 and served[pair]["base_p50_ms"] > 0, pair
+    assert served["triton"]["judged"]["added_ms"] == pytest.approx(served["graph"]["added_ms"] +
+                                                                   served["handover"]["added_ms"])
+    assert served["gateway"]["judged"]["added_ms"] == pytest.approx(
+        served["triton"]["judged"]["added_ms"] + served["graph"]["gateway_score"]["added_ms"])
+    # the gateway's own work for the score costs something, and far less than a request
+    assert 0 < served["graph"]["gateway_score"]["added_ms"] < 0.2
     assert len([t for t in p["targets"] if "served added latency" in t["target"]]) == len(ood_served.PATHS)
 
 
