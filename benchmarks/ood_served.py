@@ -131,15 +131,16 @@ def gateway_score_cost(onnx_dir: Path, name: str, outputs: dict[str, np.ndarray]
     import timeit
 
     from unroll.serving.gateway import ood as gateway_ood
+    from unroll.serving.gateway.classify import _from_logits
 
     card = from_onnx(onnx.load(str(artifacts.graph(name, onnx_dir=onnx_dir))))
     cards = {"with": card, "without": card.model_copy(update={"ood": None})}
-    logits = outputs[card.output].astype(np.float64)[0]
-    msp = float(1 - (np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()).max())
+    # the gateway's own top label and MSP (the same on both sides: outside the timing)
+    preds, msp = _from_logits(outputs[card.output][0], 1, card, name)
     lam = card.lam.default if card.lam is not None else None
 
     def answer(c: object) -> str:
-        body: dict = {"model": name, "predictions": [{"label": "8", "score": 1 - msp}], "latency_ms": 1.0}
+        body: dict = {"model": name, "predictions": preds, "latency_ms": 1.0}
         body.update(gateway_ood.fields(c, c, lam, outputs, msp))
         gateway_ood.header(body)
         return json_module.dumps(body)

@@ -16,6 +16,7 @@ import math
 import socket
 import time
 from dataclasses import dataclass
+from statistics import NormalDist
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -63,7 +64,7 @@ def median_ci(values: np.ndarray, level: float = 0.95) -> tuple[float, float]:
     ranks ``n/2 ± z·√n/2``); the whole range where there are too few values for one."""
     s = np.sort(values)
     n = len(s)
-    z = {0.95: 1.959964, 0.99: 2.575829}[level]
+    z = NormalDist().inv_cdf(0.5 + level / 2)
     half = z * math.sqrt(n) / 2
     lo, hi = math.floor(n / 2 - half), math.ceil(n / 2 + half)
     if lo < 0 or hi >= n:
