@@ -6,9 +6,14 @@ name: brings their graphs and the Triton repository up to date, starts the bundl
 locked with a key only the gateway gets, writes a sample input per model to ``build/samples``, and runs the gateway
 (``--workers`` processes on one port). Ctrl-C or SIGTERM stops the gateway gracefully, then Triton.
 
-``--standby`` runs a second tritonserver on the same repository and models (other ports, a supervisor of its own):
-when the one the gateway uses loses a backend process or dies, the gateway's calls go to the other at once instead of
-waiting for a restart, at the cost of a second copy of every model in memory.
+A warm standby, a second tritonserver on the same repository and models (other ports, a supervisor of its own), is
+the default where the machine's memory allows it: when the server the gateway uses loses a backend process or dies,
+the gateway's calls go to the other at once instead of waiting for a restart (a single server is replaced whole and
+reloads every model: seconds of 503s), at the cost of a second copy of every model in memory. ``--standby`` always
+runs one, ``--no-standby`` never; by default (``UNROLL_STANDBY=auto``) :func:`unroll.serving.standby.decide` chooses
+once the first server is ready (on when the memory available is at least twice what that server holds), and not
+with ``--triton-url`` (your Triton), with ``--target gpu`` (the copy would sit in GPU memory) or when the default
+standby ports are taken. One printed line says which was chosen and why.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from unroll.data import dataset
 from unroll.errors import ExportError, ServeError, UnrollError
 from unroll.pipeline import choice, graphs_of
 from unroll.registry import get_spec, list_models
+from unroll.serving import standby as standby_rule
 from unroll.serving import torch_runtime
 from unroll.serving.gateway import Settings, create_app
 from unroll.serving.gateway.http_settings import ACCESS_LOG_ENV
@@ -259,7 +265,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
           onnx_dir: Path = artifacts.ONNX_DIR, samples_dir: Path = artifacts.SAMPLES_DIR, rebuild: bool = False,
           log_level: str = "info", on_ready: Callable[[str], None] | None = None,
           models: list[str] | None = None, workers: int | None = None, access_log: bool = False,
-          standby_ports: tuple[int, int, int] | None = None) -> None:
+          standby: bool | None = None, standby_ports: tuple[int, int, int] | None = None) -> None:
     """Build what is missing, start Triton (unless ``triton_url``) and the gateway; block until Ctrl-C/SIGTERM.
 
     ``workers``: gateway processes behind ``port`` (default ``UNROLL_WORKERS``, else half the cores, 1 to 4;
@@ -270,13 +276,17 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
     Gateway limits (body size, pixels, concurrency, timeouts) come from ``UNROLL_*`` variables
     (see :class:`unroll.serving.gateway.settings.Settings`); ``api_key`` defaults to ``UNROLL_API_KEY``.
     ``access_log``: one JSON line per request (else as ``UNROLL_ACCESS_LOG`` says, off by default).
-    ``standby_ports``: run a warm standby tritonserver on these HTTP, gRPC and metrics ports (module doc).
+    ``standby``: a warm standby tritonserver, ``True`` always, ``False`` never, ``None`` as the memory allows (module
+    doc); ``standby_ports``: its HTTP, gRPC and metrics ports (default: Triton's + 100).
     """
     if target not in ("cpu", "gpu"):
         raise ServeError(f"--target must be cpu or gpu, not {target!r}")
-    if triton_url is not None and standby_ports is not None:
+    if triton_url is not None and standby:
         raise ServeError("--standby runs a second bundled tritonserver; with --triton-url list both of your Tritons "
                          "instead (comma-separated)")
+    if triton_url is not None and standby is None:
+        _say("standby: none (auto): --triton-url names your Triton, and `unroll serve` starts no tritonserver of its "
+             "own; for a standby, list two of your Tritons in --triton-url (comma-separated)")
     if triton_url is None and target == "gpu":
         check_cuda()
     models = resolve_models(models, None if triton_url else onnx_dir)
@@ -286,8 +296,8 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
     try:
         _check_port_free(host, port, "gateway")
         if triton_url is None:
-            url = _start_triton(run, models, onnx_dir, repo, target, rebuild,
-                                (triton_http_port, triton_grpc_port, triton_metrics_port), triton_protocol,
+            ports = (triton_http_port, triton_grpc_port, triton_metrics_port)
+            url = _start_triton(run, models, onnx_dir, repo, target, rebuild, ports, triton_protocol, standby,
                                 standby_ports)
         else:
             url = triton_url
@@ -349,19 +359,53 @@ def write_key_file(path: Path, key: str) -> None:
         f.write(key + "\n")
 
 
+def _ports_taken(ports: tuple[int, int, int], name: str) -> str | None:
+    """Why one of a server's three ports cannot be bound here (the first that fails), or ``None`` when all are free."""
+    for p, what in zip(ports, ("HTTP", "gRPC", "metrics"), strict=True):
+        try:
+            _check_port_free("127.0.0.1", p, f"{name} {what}")
+        except ServeError as e:
+            return str(e).split(";")[0]
+    return None
+
+
+def standby_before_start(standby: bool | None, target: str, spare: tuple[int, int, int],
+                         ports_given: bool) -> tuple[bool | None, str | None]:
+    """What can be settled about the standby before any server starts: ``(True, line)`` (run one) or ``(False,
+    line)`` (none), with the line to print, or ``(None, None)`` (auto: decided by memory once the first server is
+    ready). Explicit ``--standby``, or auto with ``--standby-ports`` given, on a taken port raises
+    :class:`ServeError`."""
+    if standby is False:
+        return False, (f"standby: off (--no-standby or {standby_rule.STANDBY_ENV}=0): a lost backend process or a dead "
+                       "tritonserver costs 503s while the server is replaced and reloads every model")
+    if standby is None and target == "gpu":
+        return False, ("standby: off (auto): --target gpu, where a second copy of every model would sit in GPU "
+                       "memory; --standby to run one anyway")
+    taken = _ports_taken(spare, "standby tritonserver")
+    if taken is not None and (standby or ports_given):
+        raise ServeError(f"{taken}; pick free ones with --standby-ports HTTP,GRPC,METRICS (or --no-standby)")
+    if taken is not None:
+        return False, (f"standby: off (auto): {taken} (the default, Triton's ports + 100); --standby-ports "
+                       "HTTP,GRPC,METRICS to put it elsewhere")
+    if standby:
+        return True, (f"standby: on (--standby or {standby_rule.STANDBY_ENV}=1): a second, warm tritonserver on "
+                      f"127.0.0.1:{spare[0]} takes the calls when the first fails (about as much memory again)")
+    return None, None
+
+
 def _start_triton(run: _Run, models: list[str], onnx_dir: Path, repo: Path, target: str, rebuild: bool,
-                  ports: tuple[int, int, int], protocol: str,
+                  ports: tuple[int, int, int], protocol: str, standby: bool | None = False,
                   standby_ports: tuple[int, int, int] | None = None) -> str:
     """Bring the graphs and the repository up to date, then start the bundled tritonserver under a supervisor
-    (locked with a fresh key that only the gateway gets), and its warm standby on ``standby_ports``; the gRPC or
-    HTTP address of each, comma-separated (the gateway's ``triton_url``)."""
-    servers = [("tritonserver", ports, artifacts.TRITON_LOG)]
-    if standby_ports is not None:
-        servers = [("tritonserver A", ports, artifacts.TRITON_LOG),
-                   ("tritonserver B", standby_ports, artifacts.TRITON_STANDBY_LOG)]
-    for name, (http_port, grpc_port, metrics_port), _ in servers:
-        for p, what in ((http_port, "HTTP"), (grpc_port, "gRPC"), (metrics_port, "metrics")):
-            _check_port_free("127.0.0.1", p, f"{name} {what}")
+    (locked with a fresh key that only the gateway gets), and its warm standby on ``standby_ports`` (default
+    Triton's + 100) as ``standby`` says (:func:`standby_before_start`, then :func:`unroll.serving.standby.decide`);
+    the gRPC or HTTP address of each, comma-separated (the gateway's ``triton_url``)."""
+    for p, what in zip(ports, ("HTTP", "gRPC", "metrics"), strict=True):
+        _check_port_free("127.0.0.1", p, f"tritonserver {what}")
+    spare = standby_ports or (ports[0] + 100, ports[1] + 100, ports[2] + 100)
+    standby, said = standby_before_start(standby, target, spare, standby_ports is not None)
+    if said is not None:
+        _say(said)
     onnx_dir.mkdir(parents=True, exist_ok=True)
     try:
         pipeline.run(serve_plan(models, onnx_dir, repo, target, rebuild), _say)
@@ -373,21 +417,36 @@ def _start_triton(run: _Run, models: list[str], onnx_dir: Path, repo: Path, targ
     os.environ[TRITON_API_KEY_ENV] = triton_key
     write_key_file(onnx_dir.parent / artifacts.TRITON_KEY.name, triton_key)  # and the operator, for `unroll deploy`
     _log_supervisor()
-    handles = []
-    for name, (http_port, grpc_port, metrics_port), log_name in servers:
+
+    def supervised(name: str, server_ports: tuple[int, int, int], log_name: Path, role: str = "") -> TritonHandle:
+        http_port, grpc_port, metrics_port = server_ports
         log_file = (onnx_dir.parent / log_name.name).resolve()
-        role = ", the warm standby," if handles else ""
         _say(f"start {name}{role} on 127.0.0.1:{http_port} (log: {log_file}, rotated at each start)")
 
-        def launch(http_port: int = http_port, grpc_port: int = grpc_port, metrics_port: int = metrics_port,
-                   log_file: Path = log_file) -> TritonHandle:
+        def launch() -> TritonHandle:
             return start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                          host="127.0.0.1", log_file=log_file, api_key=triton_key, any_thread=True,
                          model_control=control, extra_args=[*load_args, *triton_trace_args()])  # OTEL_*: Triton's too
 
         supervisor = TritonSupervisor(launch, on_give_up=run.give_up, name=name)
         run.supervisors.append(supervisor)
-        handles.append(supervisor.start())
+        return supervisor.start()
+
+    handles = [supervised("tritonserver A" if standby else "tritonserver", ports, artifacts.TRITON_LOG)]
+    if standby is None:  # auto: the memory rule, now that the first server holds its models
+        decision = standby_rule.decide(standby_rule.resident_mb(handles[0].pid), *standby_rule.available_mb())
+        taken = _ports_taken(spare, "standby tritonserver") if decision.on else None
+        standby = decision.on and taken is None
+        how = (f"a second, warm tritonserver on 127.0.0.1:{spare[0]} takes the calls when this one fails (about as "
+               f"much memory again; --no-standby or {standby_rule.STANDBY_ENV}=0 turns it off)" if standby else
+               f"{taken} since the first server started" if taken else
+               "without one a lost backend process or a dead tritonserver costs 503s while the server is replaced "
+               "(--standby to run one anyway)")
+        _say(f"standby: {'on' if standby else 'off'} (auto): {decision.why}; {how}")
+        if standby:
+            run.supervisors[0].name = "tritonserver A"
+    if standby:
+        handles.append(supervised("tritonserver B", spare, artifacts.TRITON_STANDBY_LOG, ", the warm standby,"))
     if handles[0].key_exposed:
         _say(f"warning: Triton's key is on its command line, readable by every local user ({handles[0].key_exposed}); "
              "install a C compiler, or run the service in its own container or with /proc mounted hidepid=2")
@@ -428,6 +487,16 @@ def _run_gateway(run: _Run, settings: Settings, host: str, port: int, workers: i
         raise ServeError(run.gave_up[0])
     server.run()
     return server.started
+
+
+def standby_mode(env: dict[str, str] | None = None) -> bool | None:
+    """The standby mode when neither ``--standby`` nor ``--no-standby`` is given: ``UNROLL_STANDBY`` (``auto`` when
+    unset) as :func:`unroll.serving.standby.parse_mode` reads it; a bad value is a :class:`ServeError`."""
+    value = (os.environ if env is None else env).get(standby_rule.STANDBY_ENV, "auto")
+    try:
+        return standby_rule.parse_mode(value)
+    except ValueError as e:
+        raise ServeError(str(e)) from None
 
 
 def parse_standby_ports(given: str | None, triton_ports: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -479,14 +548,17 @@ def serve_command(
     access_log: Annotated[bool, typer.Option(
         "--access-log", envvar=ACCESS_LOG_ENV, show_envvar=True,
         help="One JSON line per request on stdout (method, path, status, ms, client, bytes); default: off")] = False,
-    standby: Annotated[bool, typer.Option(
-        "--standby", envvar="UNROLL_STANDBY", show_envvar=True,
-        help="Run a second tritonserver, warm, on --standby-ports: when the one in use loses a model's backend "
-             "process or dies, requests go to the other at once instead of waiting for its restart (twice the "
-             "models' memory); default: off")] = False,
+    standby: Annotated[bool | None, typer.Option(
+        "--standby/--no-standby", show_default=False,
+        help="A second tritonserver, warm, on --standby-ports: when the one in use loses a model's backend process or "
+             "dies, requests go to the other at once instead of waiting for its restart (twice the models' memory). "
+             "Default: auto (env UNROLL_STANDBY=auto|1|0): on when, with the first server ready, the memory "
+             "available is at least twice what it holds; off with --triton-url, with --target gpu, or when the "
+             "default standby ports are taken; one line says which and why")] = None,
     standby_ports: Annotated[str | None, typer.Option(
-        metavar="HTTP,GRPC,METRICS",
-        help="The standby's three ports; default: the Triton ports + 100")] = None,
+        metavar="PORTS",
+        help="The standby's three ports, HTTP,GRPC,METRICS (e.g. 8100,8101,8102); default: the Triton ports "
+             "+ 100")] = None,
 ) -> None:
     """Build what is missing, start Triton and the REST gateway, print a curl per endpoint; Ctrl-C stops both."""
     try:
@@ -494,9 +566,9 @@ def serve_command(
               triton_grpc_port=triton_grpc_port, triton_metrics_port=triton_metrics_port, triton_url=triton_url,
               triton_protocol=triton_protocol, api_key=api_key, repo=repo, onnx_dir=onnx_dir, rebuild=rebuild,
               log_level=log_level, models=models.split(",") if models is not None else None, workers=workers,
-              access_log=access_log,
-              standby_ports=parse_standby_ports(standby_ports, (triton_http_port, triton_grpc_port,
-                                                                triton_metrics_port)) if standby else None)
+              access_log=access_log, standby=standby if standby is not None else standby_mode(),
+              standby_ports=None if standby_ports is None else parse_standby_ports(
+                  standby_ports, (triton_http_port, triton_grpc_port, triton_metrics_port)))
     except UnrollError:
         raise
     except ValueError as e:  # a set-up value the steps reject (ports, settings): still one line, exit 1

@@ -46,7 +46,7 @@ from unroll.serving.triton import free_ports, start
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("decode", (r"^decode \(serving/imaging/images\.py", r"\(PIL/")),
     ("preprocess", (r"\(serving/imaging/images\.py",)),
-    ("postprocess", (r"^_classes \(serving/gateway/classify\.py", r"^_from_logits \(")),
+    ("postprocess", (r"^_classes \(serving/gateway/classify\.py", r"^predictions_from_logits \(")),
     ("JSON response", (r"\(pydantic", r"JSONResponse", r"\(json/", r"orjson", r"^render \(")),
     ("Triton gRPC call", (r"\(serving/gateway/triton_client\.py", r"\(tritonclient/", r"\(grpc/")),
     ("body read", (r"\(serving/gateway/body\.py", r"starlette/requests\.py")),

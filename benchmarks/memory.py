@@ -1,6 +1,7 @@
 """``unroll bench memory``: the whole service's memory under the largest denoise requests it accepts.
 
-One ``unroll serve`` subprocess (gateway, supervised Triton and its Python-backend processes, the demo denoiser,
+One ``unroll serve`` subprocess at its defaults (gateway, supervised Triton and its Python-backend processes, and
+the warm standby tritonserver when its memory rule starts one, :mod:`unroll.serving.standby`; the demo denoiser,
 spare ports, a temporary folder) is measured idle, then ``requests`` clients each send one maximum-size image at
 once (a noisy colour photo of ``UNROLL_MAX_PIXELS`` pixels, 2048×2048 at the default), then it is measured again
 after ``settle_s`` seconds without traffic. Memory is the sum of the **proportional set size** (PSS, from
@@ -110,7 +111,7 @@ def run(requests: int = 20, max_pixels: int = 2048 * 2048, settle_s: float = 8.0
     body = noisy_photo(max_pixels)
     with tempfile.TemporaryDirectory(prefix="unroll-memory-") as tmp:
         os.environ.pop("UNROLL_MAX_PIXELS", None)
-        serve = start_serve(Path(tmp), [model], log=log)
+        serve = start_serve(Path(tmp), [model], log=log, standby=None)  # the default deployment, standby as it chose
         try:
             time.sleep(2.0)
             idle = service_bytes(serve.proc.pid)
@@ -138,6 +139,7 @@ def run(requests: int = 20, max_pixels: int = 2048 * 2048, settle_s: float = 8.0
             wall = time.perf_counter() - t0
             time.sleep(settle_s)
             after = service_bytes(serve.proc.pid)
+            tritons = len(serve.triton_pids())
         finally:
             stop_serve(serve)
     peak = sampler.peak
@@ -145,6 +147,7 @@ def run(requests: int = 20, max_pixels: int = 2048 * 2048, settle_s: float = 8.0
     result = {
         "machine": machine_info(threads=2), "model": model, "requests": requests, "image": {
             "pixels": max_pixels, "png_bytes": len(body), "mode": "RGB"},
+        "deployment": {"standby_choice": serve.standby_choice, "tritonservers": tritons},
         "statuses": {str(s): statuses.count(s) for s in sorted(set(statuses))}, "refusals": refusals,
         "wall_s": round(wall, 1),
         "latency_s": {"min": round(min(latencies), 2), "max": round(max(latencies), 2)},
@@ -170,6 +173,8 @@ def markdown(r: dict) -> str:
         f"({r['image']['png_bytes'] / MIB:.1f} MiB PNG), to `{r['model']}` at the default settings; memory is the "
         "PSS of every process of `unroll serve` (gateway, tritonserver, Python-backend processes), sampled every "
         f"0.1 s; *after* is {r['settle_s']:g} s after the last answer.", "",
+        f"Deployment: the default `unroll serve`, {r['deployment']['tritonservers']} tritonserver(s) "
+        f"(the rows add them up): `{r['deployment']['standby_choice']}`", "",
         "| process | idle | at the peak | after |", "|---|---|---|---|", *rows, "",
         f"Statuses: {r['statuses']}; all answered in {r['wall_s']} s (latency {r['latency_s']['min']}–"
         f"{r['latency_s']['max']} s).", "",

@@ -1,32 +1,30 @@
-"""What the solver outputs cost a served request: each model whose card declares ``ood``, served as ``unroll serve``
-serves it, beside a copy of the same graph without the residual and code-size branch, in one tritonserver behind one
-gateway.
+"""What the solver output costs a client: the deployment served with the score against the same deployment without it.
 
-``ab`` at concurrency 1 posts one test digit to Triton's v2 HTTP endpoint (tensors; the model with the residual is asked
-for both outputs, the copy for its logits; and, a third path, the model with the residual asked for its logits alone:
-what a client that does not want the score pays, as the backend builds only the outputs a client names) and to the
-gateway's ``/v1/classify`` (the PNG; the gateway adds the score, the verdict and the header for the model with the
-residual), in rounds that alternate which graph goes first, so drift on a shared machine falls on both. Per graph and
-path: the median of the rounds' p50, CPU ms per request by process kind and Triton's own time for the model's work (its
-statistics' compute input + infer + output). The added latency is the residual's added model time as a share of the
-request's p50 without it; the direct ratio of the two p50s (median over rounds of each back-to-back pair) is kept beside
-it, but on a shared 2-core machine a whole request's p50 moves by several percent from one run to the next, more than
-the residual adds.
+Two repositories, written as ``unroll serve`` writes them (every model whose card declares ``ood``, with its
+companions, the default configuration: threads, spinning, batching): *with*, the exported graphs; *without*, each
+model's graph with the solver output (residual, code size) and every node only it needs removed, under the same name
+and card less ``ood``. Each *run* starts a tritonserver and a gateway on one of them and sends, per model, one test
+digit at concurrency 1 for ``run_s`` seconds per path (Triton's v2 HTTP endpoint with tensors, asking for the
+logits and, where served, the solver output; the same asking for the logits alone, *score not asked*; the gateway's
+``/v1/classify`` with the PNG), timing each request on a kept-alive connection, and the CPU each process used.
 
-So each path is also measured in pairs (:mod:`~unroll.benchmarks.paired_latency`: one request to each side back to
-back, thousands of times, the median of the differences with its confidence interval). Two copies of the same plain
-graph (an A/A pair) show how far two served models that do the same work can differ here: tens of microseconds that
-move over a run (which process lands on which core), as large as what the residual adds. So the added latency judged
-is built from comparisons free of that: Triton direct, the graph's own added time (in-process, ONNX Runtime as served)
-plus the hand-over of the extra output, measured in pairs on the same served model (asked for both outputs against
-asked for its logits); score not asked, the graph's time alone (the output is not handed over); the gateway, both of
-those and the gateway's own work for the score (its code on the graph's real outputs, in-process, with the served card
-against the same card without ``ood``). The served pairs of the two graphs are kept beside, not judged.
+A *cycle* is three runs: *without*, *with*, and *without* once more (*again*: the A/A arm, an identical deployment
+started anew), in an order that rotates from cycle to cycle. Two models served side by side in one server differ here
+by tens of microseconds that move with each start (which process lands on which core), as much as the score adds; a
+fresh server per run turns that into noise between runs, which the interval then carries. Per cycle, the added
+latency is the *with* run's p50 less the *without* run's; over the cycles, its mean with a Student-t 95 % interval.
+The A/A arm, the *again* run less the *without* run, must show the design clean (its interval holds zero) before a
+verdict can be met; the verdict is on the interval's upper end.
+
+Shown beside, as explanation and never judged: the graph's added time in-process (ONNX Runtime with the served
+threads and spinning, after the servers stopped), the extra output's hand-over (request pairs on one served model,
+asked for both outputs against asked for its logits), and the gateway's own code for the score in-process.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,22 +36,23 @@ from unroll import artifacts, pipeline
 from unroll.benchmarks import paired_latency, serve_ab
 from unroll.benchmarks.processes import cpu_by_pid, cpu_ms_per_request
 from unroll.benchmarks.serve_load import Workload, classify_workload
-from unroll.benchmarks.serve_triton import STAT_KEYS, stats_delta, triton_server, triton_stats
+from unroll.benchmarks.serve_triton import triton_server
 from unroll.card import from_onnx, write_to_onnx
 from unroll.errors import BenchError
 from unroll.registry import get_spec
 from unroll.serving.gateway.process import gateway_process
 from unroll.serving.gateway.settings import Settings
-from unroll.serving.repository import write_repository
+from unroll.serving.repository import INTRA_OP_SPINNING, write_repository
 
-#: The copy's name: the model's, with this suffix; the A/A pair's second copy has :data:`TWIN`.
-PLAIN = "-plain"
-TWIN = "-plain-twin"
 PATHS = ("triton", "triton_unasked", "gateway")
 PATH_LABELS = {"triton": "Triton HTTP (tensors)", "triton_unasked": "Triton HTTP (tensors), score not asked",
                "gateway": "gateway (PNG)"}
-#: Triton's statistics that time the model's own work (inputs in, execution, outputs out), per request.
-COMPUTE = tuple(k for k in STAT_KEYS if k != "queue")
+#: The three runs of a cycle: the deployment without the score, with it, and without it once more (the A/A arm).
+ARMS = ("without", "with", "again")
+#: The served sessions' intra-op threads (``unroll serve``'s default repository options).
+SERVED_THREADS = pipeline.RepoOptions().threads
+#: Unmeasured requests per path at the start of each run (connections, caches, ONNX Runtime's first runs).
+WARMUP = 100
 
 
 def declaring_ood(models: Sequence[str]) -> list[str]:
@@ -61,51 +60,176 @@ def declaring_ood(models: Sequence[str]) -> list[str]:
     return [m for m in models if get_spec(m).card.ood is not None]
 
 
-def plain_copy(onnx_dir: Path, name: str, suffix: str = PLAIN) -> str:
-    """Write ``NAME-plain.onnx`` (``NAME{suffix}``) beside ``NAME.onnx``: the same graph with the solver output
-    (residual, code size) and every node only it needs removed, its card without ``ood``; returns the copy's name."""
+def plain_copy(onnx_dir: Path, name: str, out_dir: Path | None = None, suffix: str = "") -> str:
+    """Write ``name``'s graph without its solver output (the residual and code size, and every node only they need)
+    into ``out_dir`` (default ``onnx_dir``) as ``NAME{suffix}.onnx`` with its report, its card without ``ood``;
+    returns the copy's name. With no suffix it is the same model without the score, for another repository."""
+    out_dir = out_dir or onnx_dir
+    copy = name + suffix
+    if copy == name and out_dir.resolve() == onnx_dir.resolve():
+        raise BenchError(f"{name}: a copy under the same name needs another folder")
     model = onnx.load(str(artifacts.graph(name, onnx_dir=onnx_dir)))
     card = from_onnx(model)
     if card.ood is None:
         raise BenchError(f"{name}: its card declares no residual output (ood)")
     keep = [o.name for o in model.graph.output if o.name != card.ood.output]
     plain = onnx.utils.Extractor(model).extract_model([i.name for i in model.graph.input], keep)
-    plain_card = card.model_copy(update={"name": name + suffix, "ood": None, "iters": None})
+    plain_card = card.model_copy(update={"name": copy, "ood": None})
     write_to_onnx(plain, plain_card)
-    onnx.save(plain, str(artifacts.graph(name + suffix, onnx_dir=onnx_dir)))
+    onnx.save(plain, str(artifacts.graph(copy, onnx_dir=out_dir)))
     report = json.loads(artifacts.graph_report(name, onnx_dir=onnx_dir).read_text())
-    report.update(model=name + suffix, card=plain_card.model_dump(mode="json"),
+    report.update(model=copy, card=plain_card.model_dump(mode="json"),
                   derived_from=f"{name} without its {card.ood.output!r} output",
                   outputs=[o for o in report["outputs"] if o["name"] in keep])
-    artifacts.graph_report(name + suffix, onnx_dir=onnx_dir).write_text(json.dumps(report, indent=2))
-    return name + suffix
+    artifacts.graph_report(copy, onnx_dir=out_dir).write_text(json.dumps(report, indent=2))
+    return copy
 
 
-def _targets(triton_http: str, gateway: str, name: str, sample: Workload, outputs: list[str]) -> dict[str, tuple]:
-    """Per path: (url, body, content type, headers) for ``sample``'s first digit sent to the graph ``name``, asking
-    Triton for ``outputs`` (``triton``) or for the first of them alone (``triton_unasked``)."""
+def deployments(names: list[str], onnx_dir: Path, root: Path) -> dict[str, Path]:
+    """The two repositories (module doc): ``with`` as the pipeline writes it (exports first where missing or stale),
+    ``without`` the same with each of ``names`` rewritten from its plain copy; the A/A arm serves ``without`` again."""
+    repos = {"with": root / "repo-with", "without": root / "repo-without"}
+    options = pipeline.RepoOptions(optimized=False)  # the defaults `unroll serve` uses without an optimize choice
+    pipeline.run(pipeline.plan(names, onnx_dir=onnx_dir, repo=repos["with"], options=options), progress=None)
+    plain_dir = root / "onnx-without"
+    plain_dir.mkdir()
+    for name in names:
+        plain_copy(onnx_dir, name, plain_dir)
+    shutil.copytree(repos["with"], repos["without"], symlinks=True)
+    write_repository("cpu", names, repos["without"], onnx_dir=plain_dir, **options.writer_kwargs())
+    return {"with": repos["with"], "without": repos["without"], "again": repos["without"]}
+
+
+def order(cycle: int) -> list[str]:
+    """The arms of ``cycle``: rotated by one each cycle, reversed every other, so each arm takes each place."""
+    k = cycle % len(ARMS)
+    arms = list(ARMS[k:] + ARMS[:k])
+    return arms[::-1] if (cycle // len(ARMS)) % 2 else arms
+
+
+def _endpoints(triton_http: str, gateway: str, name: str, sample: Workload, served: list[str]
+               ) -> dict[str, paired_latency.Endpoint]:
+    """Per path, the request for ``sample``'s first digit to ``name``, asking Triton for the ``served`` outputs
+    (``triton``) or for the first of them alone (``triton_unasked``)."""
     url = f"http://{triton_http}/v2/models/{name}/infer"
-    body, headers = serve_ab.triton_body(sample.arrays[0], outputs)
-    first, first_headers = serve_ab.triton_body(sample.arrays[0], outputs[:1])
-    return {"triton": (url, body, "application/octet-stream", headers),
-            "triton_unasked": (url, first, "application/octet-stream", first_headers),
-            "gateway": (f"{gateway}/v1/classify?model={name}", sample.images[0], "image/png", {})}
+    body, headers = serve_ab.triton_body(sample.arrays[0], served)
+    first, first_headers = serve_ab.triton_body(sample.arrays[0], served[:1])
+    tensors = "application/octet-stream"
+    return {"triton": paired_latency.Endpoint(url, body, {**headers, "Content-Type": tensors}),
+            "triton_unasked": paired_latency.Endpoint(url, first, {**first_headers, "Content-Type": tensors}),
+            "gateway": paired_latency.Endpoint(f"{gateway}/v1/classify?model={name}", sample.images[0],
+                                               {"Content-Type": "image/png"})}
 
 
-def graph_cost(onnx_dir: Path, name: str, feeds: dict[str, np.ndarray], rounds: int = 10) -> dict[str, float]:
-    """The graph's own part of the cost, in-process: ONNX Runtime with one thread (as the served session), batch 1,
-    ``name`` and its plain copy in alternating rounds, median ms each and the difference (what a served request pays
-    beyond it is the backend handing over one more output). ``feeds``: the image; λ, where the graph takes it, at the
-    card's default as a served request without one."""
-    import onnxruntime as ort
+def _one_run(repo: Path, log_dir: Path, names: list[str], run_s: float, with_score: bool,
+             handover_s: float = 0.0) -> dict[str, dict]:
+    """One run (module doc): per model and path, p50/mean ms, the requests, CPU ms per request by process kind; with
+    ``handover_s``, the extra output's hand-over in request pairs on each model (a *with* run only)."""
+    out: dict[str, dict] = {}
+    with triton_server(repo, log_dir / "triton.log") as (http, grpc), \
+            gateway_process(Settings(triton_url=grpc.removeprefix("grpc://")), log_dir / "gateway.log") as gateway:
+        for name in names:
+            card = get_spec(name).card
+            served = [card.output, card.ood.output] if with_score else [card.output]
+            ends = _endpoints(http, gateway, name, classify_workload(name, n=1), served)
+            row: dict = {}
+            for path, endpoint in ends.items():
+                paired_latency.latencies(endpoint, 0.0, warmup=WARMUP)
+                before = cpu_by_pid()
+                ms = paired_latency.latencies(endpoint, run_s)
+                cpu = cpu_ms_per_request(before, cpu_by_pid(), len(ms)) or {}
+                row[path] = {"p50_ms": float(np.median(ms)), "mean_ms": float(np.mean(ms)), "requests": len(ms),
+                             "cpu_ms_per_request": {k: round(v, 4) for k, v in cpu.items() if k != "client"}}
+            if handover_s:
+                row["handover"] = paired_latency.added(ends["triton_unasked"], ends["triton"], handover_s)
+            out[name] = row
+    return out
 
+
+def measure(models: Sequence[str], onnx_dir: Path = artifacts.ONNX_DIR, cycles: int = 8, run_s: float = 1.5,
+            tick: Callable[[str], None] = lambda m: None, handover_s: float = 4.0) -> dict[str, dict]:
+    """Per model that declares ``ood``: per path the runs' p50 and CPU per request for each arm, the added latency and
+    the A/A difference over ``cycles`` cycles (module doc), and the explanation (graph, hand-over, gateway code)."""
+    names = declaring_ood(models)
+    if not names:
+        return {}
+    if cycles < 2:
+        raise BenchError("the served cost needs at least 2 cycles for an interval")
+    runs: list[dict] = []
+    handover: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="unroll-ood-served-") as tmp:
+        root = Path(tmp)
+        repos = deployments(names, onnx_dir, root)
+        for cycle in range(cycles):
+            for arm in order(cycle):
+                tick(f"served cost: cycle {cycle + 1}/{cycles}, the deployment {arm} the score")
+                first_with = arm == "with" and cycle == 0
+                result = _one_run(repos[arm], root, names, run_s, arm == "with", handover_s if first_with else 0.0)
+                if first_with:
+                    handover = {n: result[n].pop("handover") for n in names}
+                runs.append({"cycle": cycle, "arm": arm, "models": result})
+        out = {name: summarize(name, runs, cycles, run_s) | {"handover": handover[name]} for name in names}
+        for name in names:
+            out[name]["graph"] = graph_cost(onnx_dir, root / "onnx-without", name,
+                                            classify_workload(name, n=1).arrays[0])
+    return out
+
+
+def summarize(name: str, runs: list[dict], cycles: int, run_s: float) -> dict:
+    """One model's account of the runs: per path and arm the runs' p50s and CPU per request (medians over runs),
+    and per cycle the added latency (*with* − *without*) and the A/A difference (*again* − *without*) with their
+    means and intervals (:func:`paired_latency.mean_ci`) and their shares of the *without* p50; then the verdict."""
+    result: dict = {"cycles": cycles, "run_s": run_s, "concurrency": 1, "warmup_requests": WARMUP,
+                    "orders": [order(c) for c in range(cycles)]}
+    for path in PATHS:
+        p50 = {arm: [next(r["models"][name][path]["p50_ms"] for r in runs if r["cycle"] == c and r["arm"] == arm)
+                     for c in range(cycles)] for arm in ARMS}
+        row: dict = {}
+        for arm in ARMS:
+            mine = [r["models"][name][path] for r in runs if r["arm"] == arm]
+            kinds = mine[0]["cpu_ms_per_request"]
+            row[arm] = {"p50_ms": float(np.median(p50[arm])), "p50_ms_per_cycle": p50[arm],
+                        "requests": int(sum(m["requests"] for m in mine)),
+                        "cpu_ms_per_request": {k: float(np.median([m["cpu_ms_per_request"][k] for m in mine]))
+                                               for k in kinds}}
+        base = row["without"]["p50_ms"]
+        for key, arm in (("added", "with"), ("aa", "again")):
+            diff = [a - b for a, b in zip(p50[arm], p50["without"], strict=True)]
+            ms, (lo, hi) = float(np.mean(diff)), paired_latency.mean_ci(np.array(diff))
+            row[key] = {"ms": ms, "ci_ms": [lo, hi], "share": ms / base, "ci": [lo / base, hi / base],
+                        "per_cycle_ms": diff}
+        row["verdict"] = judge(row)
+        result[path] = row
+    return result
+
+
+def judge(row: dict, target: float = 0.05) -> dict:
+    """Whether one path's added latency meets ``target`` (a share of the request without it): the A/A difference's
+    interval must hold zero (the design is clean on this model and path), and the added latency's interval must end
+    at or below ``target``; with the reason in words when not."""
+    lo, hi = row["aa"]["ci_ms"]
+    clean = lo <= 0.0 <= hi
+    upper = row["added"]["ci"][1]
+    if not clean:
+        why = f"the A/A interval ({lo * 1e3:+.0f} … {hi * 1e3:+.0f} µs) does not hold zero: the design is not clean"
+    elif upper > target:
+        why = f"the interval's upper end, {upper:+.1%}, is above {target:.0%}"
+    else:
+        why = f"the interval's upper end, {upper:+.1%}, is within {target:.0%}"
+    return {"met": clean and upper <= target, "aa_clean": clean, "upper": upper, "target": target, "why": why}
+
+
+def graph_cost(onnx_dir: Path, plain_dir: Path, name: str, feeds: dict[str, np.ndarray],
+               rounds: int = 10) -> dict:
+    """The graph's own part of the cost, in-process: ONNX Runtime with the served threads and spinning, batch 1,
+    the graph and its plain copy in alternating rounds, median ms each and the difference. ``feeds``: the image; λ,
+    where the graph takes it, at the card's default as a served request without one. Explanation, not a verdict:
+    it runs after the servers stopped, on a quieter machine."""
     from unroll.benchmarks.common import time_call
+    from unroll.serving.cpu_runtime import ort_session
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    sessions = {g: ort.InferenceSession(str(artifacts.graph(m, onnx_dir=onnx_dir)), options,
-                                        providers=["CPUExecutionProvider"]) for g, m in (("with", name),
-                                                                                         ("without", name + PLAIN))}
+    paths = {"with": artifacts.graph(name, onnx_dir=onnx_dir), "without": artifacts.graph(name, onnx_dir=plain_dir)}
+    sessions = {g: ort_session(str(p), SERVED_THREADS, INTRA_OP_SPINNING) for g, p in paths.items()}
     card = get_spec(name).card
     if card.lam is not None:
         feeds = {**feeds, card.lam.input: np.full(len(next(iter(feeds.values()))), card.lam.default, np.float32)}
@@ -113,11 +237,11 @@ def graph_cost(onnx_dir: Path, name: str, feeds: dict[str, np.ndarray], rounds: 
     for r in range(rounds):
         for g in (list(sessions) if r % 2 == 0 else list(sessions)[::-1]):
             times[g].append(time_call(lambda g=g: sessions[g].run(None, feeds), budget_s=0.3)["median_ms"])
-    out = {f"{g}_ms": float(np.median(t)) for g, t in times.items()}
     outputs = dict(zip([o.name for o in sessions["with"].get_outputs()], sessions["with"].run(None, feeds),
                        strict=True))
-    return {**out, "added_ms": float(np.median([w - o for w, o in zip(times["with"], times["without"],
-                                                                       strict=True)])),
+    return {**{f"{g}_ms": float(np.median(t)) for g, t in times.items()},
+            "added_ms": float(np.median([w - o for w, o in zip(times["with"], times["without"], strict=True)])),
+            "threads": SERVED_THREADS, "spinning": INTRA_OP_SPINNING,
             "gateway_score": gateway_score_cost(onnx_dir, name, outputs)}
 
 
@@ -126,17 +250,17 @@ def gateway_score_cost(onnx_dir: Path, name: str, outputs: dict[str, np.ndarray]
     """What the gateway does for the score, in-process: its own code (:mod:`unroll.serving.gateway.ood`: the fields,
     the header, the answer's JSON) on the served graph's real outputs for one digit, with the served card and with
     the same card without ``ood`` (whose answer says there is no score), alternating rounds of ``calls`` calls;
-    median µs per call each and the difference, in ms."""
+    median ms per call each and the difference."""
     import json as json_module
     import timeit
 
     from unroll.serving.gateway import ood as gateway_ood
-    from unroll.serving.gateway.classify import _from_logits
+    from unroll.serving.gateway.classify import predictions_from_logits
 
     card = from_onnx(onnx.load(str(artifacts.graph(name, onnx_dir=onnx_dir))))
     cards = {"with": card, "without": card.model_copy(update={"ood": None})}
     # the gateway's own top label and MSP (the same on both sides: outside the timing)
-    preds, msp = _from_logits(outputs[card.output][0], 1, card, name)
+    preds, msp = predictions_from_logits(outputs[card.output][0], 1, card, name)
     lam = card.lam.default if card.lam is not None else None
 
     def answer(c: object) -> str:
@@ -151,111 +275,3 @@ def gateway_score_cost(onnx_dir: Path, name: str, outputs: dict[str, np.ndarray]
             times[g].append(timeit.timeit(lambda g=g: answer(cards[g]), number=calls) / calls * 1e3)
     return {**{f"{g}_ms": float(np.median(t)) for g, t in times.items()},
             "added_ms": float(np.median([w - o for w, o in zip(times["with"], times["without"], strict=True)]))}
-
-
-def measure(models: Sequence[str], onnx_dir: Path = artifacts.ONNX_DIR, rounds: int = 3, round_s: float = 3.0,
-            tick: Callable[[str], None] = lambda m: None, paired_s: float = 8.0) -> dict[str, dict]:
-    """Per model (those that declare ``ood``): per path, the p50 and CPU ms per request with and without the residual,
-    the added model time, and the added latency measured in pairs for ``paired_s`` seconds. The repository is
-    written by the pipeline (exports first where missing or stale)."""
-    names = declaring_ood(models)
-    if not names:
-        return {}
-    if serve_ab.find() is None:
-        raise BenchError(serve_ab.missing_reason())
-    out: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="unroll-ood-served-") as tmp:
-        root = Path(tmp)
-        repo = root / "repo"
-        options = pipeline.RepoOptions(optimized=False)  # both graphs with the defaults, FP32
-        pipeline.run(pipeline.plan(names, onnx_dir=onnx_dir, repo=repo, options=options), progress=None)
-        copies = root / "onnx"
-        copies.mkdir()
-        for name in names:
-            for f in (artifacts.graph(name, onnx_dir=onnx_dir), artifacts.graph_report(name, onnx_dir=onnx_dir)):
-                (copies / f.name).symlink_to(f.resolve())
-            write_repository("cpu", [plain_copy(copies, name, suffix) for suffix in (PLAIN, TWIN)], repo,
-                             onnx_dir=copies)
-        with triton_server(repo, root / "triton.log") as (http, grpc), \
-                gateway_process(Settings(triton_url=grpc.removeprefix("grpc://")), root / "gw.log") as gateway:
-            for name in names:
-                tick(f"served cost of {name}'s residual")
-                out[name] = _measure_pair(http, gateway, name, rounds, round_s, paired_s)
-        for name in names:
-            out[name]["graph"] = graph_cost(copies, name, classify_workload(name, n=1).arrays[0])
-            judge(out[name])
-    return out
-
-
-def judge(m: dict) -> None:
-    """Per path, the added latency judged (``judged``: ms, share of the ``ab`` p50 without it, and how it was
-    measured), from the comparisons that the A/A pair does not show to be unresolvable (module docstring)."""
-    parts = {"triton": (m["graph"]["added_ms"] + m["handover"]["added_ms"],
-                        "graph in-process + hand-over of the output (pairs, same served model)"),
-             "triton_unasked": (m["graph"]["added_ms"], "graph in-process (no output handed over)"),
-             "gateway": (m["graph"]["added_ms"] + m["handover"]["added_ms"] + m["graph"]["gateway_score"]["added_ms"],
-                         "graph in-process + hand-over (pairs, same served model, Triton HTTP) + the gateway's "
-                         "score, in-process")}
-    for path, (ms, how) in parts.items():
-        m[path]["judged"] = {"added_ms": ms, "added": ms / m[path]["without"]["p50_ms"], "how": how}
-
-
-def _measure_pair(http: str, gateway: str, name: str, rounds: int, round_s: float, paired_s: float) -> dict:
-    card = get_spec(name).card
-    sample = classify_workload(name, n=1)  # the first test digit: its tensor and its PNG
-    graphs = {"with": (name, [card.output, card.ood.output]), "without": (name + PLAIN, [card.output])}
-    targets = {g: _targets(http, gateway, m, sample, outs) for g, (m, outs) in graphs.items()}
-    runs: dict[tuple[str, str], list[dict]] = {(g, p): [] for g in graphs for p in PATHS}
-    for g in graphs:
-        for p in PATHS:
-            url, body, ctype, headers = targets[g][p]
-            serve_ab.run(url, body, ctype, 1, 1, headers)  # warm-up
-    for r in range(rounds):
-        order = list(graphs) if r % 2 == 0 else list(graphs)[::-1]
-        for p in PATHS:
-            for g in order:
-                url, body, ctype, headers = targets[g][p]
-                before, stats = cpu_by_pid(), triton_stats(http, graphs[g][0])
-                run = serve_ab.run(url, body, ctype, 1, round_s, headers)
-                run["cpu_ms_per_request"] = cpu_ms_per_request(before, cpu_by_pid(), run["requests"])
-                split = stats_delta(stats, triton_stats(http, graphs[g][0])) or {}
-                run["compute_ms"] = sum(split.get(f"{k}_ms", float("nan")) for k in COMPUTE)
-                if run["failed"]:
-                    raise BenchError(f"{graphs[g][0]} via {p}: {run['failed']} of {run['requests']} requests failed")
-                runs[(g, p)].append(run)
-    result: dict = {"rounds": rounds, "round_s": round_s, "concurrency": 1}
-    for p in PATHS:
-        row: dict = {}
-        p50 = {g: [r["latency_ms"]["p50"] for r in runs[(g, p)]] for g in graphs}
-        cpu = {g: [sum(v for k, v in r["cpu_ms_per_request"].items() if k != "client") for r in runs[(g, p)]]
-               for g in graphs}
-        for g in graphs:
-            row[g] = {"p50_ms": float(np.median(p50[g])), "requests": int(sum(r["requests"] for r in runs[(g, p)])),
-                      "cpu_ms_per_request": float(np.median(cpu[g])),
-                      "compute_ms": float(np.median([r["compute_ms"] for r in runs[(g, p)]]))}
-        # each round's two runs are back to back: their ratio is free of the drift between rounds
-        ratios = [w / o - 1 for w, o in zip(p50["with"], p50["without"], strict=True)]
-        row["added_p50"] = float(np.median(ratios))
-        row["added_p50_rounds"] = [round(v, 4) for v in ratios]
-        row["added_cpu"] = float(np.median([w / o - 1 for w, o in zip(cpu["with"], cpu["without"], strict=True)]))
-        # Triton's own timing of the model's execution: what the residual adds to the graph, free of the noise that
-        # moves a whole request's p50 by several percent here; as a share of the request's p50 without it
-        # (median over the rounds of each back-to-back pair's difference, as for the p50s: free of drift too)
-        compute = {g: [r["compute_ms"] for r in runs[(g, p)]] for g in graphs}
-        row["added_compute_ms"] = float(np.median([w - o for w, o in zip(compute["with"], compute["without"],
-                                                                          strict=True)]))
-        row["added_latency"] = row["added_compute_ms"] / row["without"]["p50_ms"]
-        row["paired"] = paired_latency.added(_endpoint(targets["without"][p]), _endpoint(targets["with"][p]),
-                                             paired_s)
-        result[p] = row
-    twin = _targets(http, gateway, name + TWIN, sample, [card.output])["triton"]
-    result["twin"] = paired_latency.added(_endpoint(targets["without"]["triton"]), _endpoint(twin), paired_s)
-    # the extra output's hand-over on one served model: asked for both outputs against asked for its logits
-    result["handover"] = paired_latency.added(_endpoint(targets["with"]["triton_unasked"]),
-                                              _endpoint(targets["with"]["triton"]), paired_s)
-    return result
-
-
-def _endpoint(target: tuple) -> paired_latency.Endpoint:
-    url, body, ctype, headers = target
-    return paired_latency.Endpoint(url, body, {**headers, "Content-Type": ctype})

@@ -7,6 +7,9 @@ differences estimates what the second endpoint adds; which goes first alternates
 finds a warm cache. Requests go one at a time (concurrency 1) on a kept-alive connection per endpoint, from this
 process (``http.client``): its own overhead is in both latencies and cancels in the difference. The confidence
 interval of that median is the distribution-free one from order statistics (the binomial ranks around ``n / 2``).
+
+:func:`latencies` times one endpoint alone the same way, and :func:`mean_ci` is the interval of a mean of a few
+independent differences (one per whole-server run, :mod:`~unroll.benchmarks.ood_served`).
 """
 
 from __future__ import annotations
@@ -70,6 +73,34 @@ def median_ci(values: np.ndarray, level: float = 0.95) -> tuple[float, float]:
     if lo < 0 or hi >= n:
         return float(s[0]), float(s[-1])
     return float(s[lo]), float(s[hi])
+
+
+def mean_ci(values: np.ndarray, level: float = 0.95) -> tuple[float, float]:
+    """The Student-t confidence interval of the mean of ``values`` (independent, few: ``n - 1`` degrees of freedom);
+    needs at least two values."""
+    from scipy import stats
+
+    n = len(values)
+    if n < 2:
+        raise BenchError(f"an interval of a mean needs at least 2 values, not {n}")
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * float(np.std(values, ddof=1)) / math.sqrt(n)
+    mean = float(np.mean(values))
+    return mean - half, mean + half
+
+
+def latencies(endpoint: Endpoint, seconds: float, warmup: int = 0, timeout_s: float = 30.0) -> np.ndarray:
+    """One request after another to ``endpoint`` for ``seconds`` after ``warmup`` unmeasured ones: each latency, ms."""
+    client = _Client(endpoint, timeout_s)
+    try:
+        for _ in range(warmup):
+            client.post()
+        times: list[int] = []
+        stop = time.perf_counter() + seconds
+        while time.perf_counter() < stop:
+            times.append(client.post())
+    finally:
+        client.close()
+    return np.array(times, dtype=np.float64) / 1e6
 
 
 def added(base: Endpoint, other: Endpoint, seconds: float, warmup: int = 50, timeout_s: float = 30.0) -> dict:

@@ -5,7 +5,10 @@ answered (503 with ``Retry-After``) within about the gateway's ``UNROLL_TRITON_S
 the request deadline, and the supervisor must not replace a server that resumes before its unready limit (20 s).
 Phase 4 runs ``unroll deploy`` of the classifier (a full swap to a new version) against the running service, found
 from the state ``unroll serve`` left: nothing lost, and the same tritonserver throughout (a planned unload is not a
-crash). Each passes when no request is lost.
+crash). Each passes when no request is lost and the fault window its clients saw (from the stop or the deployment's
+start to the last non-200 answer, :func:`~unroll.benchmarks.soak_stub.fault_window_s`) is at most
+:data:`~unroll.benchmarks.soak_stub.TARGET_503_S`: a stop that outlasts the stall detection costs 503s until it ends,
+unless a warm standby takes the calls.
 """
 
 from __future__ import annotations
@@ -100,6 +103,8 @@ def stall_phase(s: ServeProcess, path: str, body: bytes, stall_s: float, log: Ca
          "first_503_after_stop_s": None if first_503 is None else round(first_503 - m["stopped"], 2),
          "longest_wait_s": round(max(waits, default=0.0), 2),
          "target_s": stall_s + ANSWER_MARGIN_S,
+         "window_s": soak_stub.fault_window_s(results, m["stopped"]), "target_503_s": soak_stub.TARGET_503_S,
+         "non200_s": soak_stub.non200_offsets(results, m["stopped"]),
          "triton_replaced": m["pid"] not in s.triton_pids(),
          "served_after": sum(1 for r in results if r["start"] > m["resumed"] and r["status"] == 200),
          # sent after the stall was detected and answered while the server was still stopped: only a warm standby
@@ -107,7 +112,8 @@ def stall_phase(s: ServeProcess, path: str, body: bytes, stall_s: float, log: Ca
          "served_while_stopped": sum(1 for r in during if r["status"] == 200 and r["start"] > m["stopped"] + stall_s
                                      and r["end"] < m["resumed"])}
     p["passed"] = (not p["lost"] and p["longest_wait_s"] <= p["target_s"] and not p["triton_replaced"]
-                   and p["served_after"] > 0 and p["unavailable_503"] == p["unavailable_with_retry_after"])
+                   and p["served_after"] > 0 and p["unavailable_503"] == p["unavailable_with_retry_after"]
+                   and p["window_s"] <= p["target_503_s"])
     return p
 
 
@@ -125,15 +131,18 @@ def deploy_phase(s: ServeProcess, model: str, log: Callable[[str], None]) -> dic
             "--samples", "64", cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         out, _ = await proc.communicate()
         return {"pid": pid, "lines": lines, "rc": proc.returncode, "output": out.decode(errors="replace")[-2000:],
-                "seconds": round(time.monotonic() - t0, 1)}
+                "started": t0, "seconds": round(time.monotonic() - t0, 1)}
 
     x_path = f"/v1/classify?model={model}&top_k=1"
     results, m = asyncio.run(_drive(s, x_path, _digit(model), deploy))
     serve_log = "".join(s.output[m["lines"]:])  # what unroll serve logged from the deployment on
     p = {"clients": CLIENTS, "model": model, "deploy_rc": m["rc"], "deploy_s": m["seconds"],
          "deploy_output": m["output"], **_counts(results),
+         "window_s": soak_stub.fault_window_s(results, m["started"]), "target_503_s": soak_stub.TARGET_503_S,
+         "non200_s": soak_stub.non200_offsets(results, m["started"]),
          "triton_replaced": m["pid"] not in s.triton_pids() or "lost its Python-backend stub" in serve_log}
-    p["passed"] = m["rc"] == 0 and not p["lost"] and not p["unavailable_503"] and not p["triton_replaced"]
+    p["passed"] = (m["rc"] == 0 and not p["lost"] and not p["unavailable_503"] and not p["triton_replaced"]
+                   and p["window_s"] <= p["target_503_s"])
     return p
 
 
@@ -151,7 +160,7 @@ def markdown(stall: dict | None, deploy: dict | None) -> list[str]:
     lines: list[str] = []
     if stall is not None:
         lines += [
-            f"## Phase 3: tritonserver stopped (SIGSTOP) for {stall['stall_s']:g} s under classify load", "",
+            f"### Phase 3: tritonserver stopped (SIGSTOP) for {stall['stall_s']:g} s under classify load", "",
             f"{stall['clients']} clients in closed loop; the gateway's stall detection is {stall['detection_s']:g} s "
             "(`UNROLL_TRITON_STALL_S`).", "",
             f"- succeeded: {stall['ok']:,}; answered 503: {stall['unavailable_503']:,} "
@@ -159,15 +168,20 @@ def markdown(stall: dict | None, deploy: dict | None) -> list[str]:
             f"- first 503 {stall['first_503_after_stop_s']} s after the stop; **no request waited more than "
             f"{stall['longest_wait_s']} s** for its answer while Triton was stopped (target ≤ {stall['target_s']:g} s; "
             f"without the stall detection they waited until it resumed)",
+            f"- **fault window {stall['window_s']} s** (from the stop to the last non-200 answer; target ≤ "
+            f"{stall['target_503_s']:g} s: {'met' if stall['window_s'] <= stall['target_503_s'] else '**not met**'}); "
+            f"{stall['served_while_stopped']:,} requests sent after the stall was detected were answered while it was "
+            "still stopped (by the other server, when there is one)",
             "- tritonserver " + ("was replaced" if stall["triton_replaced"] else
                                  "was not replaced (it resumed before the supervisor's 20 s unready limit)")
             + f"; {stall['served_after']:,} requests succeeded after it resumed",
             f"- phase **{'passed' if stall['passed'] else 'FAILED'}**", ""]
     if deploy is not None:
         lines += [
-            f"## Phase 4: `unroll deploy {deploy['model']}` (a full swap) under classify load", "",
+            f"### Phase 4: `unroll deploy {deploy['model']}` (a full swap) under classify load", "",
             f"- the deployment took {deploy['deploy_s']} s (exit code {deploy['deploy_rc']}); succeeded: "
-            f"{deploy['ok']:,}; answered 503: {deploy['unavailable_503']:,}; **lost: {deploy['lost']}**",
+            f"{deploy['ok']:,}; answered 503: {deploy['unavailable_503']:,}; **lost: {deploy['lost']}**; fault window "
+            f"{deploy['window_s']} s (target ≤ {deploy['target_503_s']:g} s)",
             "- tritonserver " + ("was replaced" if deploy["triton_replaced"] else
                                  "was the same throughout (the old version's unload is planned, not a crash)"),
             f"- phase **{'passed' if deploy['passed'] else 'FAILED'}**", ""]

@@ -7,8 +7,9 @@ removes that server's shared-memory regions, and starts a new server on the same
 giving up (``on_give_up``) after ``max_restarts`` within ``window_s``. A dead stub replaces the whole server,
 because Triton 2.45's in-place stub restart reuses the dead stub's unmapped shared memory (issue 22; unloading and
 reloading only that model does not help: requests already queued for the dead instance reach it, and Triton
-crashes the same way). The gateway reconnects by itself and answers 503 with ``Retry-After`` meanwhile, or, with
-``unroll serve --standby``, sends its calls to the second server, which a supervisor of its own keeps running.
+crashes the same way). The gateway reconnects by itself and answers 503 with ``Retry-After`` meanwhile, or, with a
+warm standby (``unroll serve``'s default where the memory allows it, :mod:`unroll.serving.standby`), sends its calls
+to the second server, which a supervisor of its own keeps running.
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ def test_card_fields_are_validated() -> None:
 
 
 def test_top_k_is_bounded_by_the_real_class_count() -> None:
-    from unroll.serving.gateway.classify import _from_logits, class_count
+    from unroll.serving.gateway.classify import class_count, predictions_from_logits
 
     card = ModelCard(name="m", task="classification", output="logits", labels=("a", "b", "c"),
                      input=InputCard(name="image", shape=(3, 8, 8), colour="rgb"))
@@ -146,11 +146,11 @@ def test_top_k_is_bounded_by_the_real_class_count() -> None:
     info.outputs["logits"] = SimpleNamespace(shape=(-1, -1))
     assert class_count(card, info) == 3
     assert class_count(card.model_copy(update={"labels": None}), info) is None
-    preds, msp = _from_logits(np.array([[0.0, 2.0, 1.0]], np.float32), 2, card, "m")
+    preds, msp = predictions_from_logits(np.array([[0.0, 2.0, 1.0]], np.float32), 2, card, "m")
     assert [(p["label"], p["index"]) for p in preds] == [("b", 1), ("c", 2)]
     assert msp == pytest.approx(1 - np.exp(2) / np.exp([0.0, 2.0, 1.0]).sum())  # one minus the softmax's maximum
     with pytest.raises(ApiError) as e:
-        _from_logits(np.zeros((1, 3), np.float32), 4, card, "m")
+        predictions_from_logits(np.zeros((1, 3), np.float32), 4, card, "m")
     assert e.value.status == 422 and "3 classes" in e.value.message
 
 

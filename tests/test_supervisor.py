@@ -149,7 +149,8 @@ def serve(demo_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     """``unroll serve`` of the demo models on spare ports, run from a temporary folder (its build/ goes there)."""
     root = tmp_path_factory.mktemp("serve").resolve()
     shutil.copytree(demo_onnx_dir, root / "onnx", copy_function=shutil.copy2)
-    started = start_serve(root, default_models(), log=lambda m: None)  # what `unroll serve` serves by default
+    # what `unroll serve` serves by default, on one tritonserver (--no-standby): these tests are about its restart
+    started = start_serve(root, default_models(), log=lambda m: None, standby=False)
     s = Serve(started.proc, started.base, started.repo, root, started.triton_ports, output=started.output)
     try:
         s.record_regions()

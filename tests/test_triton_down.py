@@ -46,8 +46,9 @@ STALL_S, ANSWER_MARGIN_S = 8.0, 3.0
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     root = tmp_path_factory.mktemp("triton-down")
+    # one tritonserver (--no-standby): what a client sees while the only Triton is down (a standby would answer)
     s = start_serve(root, [demo_model(tasks.CLASSIFICATION), demo_model(tasks.DENOISING)], log=lambda m: None,
-                    settings={"UNROLL_KEEP_ALIVE_S": str(KEEP_ALIVE_S)})
+                    settings={"UNROLL_KEEP_ALIVE_S": str(KEEP_ALIVE_S)}, standby=False)
     try:
         yield s
     finally:

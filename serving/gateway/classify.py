@@ -184,7 +184,7 @@ async def classify(
         res, inverted, lam_v = await _decoded(gw, entry, data, inv, lam_v, hw, rule, n_classes)
     with tracing.span("encode"):
         if n_classes is None:  # a class axis only known once the model answers: logits, bounded now
-            preds, msp = _from_logits(np.asarray(res[card.output], np.float32)[0], top_k, card, entry.name)
+            preds, msp = predictions_from_logits(np.asarray(res[card.output], np.float32)[0], top_k, card, entry.name)
         else:
             preds, msp = _classes(res[card.output][0], top_k)
     latency = round((time.perf_counter() - t0) * 1000.0, 2)
@@ -240,7 +240,7 @@ def class_count(card: ModelCard, info) -> int | None:
     return len(card.labels) if card.labels else None
 
 
-def _from_logits(logits: np.ndarray, top_k: int, card: ModelCard, name: str) -> tuple[list[dict], float]:
+def predictions_from_logits(logits: np.ndarray, top_k: int, card: ModelCard, name: str) -> tuple[list[dict], float]:
     """Top-k from raw logits (a model whose class axis is dynamic), labels from the card where it has them; and one
     minus the softmax's maximum."""
     logits = logits.reshape(-1).astype(np.float64)
