@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: help venv test serve bench lint clean
+.PHONY: help venv test serve bench lint clean docs docs-serve
 
 $(STAMP): pyproject.toml scripts/editable_first.py
 	@test -x $(PY) || { echo "==> creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
@@ -59,6 +59,14 @@ gpu-check:  ## GPU runtimes of the trained models → benchmarks/results/gpu_che
 .PHONY: gpu-serve-check
 gpu-serve-check:  ## unroll serve --target gpu measured → benchmarks/results/gpu_serve.*; skips without CUDA; ARGS="--device cpu …"
 	bash scripts/gpu_serve_check.sh $(ARGS)
+
+docs: $(STAMP)  ## the docs site: generated reference pages (CLI, REST) rewritten, then build/site (strict)
+	$(PY) -m unroll.app.docs_reference --out docs/reference
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+
+docs-serve: $(STAMP)  ## serve the docs site at http://127.0.0.1:8008 while you edit (reloads on save)
+	$(PY) -m unroll.app.docs_reference --out docs/reference
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --strict -a 127.0.0.1:8008
 
 lint: $(STAMP)  ## ruff and hadolint
 	$(PY) -m ruff check unroll export serving benchmarks app pipeline tests examples scripts deploy

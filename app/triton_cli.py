@@ -23,7 +23,6 @@ from unroll.card import CardError
 from unroll.errors import ExportError, ServingError, TritonStartError
 from unroll.export.card_attach import NO_CARD_HINT, attach_card_where_present
 from unroll.pipeline import choice
-from unroll.serving.cpu_runtime import RUNTIMES
 from unroll.serving.repository import (
     CPU_MAX_BATCH_SIZE,
     DEFAULT_MAX_BATCH_SIZE,
@@ -36,6 +35,7 @@ from unroll.serving.repository import (
     bundled_gpu,
 )
 from unroll.serving.repository_check import validate_model, validate_repository
+from unroll.serving.runtimes import RUNTIMES
 from unroll.serving.triton import start
 
 console = Console()
@@ -79,57 +79,74 @@ def _bring_up_to_date(names: list[str], out: Path, onnx_dir: Path, plan_dir: Pat
     return served
 
 
+TargetOpt = Annotated[str, typer.Option(
+    help="cpu: Python-backend models that run the ONNX with the card's CPU runtime (ONNX Runtime or "
+         "OpenVINO; what the bundled Triton serves); "
+         "gpu: TensorRT plans, or ONNX Runtime with the TensorRT accelerator, for the NGC tritonserver "
+         "container")]
+ModelsOpt = Annotated[str | None, typer.Option(
+    help="Comma-separated model names (see `unroll models`, or graphs already in --onnx-dir); default: every "
+         "model with committed weights")]
+PrecisionOpt = Annotated[str, typer.Option(
+    help="fp32, fp16 or int8: the graph that carries it, build/onnx/NAME.PRECISION.onnx from `unroll quantize` "
+         "(fp32: NAME.onnx). gpu serves build/trt/NAME.PRECISION.plan when present (checked against its JSON), "
+         "else that graph through ONNX Runtime's TensorRT provider, strongly typed (precision_mode FP32: "
+         "TensorRT runs the graph's own precision, nothing is cast)")]
+RepoOutOpt = Annotated[Path, typer.Option(help="Model repository folder to write")]
+OnnxDirOpt = Annotated[Path, typer.Option(help="Where `unroll export` wrote NAME.onnx (missing or stale ones "
+                                               "are exported first)")]
+PlanDirOpt = Annotated[Path, typer.Option(help="Where `unroll build` wrote TensorRT plans (gpu)")]
+ThreadsOpt = Annotated[int, typer.Option(help="cpu: ONNX Runtime intra-op threads per model instance")]
+InstancesOpt = Annotated[int, typer.Option(help="Model instances (parallel executions) per model")]
+SpinningOpt = Annotated[bool, typer.Option(
+    "--spinning/--no-spinning",
+    help="cpu: ONNX Runtime's threads spin briefly for the next work before sleeping: lower latency and more "
+         "throughput from Triton, but less CPU left for a gateway on the same cores (compare both with "
+         "`unroll bench serve`)")]
+MaxBatchSizeOpt = Annotated[int | None, typer.Option(
+    help=f"Largest batch Triton's dynamic batcher forms (and the TensorRT profile's max batch); default: cpu "
+         f"{DEFAULT_MAX_BATCH_SIZE} ({', '.join(f'{t} {n}' for t, n in CPU_MAX_BATCH_SIZE.items())}), gpu the "
+         "card's TensorRT profile maximum (see serving/repository.py)")]
+QueueDelayOpt = Annotated[int, typer.Option(
+    help="Dynamic batching max_queue_delay_microseconds (why the default: serving/repository.py; measure "
+         "with `unroll bench serve`)")]
+OptimizedOpt = Annotated[bool, typer.Option(
+    "--optimized/--no-optimized",
+    help="cpu: serve each model with the runtime, precision and configuration `unroll optimize` chose for it "
+         "(build/optimize/NAME.cpu.json) where there is a choice, overriding the options above")]
+AutolamOpt = Annotated[bool, typer.Option(
+    "--autolam/--no-autolam", help="Also serve the λ-rule graph a classifier's card names (lam=auto)")]
+CardOpt = Annotated[list[str] | None, typer.Option(
+    help="Attach a card to a graph in --onnx-dir that has none (a third-party graph, e.g. from `unroll fuse`) "
+         "or replace its card: NAME=FILE, or FILE when --models names one model; FILE is the JSON of an "
+         "unroll ModelCard. Repeatable")]
+RebuildOpt = Annotated[bool, typer.Option("--rebuild", help="Re-export and rewrite every model even if up to date")]
+RuntimeOpt = Annotated[str | None, typer.Option(
+    help="What runs every model, instead of each card's (and of `unroll optimize`'s choice): cpu: "
+         f"{', '.join(RUNTIMES)}; gpu: torch, the bundled Triton on a CUDA machine (Python-backend instances on "
+         "the GPU running each model's PyTorch module, a CUDA graph per input shape; a model without one is "
+         "served on the CPU and its config says why). Default: cpu each card's, gpu the NGC container's "
+         "TensorRT / ONNX Runtime configs")]
+
+
 @handles_errors
 def repo(
-    target: Annotated[str, typer.Option(
-        help="cpu: Python-backend models that run the ONNX with the card's CPU runtime (ONNX Runtime or "
-             "OpenVINO; what the bundled Triton serves); "
-             "gpu: TensorRT plans, or ONNX Runtime with the TensorRT accelerator, for the NGC tritonserver "
-             "container")] = "cpu",
-    models: Annotated[str | None, typer.Option(
-        help="Comma-separated model names (see `unroll models`, or graphs already in --onnx-dir); default: every "
-             "model with committed weights")] = None,
-    precision: Annotated[str, typer.Option(
-        help="fp32, fp16 or int8: the graph that carries it, build/onnx/NAME.PRECISION.onnx from `unroll quantize` "
-             "(fp32: NAME.onnx). gpu serves build/trt/NAME.PRECISION.plan when present (checked against its JSON), "
-             "else that graph through ONNX Runtime's TensorRT provider, strongly typed (precision_mode FP32: "
-             "TensorRT runs the graph's own precision, nothing is cast)")] = "fp32",
-    out: Annotated[Path, typer.Option(help="Model repository folder to write")] = artifacts.REPOSITORY_DIR,
-    onnx_dir: Annotated[Path, typer.Option(help="Where `unroll export` wrote NAME.onnx (missing or stale ones "
-                                                "are exported first)")] = artifacts.ONNX_DIR,
-    plan_dir: Annotated[Path, typer.Option(help="Where `unroll build` wrote TensorRT plans (gpu)")] = artifacts.TRT_DIR,
-    threads: Annotated[int, typer.Option(help="cpu: ONNX Runtime intra-op threads per model instance")] = 2,
-    instances: Annotated[int, typer.Option(help="Model instances (parallel executions) per model")] = 1,
-    spinning: Annotated[bool, typer.Option(
-        "--spinning/--no-spinning",
-        help="cpu: ONNX Runtime's threads spin briefly for the next work before sleeping: lower latency and more "
-             "throughput from Triton, but less CPU left for a gateway on the same cores (compare both with "
-             "`unroll bench serve`)")] = INTRA_OP_SPINNING,
-    max_batch_size: Annotated[int | None, typer.Option(
-        help=f"Largest batch Triton's dynamic batcher forms (and the TensorRT profile's max batch); default: cpu "
-             f"{DEFAULT_MAX_BATCH_SIZE} ({', '.join(f'{t} {n}' for t, n in CPU_MAX_BATCH_SIZE.items())}), gpu the "
-             "card's TensorRT profile maximum (see serving/repository.py)")] = None,
-    queue_delay_us: Annotated[int, typer.Option(
-        help="Dynamic batching max_queue_delay_microseconds (why the default: serving/repository.py; measure "
-             "with `unroll bench serve`)")] = DEFAULT_QUEUE_DELAY_US,
-    optimized: Annotated[bool, typer.Option(
-        "--optimized/--no-optimized",
-        help="cpu: serve each model with the runtime, precision and configuration `unroll optimize` chose for it "
-             "(build/optimize/NAME.cpu.json) where there is a choice, overriding the options above")] = True,
-    autolam: Annotated[bool, typer.Option(
-        "--autolam/--no-autolam", help="Also serve the λ-rule graph a classifier's card names (lam=auto)")] = True,
-    card: Annotated[list[str] | None, typer.Option(
-        help="Attach a card to a graph in --onnx-dir that has none (a third-party graph, e.g. from `unroll fuse`) "
-             "or replace its card: NAME=FILE, or FILE when --models names one model; FILE is the JSON of an "
-             "unroll ModelCard. Repeatable")] = None,
-    rebuild: Annotated[bool, typer.Option("--rebuild", help="Re-export and rewrite every model even if up to "
-                                                            "date")] = False,
-    runtime: Annotated[str | None, typer.Option(
-        help="What runs every model, instead of each card's (and of `unroll optimize`'s choice): cpu: "
-             f"{', '.join(RUNTIMES)}; gpu: torch, the bundled Triton on a CUDA machine (Python-backend instances on "
-             "the GPU running each model's PyTorch module, a CUDA graph per input shape; a model without one is "
-             "served on the CPU and its config says why). Default: cpu each card's, gpu the NGC container's "
-             "TensorRT / ONNX Runtime configs")] = None,
+    target: TargetOpt = "cpu",
+    models: ModelsOpt = None,
+    precision: PrecisionOpt = "fp32",
+    out: RepoOutOpt = artifacts.REPOSITORY_DIR,
+    onnx_dir: OnnxDirOpt = artifacts.ONNX_DIR,
+    plan_dir: PlanDirOpt = artifacts.TRT_DIR,
+    threads: ThreadsOpt = 2,
+    instances: InstancesOpt = 1,
+    spinning: SpinningOpt = INTRA_OP_SPINNING,
+    max_batch_size: MaxBatchSizeOpt = None,
+    queue_delay_us: QueueDelayOpt = DEFAULT_QUEUE_DELAY_US,
+    optimized: OptimizedOpt = True,
+    autolam: AutolamOpt = True,
+    card: CardOpt = None,
+    rebuild: RebuildOpt = False,
+    runtime: RuntimeOpt = None,
 ) -> None:
     """Write a Triton model repository (config.pbtxt, version 1, labels) for the exported models and validate it.
 
@@ -137,26 +154,48 @@ def repo(
     rules, as `unroll serve`). Every config is re-parsed with Triton's model_config schema and checked tensor by
     tensor against its ONNX graph.
     """
-    if target not in ("cpu", "gpu"):
-        raise fail(f"--target must be cpu or gpu, not {target!r}")
-    if precision not in PRECISIONS:
-        raise fail(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
-    if models is None:
-        names = default_models()
-    else:
-        names = [m.strip() for m in models.split(",") if m.strip()]
-    if not names:
-        raise fail("--models names no model" if models is not None else
-                    "no registered model has committed weights; name the models with --models")
-    allowed = RUNTIMES if target == "cpu" else GPU_RUNTIMES
-    if runtime is not None and runtime not in allowed:
-        raise fail(f"--runtime {runtime}: --target {target} takes {', '.join(allowed)}")
+    _check_target(target, precision)
+    names = _model_names(models)
+    _check_runtime(target, runtime)
     _attach_cards(card or [], names, onnx_dir, precision)
     options = pipeline.RepoOptions(target=target, precision=precision, threads=threads, max_batch_size=max_batch_size,
                                    queue_delay_us=queue_delay_us, instances=instances, spinning=spinning,
                                    runtime=runtime, optimized=optimized and runtime is None)
     served = _bring_up_to_date(names, out, onnx_dir, plan_dir, options, autolam, rebuild)
     console.print(_summary(served, out, onnx_dir, f"{out} (target {target}, {precision})", optimized))
+    _print_next_step(out, served, target, runtime)
+
+
+def _check_target(target: str, precision: str) -> None:
+    """Refuse a ``--target`` or ``--precision`` that ``unroll repo`` does not take (one sentence)."""
+    if target not in ("cpu", "gpu"):
+        raise fail(f"--target must be cpu or gpu, not {target!r}")
+    if precision not in PRECISIONS:
+        raise fail(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+
+
+def _check_runtime(target: str, runtime: str | None) -> None:
+    """Refuse a ``--runtime`` that ``--target`` does not run (the CPU runtimes, or torch on a GPU)."""
+    allowed = RUNTIMES if target == "cpu" else GPU_RUNTIMES
+    if runtime is not None and runtime not in allowed:
+        raise fail(f"--runtime {runtime}: --target {target} takes {', '.join(allowed)}")
+
+
+def _model_names(models: str | None) -> list[str]:
+    """The models ``--models`` names (comma-separated), else every model with committed weights; never none."""
+    if models is None:
+        names = default_models()
+    else:
+        names = [m.strip() for m in models.split(",") if m.strip()]
+    if not names:
+        raise fail("--models names no model" if models is not None else
+                   "no registered model has committed weights; name the models with --models")
+    return names
+
+
+def _print_next_step(out: Path, served: list[str], target: str, runtime: str | None) -> None:
+    """Say what else ``out`` holds (Triton serves it too) and how to serve the repository: the bundled Triton, or
+    NVIDIA's container for the NGC configs."""
     others = sorted(p.name for p in Path(out).iterdir() if p.is_dir() and not p.name.startswith(".")
                     and p.name not in served)
     if others:

@@ -196,14 +196,25 @@ def png_bytes(a) -> bytes:
     return buf.getvalue()
 
 
-def write_readme_block(readme: Path, begin: str, end: str, text: str) -> bool:
-    """Replace what lies between the README's ``begin`` and ``end`` markers with ``text`` (a block generated from a
-    results file, so the README quotes no number by hand); ``False`` when the README or its markers are missing."""
-    if not readme.exists():
-        return False
-    current = readme.read_text()
-    start, stop = current.find(begin), current.find(end)
-    if start < 0 or stop < start:
-        return False
-    readme.write_text(current[:start + len(begin)] + "\n" + text + "\n" + current[stop:])
-    return True
+def docs_pages(root: Path) -> list[Path]:
+    """The README and the docs site's hand-written pages under ``root`` (not the folders ``docs/`` links in)."""
+    docs = root / "docs"
+    pages = [p for p in sorted(docs.rglob("*.md"))
+             if not any((docs / q).is_symlink() for q in p.relative_to(docs).parents if str(q) != ".")]
+    return [root / "README.md", *pages]
+
+
+def write_docs_blocks(root: Path, begin: str, end: str, text: str) -> bool:
+    """Replace what lies between ``begin`` and ``end`` with ``text`` on every page of the README and ``docs/`` that
+    holds them (a block generated from a results file, so no page quotes a number by hand); ``False`` when none does."""
+    wrote = False
+    for page in docs_pages(root):
+        if not page.exists():
+            continue
+        current = page.read_text(encoding="utf-8")
+        start, stop = current.find(begin), current.find(end)
+        if start < 0 or stop < start:
+            continue
+        page.write_text(current[:start + len(begin)] + "\n" + text + "\n" + current[stop:], encoding="utf-8")
+        wrote = True
+    return wrote

@@ -5,7 +5,7 @@ run; ratios are to PyTorch eager from the same run. The rows are chosen from the
 (:func:`default_rows`).
 
 The fused graph also runs on OpenVINO (where installed; the cell says "skipped" otherwise), through the
-same :func:`unroll.serving.cpu_runtime.open_session` the server uses, and the outputs of the two runtimes
+same :func:`unroll.serving.runtimes.open_session` the server uses, and the outputs of the two runtimes
 are compared (max |Δ| per row). "served" is the runtime the model's card names (``cpu_runtime``), which the
 CPU target serves; the targets are judged on it, and the row also names the fastest runtime, so a card whose
 choice stopped being the faster one shows.
@@ -31,7 +31,7 @@ from unroll.benchmarks.models_inputs import case_inputs, cases_for, torch_call
 from unroll.errors import BenchError
 from unroll.export.onnx_export import _Classifier, _torch_export, io_names, resolve_card
 from unroll.registry import REGISTRY, get_spec
-from unroll.serving.cpu_runtime import open_session, unavailable_reason
+from unroll.serving.runtimes import open_session, unavailable_reason
 from unroll.solvers.shrink import textbook_mode
 
 ENGINES = ("pytorch eager", "torch.compile", "onnxruntime naive", "onnxruntime fused", "openvino fused")

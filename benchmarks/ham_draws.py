@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from unroll.benchmarks.common import RESULTS, machine_info, write_readme_block, write_results
+from unroll.benchmarks.common import RESULTS, machine_info, write_docs_blocks, write_results
 from unroll.solvers.nmf import ETA, NMFHam, draw_bases
 
 #: The golden fixture's recipe (tests/fixtures/ham_nmf_golden.npz, meta ``x_recipe``): seed, shape, latent rank.
@@ -78,7 +78,7 @@ def run(n_draws: int = 32, seed: int = 100, calibration_inputs: int = 8, out_dir
     if out_dir is not None:
         write_results("ham_draws", payload, markdown(payload), Path(out_dir))
         if Path(out_dir).resolve() == RESULTS.resolve():
-            write_readme_block(RESULTS.parent.parent / "README.md", README_BEGIN, README_END, readme_block(payload))
+            write_docs_blocks(RESULTS.parent.parent, README_BEGIN, README_END, readme_block(payload))
     return payload
 
 

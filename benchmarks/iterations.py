@@ -20,7 +20,7 @@ import torch
 import unroll
 from unroll import artifacts, data, pipeline
 from unroll.benchmarks import serve_ab
-from unroll.benchmarks.common import RESULTS, machine_info, png_bytes, write_readme_block, write_results
+from unroll.benchmarks.common import RESULTS, machine_info, png_bytes, write_docs_blocks, write_results
 from unroll.benchmarks.plots import iterations_plot
 from unroll.benchmarks.processes import cpu_by_pid, cpu_ms_per_request
 from unroll.benchmarks.robustness import TEST_SEED, digit_classifiers
@@ -115,7 +115,7 @@ def run(models: Sequence[str] | None = None, corruptions: Sequence[str] | None =
         write_results("iterations", payload, markdown(payload), Path(out_dir))
         iterations_plot(payload, Path(out_dir))
         if Path(out_dir).resolve() == RESULTS.resolve():
-            write_readme_block(RESULTS.parent.parent / "README.md", README_BEGIN, README_END, readme_block(payload))
+            write_docs_blocks(RESULTS.parent.parent, README_BEGIN, README_END, readme_block(payload))
     return payload
 
 

@@ -48,7 +48,7 @@ from unroll.benchmarks.models_inputs import (
 from unroll.benchmarks.models_markdown import markdown
 from unroll.errors import NoModel
 from unroll.registry import get_spec
-from unroll.serving.cpu_runtime import open_session, unavailable_reason
+from unroll.serving.runtimes import open_session, unavailable_reason
 
 SCALING_SIDES = (128, 256, 512, 768, 1024)
 THROUGHPUT_BATCHES = (1, 4, 16, 64, 256)

@@ -17,7 +17,7 @@ Served (:mod:`unroll.benchmarks.ood_served`): for each model whose card declares
 residual output beside the same graph without it, through Triton and the gateway at concurrency 1: the added
 latency and CPU per request. The denoiser: its residual as a noise estimate (:mod:`~unroll.benchmarks.denoise_residual`)
 and as an out-of-distribution score (:mod:`~unroll.benchmarks.denoise_ood`). ``unroll bench ood`` writes
-``ood.{json,md,png}`` and the README's table.
+``ood.{json,md,png}`` and the docs' table.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 
 from unroll import artifacts, data, ood_sets, registry
 from unroll.benchmarks import denoise_ood, denoise_residual, ood_precisions, ood_served
-from unroll.benchmarks.common import RESULTS, machine_info, time_call, trained_models, write_readme_block, write_results
+from unroll.benchmarks.common import RESULTS, machine_info, time_call, trained_models, write_docs_blocks, write_results
 from unroll.benchmarks.ood_scores import auroc, fpr95
 from unroll.card import SOLVER_SIGNALS, OodCard, OodTerm
 from unroll.corruptions import CORRUPTIONS, SEVERITIES, corrupt
@@ -223,7 +223,7 @@ def run(models: list[str] | None = None, digits: int | None = None, out_dir: Pat
     """Evaluate ``models`` (default :func:`scored_models`); judge the ``quantized`` graphs of those whose card declares
     ``ood`` by the rules measured on them (:mod:`~unroll.benchmarks.ood_precisions`); with ``served``, measure what
     the residual costs their served requests (:mod:`~unroll.benchmarks.ood_served`; graphs exported and quantized
-    into ``onnx_dir`` where missing or stale); write the results (and the README's table when writing into the
+    into ``onnx_dir`` where missing or stale); write the results (and the docs' table when writing into the
     committed results folder)."""
     names = list(models or scored_models())
     ood = images()
@@ -247,7 +247,7 @@ def run(models: list[str] | None = None, digits: int | None = None, out_dir: Pat
         write_results(STEM, payload, markdown(payload), Path(out_dir))
         plot(payload, Path(out_dir))
         if committed:
-            write_readme_block(RESULTS.parent.parent / "README.md", README_BEGIN, README_END, readme_block(payload))
+            write_docs_blocks(RESULTS.parent.parent, README_BEGIN, README_END, readme_block(payload))
     return payload
 
 

@@ -29,7 +29,7 @@ from unroll.benchmarks import optimize_report, optimize_sweep
 from unroll.benchmarks.common import latency_summary, machine_info
 from unroll.card import ModelCard, from_onnx
 from unroll.errors import OptimizeError
-from unroll.serving import cpu_runtime
+from unroll.serving import runtimes
 
 #: FP32 candidates must also match the PyTorch model this closely (relative L2 over all gate outputs).
 FP32_REL_ERR = 1e-4
@@ -84,8 +84,8 @@ def candidates(card: ModelCard, registered: bool, allowed: tuple[str, ...] = DEF
         else:
             found.append(cand)
 
-    for runtime in cpu_runtime.RUNTIMES:
-        why = cpu_runtime.unavailable_reason(runtime)
+    for runtime in runtimes.RUNTIMES:
+        why = runtimes.unavailable_reason(runtime)
         if runtime == "aotinductor":
             why = why or (None if registered else "no PyTorch module: the graph was not exported from a registered "
                                                    "model")
@@ -97,7 +97,7 @@ def candidates(card: ModelCard, registered: bool, allowed: tuple[str, ...] = DEF
             for static in shapes:
                 add(Candidate(runtime, precision, static), why)
         if runtime == "openvino" and "fp16" in card.precisions:  # reduced-precision maths, judged by the FP16 gate
-            why16 = cpu_runtime.bf16_unavailable()  # (OpenVINO missing included)
+            why16 = runtimes.bf16_unavailable()  # (OpenVINO missing included)
             for static in shapes:
                 add(Candidate(runtime, "fp32", static, bf16=True), why16)
     return found, skipped
@@ -161,7 +161,7 @@ def torch_reference(name: str) -> gates.Run:
     return run
 
 
-def gate_check(card: ModelCard, cand: Candidate, session: cpu_runtime.Session, cases: list[gates.GateCase],
+def gate_check(card: ModelCard, cand: Candidate, session: runtimes.Session, cases: list[gates.GateCase],
                refs: list[np.ndarray]) -> dict:
     """The candidate against the FP32 reference on the gate data: ``{"passed", "metrics", "failures", …}``."""
     tol = gates.tolerances(card, cand.gate_precision)
@@ -383,9 +383,9 @@ def _check(name: str, card: ModelCard, cand: Candidate, s: Settings, cases: list
     return row
 
 
-def _open(name: str, cand: Candidate, s: Settings, progress: Progress) -> cpu_runtime.Session:
+def _open(name: str, cand: Candidate, s: Settings, progress: Progress) -> runtimes.Session:
     path = artifact(name, cand, s.onnx_dir, s.aoti_dir, progress)
-    return cpu_runtime.open_session(path, cand.runtime, s.threads, static_shapes=cand.static_shapes, bf16=cand.bf16)
+    return runtimes.open_session(path, cand.runtime, s.threads, static_shapes=cand.static_shapes, bf16=cand.bf16)
 
 
 def _time_together(name: str, rows: list[dict], timing: list, s: Settings, progress: Progress) -> None:
@@ -411,7 +411,7 @@ def _time_together(name: str, rows: list[dict], timing: list, s: Settings, progr
         r["status"] = "passed"
 
 
-def _timed_calls(session: cpu_runtime.Session, feeds: dict[str, np.ndarray], budget_s: float
+def _timed_calls(session: runtimes.Session, feeds: dict[str, np.ndarray], budget_s: float
                  ) -> tuple[list[float], float]:
     """Wall ms of each call after warm-up, for ``budget_s`` (at least :data:`MIN_CALLS` calls), and the CPU
     seconds (this process, every thread) they took."""

@@ -20,7 +20,7 @@ from unroll.benchmarks.common import machine_info, write_results
 from unroll.card import ModelCard, from_onnx
 from unroll.data import add_noise
 from unroll.metrics import psnr
-from unroll.serving import cpu_runtime
+from unroll.serving import runtimes
 
 #: Light noise, below the cards' gate levels: reported beside them, never gated.
 EXTRA_SIGMAS = (5.0,)
@@ -64,12 +64,12 @@ def measure(name: str, onnx_dir: Path, threads: int = 2, log=print) -> dict:
         tol = card.gate(precision).get("psnr_loss_db_worst")
         for runtime, static in RUNTIMES:
             label = runtime + (" (static shapes)" if static else "")
-            why = cpu_runtime.unavailable_reason(runtime)
+            why = runtimes.unavailable_reason(runtime)
             if why:
                 rows.append({"precision": precision, "runtime": label, "skipped": why})
                 continue
             log(f"{name}: {precision} on {label}")
-            session = cpu_runtime.open_session(graph, runtime, threads, static_shapes=static)
+            session = runtimes.open_session(graph, runtime, threads, static_shapes=static)
 
             def run(feeds: dict[str, np.ndarray], session=session) -> np.ndarray:
                 return session(feeds)[card.output]

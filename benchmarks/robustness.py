@@ -35,7 +35,7 @@ from unroll.benchmarks.common import (
     machine_info,
     ort_session,
     trained_models,
-    write_readme_block,
+    write_docs_blocks,
     write_results,
 )
 from unroll.benchmarks.plots import robustness_lam_plot, robustness_plot
@@ -91,7 +91,7 @@ def run(models: Sequence[str] | None = None, corruptions: Sequence[str] | None =
         robustness_plot(payload, Path(out_dir))
         robustness_lam_plot(payload, Path(out_dir))
         if Path(out_dir).resolve() == RESULTS.resolve():
-            write_readme_block(RESULTS.parent.parent / "README.md", README_BEGIN, README_END, readme_block(payload))
+            write_docs_blocks(RESULTS.parent.parent, README_BEGIN, README_END, readme_block(payload))
     return payload
 
 

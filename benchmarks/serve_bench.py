@@ -34,7 +34,7 @@ from unroll.benchmarks.common import (
     machine_info,
     ort_session,
     progress_bars,
-    write_readme_block,
+    write_docs_blocks,
     write_results,
 )
 from unroll.benchmarks.processes import cpu_by_pid, cpu_ms_per_request
@@ -495,11 +495,11 @@ def _median_round(rounds: list[dict]) -> dict:
 
 
 def write(payload: dict, out_dir: Path) -> list[Path]:
-    """``serve.json``, ``serve.md`` and the three PNG plots; for the committed results also the README's block."""
+    """``serve.json``, ``serve.md`` and the three PNG plots; for the committed results also the pages' blocks."""
     paths = list(write_results("serve", payload, markdown(payload), out_dir))
     paths += plots.serve_plots(payload, out_dir)
     if out_dir.resolve() == RESULTS.resolve():
-        write_readme_block(RESULTS.parent.parent / "README.md", README_BEGIN, README_END, readme_block(payload))
+        write_docs_blocks(RESULTS.parent.parent, README_BEGIN, README_END, readme_block(payload))
     return paths
 
 

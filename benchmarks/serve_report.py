@@ -105,7 +105,7 @@ def _direct_targets(payload: dict) -> list[dict]:
 
 
 def targets_table(rows: list[dict]) -> list[str]:
-    """The targets as a Markdown table: target, measured, met (serve.md and the README's block)."""
+    """The targets as a Markdown table: target, measured, met (serve.md and the README's and docs' block)."""
     lines = ["| target | measured | met |", "|---|---|---|"]
     for t in rows:
         met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")

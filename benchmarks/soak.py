@@ -35,7 +35,7 @@ import numpy as np
 
 from unroll import artifacts, data, tasks
 from unroll.benchmarks import soak_ops, soak_standby, soak_stub
-from unroll.benchmarks.common import RESULTS, demo_model, machine_info, png_bytes, unroll_command, write_readme_block
+from unroll.benchmarks.common import RESULTS, demo_model, machine_info, png_bytes, unroll_command, write_docs_blocks
 from unroll.errors import BenchError
 from unroll.registry import get_spec
 from unroll.serving.gateway.settings import Settings
@@ -48,14 +48,16 @@ READY_TIMEOUT_S = 300.0
 LEFTOVER_GRACE_S = 10.0
 REQUEST_TIMEOUT_S = 60.0
 #: A client's pause after a 503 before its next request (the gateway advises Retry-After: 5 s; a short pause
-#: keeps the soak going through the outage instead of burning the remaining requests in a second).
-BACKOFF_ON_503_S = 0.25
+#: keeps the soak going through the outage instead of burning the remaining requests in a second): every phase's.
+BACKOFF_ON_503_S = soak_stub.BACKOFF_ON_503_S
 #: Requests that must succeed after a round's last failure before the next round (or the end).
 AFTER_RECOVERY = 100
 #: A round that has not recovered this long after its kill ends anyway (and the soak fails).
 ROUND_TIMEOUT_S = 60.0
 #: How long :meth:`ServeProcess.triton_pid` watches the servers' CPU to tell which one serves the traffic.
 BUSY_SAMPLE_S = 0.3
+#: What a lost request's example in the results keeps (phase 2's requests are numbered and of a kind).
+EXAMPLE_FIELDS = ("i", "kind", "status", "code")
 #: Share of the traffic per kind (the rest is /v1/models).
 MIX = {"classify": 0.55, "classify-auto": 0.15, "denoise": 0.25}
 
@@ -247,20 +249,12 @@ async def _traffic(s: ServeProcess, payloads: dict, requests: int, concurrency: 
             i = next_i
             next_i += 1
             kind = str(rng.choice(mix, p=weights))
-            t0 = time.perf_counter()
-            try:
-                if kind == "models":
-                    r = await client.get("/v1/models")
-                else:
-                    path, body = payloads[kind][i % len(payloads[kind])]
-                    r = await client.post(path, content=body, headers={"Content-Type": "image/png"})
-                status, code, retry_after = soak_stub.outcome(r)
-            except httpx.HTTPError as e:
-                status, code, retry_after = None, type(e).__name__, None
-            results.append({"i": i, "kind": kind, "status": status, "code": code, "retry_after": retry_after,
-                            "start": t0, "end": time.perf_counter()})
-            if status == 503:
-                await asyncio.sleep(BACKOFF_ON_503_S)
+            if kind == "models":
+                request = client.get("/v1/models")
+            else:
+                path, body = payloads[kind][i % len(payloads[kind])]
+                request = client.post(path, content=body, headers={"Content-Type": "image/png"})
+            await soak_stub.record_answer(request, results, i=i, kind=kind)
 
     def recovered(since: float, at: float) -> bool:
         """:data:`AFTER_RECOVERY` requests started after the kill at ``at`` and after the round's last failure (its
@@ -305,21 +299,16 @@ def round_summary(results: list[dict], kill: dict, until: float | None) -> dict:
     """One round's account: its requests are those started from the round's start until the next round's; judged on
     its fault window (from the kill to the last non-200 answer) and its lost requests."""
     mine = [r for r in results if r["start"] >= kill["started"] and (until is None or r["start"] < until)]
-    failed = [r for r in mine if not _succeeded(r)]
-    unavailable = [r for r in failed if r["status"] == 503]
-    lost = [r for r in failed if r["status"] != 503]
-    recovered_at = max([r["end"] for r in failed] + [kill["at"]])
+    recovered_at = max([r["end"] for r in mine if not _succeeded(r)] + [kill["at"]])
     after = [r for r in mine if r["start"] > recovered_at]
     p = {"round": kill["round"] + 1, "kill_at_request": kill["at_request"], "requests": len(mine),
-         "ok": len(mine) - len(failed), "unavailable_503": len(unavailable),
-         "unavailable_with_retry_after": sum(1 for r in unavailable if r["retry_after"]),
-         "lost": len(lost), "lost_examples": [{k: r[k] for k in ("i", "kind", "status", "code")} for r in lost[:10]],
+         **soak_stub.answers(mine, EXAMPLE_FIELDS),
          "window_s": soak_stub.fault_window_s(mine, kill["at"]), "target_503_s": soak_stub.TARGET_503_S,
          "non200_s": soak_stub.non200_offsets(mine, kill["at"]),
          "recovery_s": round(recovered_at - kill["at"], 2), "restart_backoff_s": kill.get("backoff_s", 0.0),
          "ready_wait_s": kill.get("ready_wait_s", 0.0), "recovered": kill.get("recovered", True),
          "requests_after_recovery": len(after)}
-    p["passed"] = (not lost and p["recovered"] and len(after) >= AFTER_RECOVERY
+    p["passed"] = (not p["lost"] and p["recovered"] and len(after) >= AFTER_RECOVERY
                    and p["window_s"] <= soak_stub.TARGET_503_S)
     return p
 
@@ -348,16 +337,11 @@ def mixed_summary(results: list[dict], kills: list[dict]) -> dict:
     """Phase 2's account: its responses in all and per round (:func:`round_summary`)."""
     ends = [k["started"] for k in kills[1:]] + [None]
     per_round = [round_summary(results, k, until) for k, until in zip(kills, ends, strict=True)]
-    failed = [r for r in results if not _succeeded(r)]
-    unavailable = [r for r in failed if r["status"] == 503]
-    lost = [r for r in failed if r["status"] != 503]
     return {
         "requests": len(results),
         "status_counts": dict(Counter(str(r["status"]) for r in results)),
         "error_codes": dict(Counter(r["code"] for r in results if r["code"])),
-        "ok": len(results) - len(failed), "unavailable_503": len(unavailable),
-        "unavailable_with_retry_after": sum(1 for r in unavailable if r["retry_after"]),
-        "lost": len(lost), "lost_examples": [{k: r[k] for k in ("i", "kind", "status", "code")} for r in lost[:10]],
+        **soak_stub.answers(results, EXAMPLE_FIELDS),
         "rounds": per_round,
         # the widest round's fault window, the slowest recovery, the fewest requests any round served after it
         "window_s": max((r["window_s"] for r in per_round), default=None),
@@ -382,24 +366,11 @@ def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = RE
     t_start = time.perf_counter()
     s = start_serve(root, [classifier, denoiser], log, standby=None)  # the default deployment, as it chooses
     log(s.standby_choice)
-    deployment = {"standby": s.standby_ports is not None, "servers": len(s.triton_pids()), "choice": s.standby_choice,
-                  "rule": f"auto: a standby when the memory available is at least {HEADROOM:g} × the first "
-                          "server's resident memory, once it is ready",
-                  "memory_mb": {"ready": s.memory_mb()}}
+    deployment = _deployment(s)
     try:
         stubs, results, kills = kill_phases(s, classifier, denoiser, rounds, requests, concurrency, log,
                                             "phases 1 and 2", stub_kills=stub_phase)
-        stall = deploy = None
-        if ops:
-            path, digit = _payloads(classifier, denoiser, 1)["classify"][0]
-            deployment["ready_waits_s"] = [soak_standby.both_ready(s.http_ports())]
-            stall = soak_ops.stall_phase(s, path, digit, Settings().triton_stall_s, log)
-            deployment["ready_waits_s"].append(soak_standby.both_ready(s.http_ports()))
-            deploy = soak_ops.deploy_phase(s, classifier, log)
-            key = (s.onnx_dir.parent / artifacts.TRITON_KEY.name).read_text().strip()
-            deploy["versions"] = {f"tritonserver on :{port}": soak_standby.served_versions(port, key, classifier)
-                                  for port in s.http_ports()}
-            s.record()
+        stall, deploy = _ops_phases(s, classifier, denoiser, deployment, log) if ops else (None, None)
         deployment["memory_mb"]["end"] = s.memory_mb()
     finally:
         stop_serve(s)
@@ -410,39 +381,75 @@ def run(requests: int = 10_000, concurrency: int = 32, out_dir: Path | None = RE
         left |= no_standby.pop("left_processes")
         leaked += no_standby.pop("leaked_shm")
         orphans |= no_standby.pop("orphans")
-
-    mixed = mixed_summary(results, kills)
-    payload = {
-        "machine": machine_info(threads=2),
-        "deployment": deployment,
-        **mixed, "concurrency": concurrency,
-        "mix": {**MIX, "models": round(1 - sum(MIX.values()), 2)},
-        "models": {tasks.CLASSIFICATION: classifier, tasks.DENOISING: denoiser},
-        "kill": {"rounds": rounds, "signal": "SIGKILL", "target": "tritonserver",
-                 "at_requests": [k["at_request"] for k in kills]},
-        "target_503_s": soak_stub.TARGET_503_S,
-        "backoff_on_503_s": BACKOFF_ON_503_S,
-        "left_processes": left, "orphans": {str(p): " ".join(a)[:200] for p, a in orphans.items()},
-        "leaked_shm": leaked, "shm_regions_seen": len(s.regions),
-        "restart_logged": "restart" in "".join(s.output),
-        "seconds": round(time.perf_counter() - t_start, 1),
-        "stub_kills": stubs,
-        "stall": stall, "deploy": deploy, "no_standby": no_standby,
-    }
-    # the verdict is the default deployment's: every phase within the fault window, nothing lost, recovered; phase 5
-    # (--no-standby) shows its windows met or not, and must only lose nothing and recover, like any deployment
-    payload["default_passed"] = (len(kills) == rounds and all(r["passed"] for r in mixed["rounds"])
-                                 and all(x["passed"] for x in stubs)
-                                 and all(p["passed"] for p in (stall, deploy) if p is not None))
-    payload["passed"] = (payload["default_passed"] and not left and not leaked and not orphans
-                         and (no_standby is None or no_standby["correct"]))
+    payload = {"machine": machine_info(threads=2), "deployment": deployment, **mixed_summary(results, kills),
+               "concurrency": concurrency, **_setup(classifier, denoiser, rounds, kills),
+               **_left_behind(s, left, leaked, orphans), "seconds": round(time.perf_counter() - t_start, 1),
+               "stub_kills": stubs, "stall": stall, "deploy": deploy, "no_standby": no_standby}
+    payload |= _verdict(payload, rounds)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "soak.json").write_text(json.dumps(payload, indent=2) + "\n")
         (out_dir / "soak.md").write_text(markdown(payload))
-        if out_dir.resolve() == RESULTS.resolve():  # the committed results: the README quotes them
-            write_readme_paragraph(payload, RESULTS.parent.parent / "README.md")
+        if out_dir.resolve() == RESULTS.resolve():  # the committed results: the docs quote them
+            write_docs_paragraphs(payload, RESULTS.parent.parent)
     return payload
+
+
+def _deployment(s: ServeProcess) -> dict:
+    """What the default ``unroll serve`` chose (a warm standby or not, and by which rule) and its memory once ready;
+    the phases add to it."""
+    return {"standby": s.standby_ports is not None, "servers": len(s.triton_pids()), "choice": s.standby_choice,
+            "rule": f"auto: a standby when the memory available is at least {HEADROOM:g} × the first "
+                    "server's resident memory, once it is ready",
+            "memory_mb": {"ready": s.memory_mb()}}
+
+
+def _ops_phases(s: ServeProcess, classifier: str, denoiser: str, deployment: dict,
+                log: Callable[[str], None]) -> tuple[dict, dict]:
+    """Phases 3 and 4 (:mod:`.soak_ops`) on ``s``: Triton stalled, then a model deployed under load, with the
+    versions each server serves after it; how long each phase first waited for every server ready goes into
+    ``deployment``."""
+    path, digit = _payloads(classifier, denoiser, 1)["classify"][0]
+    deployment["ready_waits_s"] = [soak_standby.both_ready(s.http_ports())]
+    stall = soak_ops.stall_phase(s, path, digit, Settings().triton_stall_s, log)
+    deployment["ready_waits_s"].append(soak_standby.both_ready(s.http_ports()))
+    deploy = soak_ops.deploy_phase(s, classifier, log)
+    key = (s.onnx_dir.parent / artifacts.TRITON_KEY.name).read_text().strip()
+    deploy["versions"] = {f"tritonserver on :{port}": soak_standby.served_versions(port, key, classifier)
+                          for port in s.http_ports()}
+    s.record()
+    return stall, deploy
+
+
+def _setup(classifier: str, denoiser: str, rounds: int, kills: list[dict]) -> dict:
+    """The payload's account of what the soak did: its traffic mix, models, kills and targets."""
+    return {"mix": {**MIX, "models": round(1 - sum(MIX.values()), 2)},
+            "models": {tasks.CLASSIFICATION: classifier, tasks.DENOISING: denoiser},
+            "kill": {"rounds": rounds, "signal": "SIGKILL", "target": "tritonserver",
+                     "at_requests": [k["at_request"] for k in kills]},
+            "target_503_s": soak_stub.TARGET_503_S,
+            "backoff_on_503_s": BACKOFF_ON_503_S}
+
+
+def _left_behind(s: ServeProcess, left: dict[str, str], leaked: list[str], orphans: dict[int, list[str]]) -> dict:
+    """The payload's account of what the stopped services left (processes, ``/dev/shm`` regions, orphans) and what
+    the default one's log showed."""
+    return {"left_processes": left, "orphans": {str(p): " ".join(a)[:200] for p, a in orphans.items()},
+            "leaked_shm": leaked, "shm_regions_seen": len(s.regions),
+            "restart_logged": "restart" in "".join(s.output)}
+
+
+def _verdict(payload: dict, rounds: int) -> dict:
+    """The verdict is the default deployment's: every phase within the fault window, nothing lost, recovered; phase 5
+    (--no-standby) shows its windows met or not, and must only lose nothing and recover, like any deployment; and
+    nothing may be left behind."""
+    stall, deploy, no_standby = payload["stall"], payload["deploy"], payload["no_standby"]
+    default_passed = (len(payload["kill"]["at_requests"]) == rounds and all(r["passed"] for r in payload["rounds"])
+                      and all(x["passed"] for x in payload["stub_kills"])
+                      and all(p["passed"] for p in (stall, deploy) if p is not None))
+    return {"default_passed": default_passed,
+            "passed": (default_passed and not payload["left_processes"] and not payload["leaked_shm"]
+                       and not payload["orphans"] and (no_standby is None or no_standby["correct"]))}
 
 
 def _leftovers(s: ServeProcess, root: Path) -> tuple[dict[str, str], list[str], dict[int, list[str]]]:
@@ -651,8 +658,8 @@ def readme_standby_paragraph(p: dict) -> str:
     return textwrap.fill(text + ".", width=116, break_long_words=False, break_on_hyphens=False)
 
 
-def write_readme_paragraph(p: dict, readme: Path) -> bool:
-    """Replace the text between the README's soak markers with :func:`readme_paragraph`, and between its standby
-    markers with :func:`readme_standby_paragraph`; ``False`` if either pair is missing."""
-    main = write_readme_block(readme, README_BEGIN, README_END, readme_paragraph(p))
-    return write_readme_block(readme, STANDBY_BEGIN, STANDBY_END, readme_standby_paragraph(p)) and main
+def write_docs_paragraphs(p: dict, root: Path) -> bool:
+    """Replace the text between the soak markers with :func:`readme_paragraph`, and between the standby markers with
+    :func:`readme_standby_paragraph`, on the pages under ``root`` that hold them; ``False`` if a pair is nowhere."""
+    main = write_docs_blocks(root, README_BEGIN, README_END, readme_paragraph(p))
+    return write_docs_blocks(root, STANDBY_BEGIN, STANDBY_END, readme_standby_paragraph(p)) and main

@@ -45,16 +45,8 @@ async def _drive(s: ServeProcess, path: str, body: bytes, action: Callable[[], A
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         while not done.is_set():
-            t0 = time.monotonic()
-            try:
-                status, code, retry_after = soak_stub.outcome(
-                    await client.post(path, content=body, headers={"Content-Type": "image/png"}))
-            except httpx.HTTPError as e:
-                status, code, retry_after = None, type(e).__name__, None
-            results.append({"status": status, "code": code, "retry_after": retry_after, "start": t0,
-                            "end": time.monotonic()})
-            if status == 503:
-                await asyncio.sleep(soak_stub.BACKOFF_ON_503_S)
+            await soak_stub.record_answer(client.post(path, content=body, headers={"Content-Type": "image/png"}),
+                                          results, time.monotonic)
 
     async def conductor() -> dict:
         await asyncio.sleep(SETTLE_S)
@@ -70,13 +62,8 @@ async def _drive(s: ServeProcess, path: str, body: bytes, action: Callable[[], A
 
 
 def _counts(results: list[dict]) -> dict:
-    failed = [r for r in results if r["status"] != 200]
-    unavailable = [r for r in failed if r["status"] == 503]
-    return {"status_counts": dict(Counter(str(r["status"]) for r in results)),
-            "ok": len(results) - len(failed), "unavailable_503": len(unavailable),
-            "unavailable_with_retry_after": sum(1 for r in unavailable if r["retry_after"]),
-            "lost": len(failed) - len(unavailable),
-            "lost_examples": [{k: r[k] for k in ("status", "code")} for r in failed if r["status"] != 503][:10]}
+    """The answers' status codes and how they count (:func:`.soak_stub.answers`)."""
+    return {"status_counts": dict(Counter(str(r["status"]) for r in results)), **soak_stub.answers(results)}
 
 
 def stall_phase(s: ServeProcess, path: str, body: bytes, stall_s: float, log: Callable[[str], None]) -> dict:

@@ -18,7 +18,7 @@ import re
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from unroll import data
@@ -56,6 +56,18 @@ def fault_window_s(results: list[dict], at: float | None) -> float:
     return round(max(bad) - min(bad + ([at] if at is not None else [])), 2)
 
 
+def answers(results: list[dict], examples: tuple[str, ...] = ("status", "code")) -> dict:
+    """How the clients' requests were answered: ``ok`` (200), ``unavailable_503`` (the documented 503; of them
+    ``unavailable_with_retry_after``), and ``lost``, anything else, with the ``examples`` fields of the first 10
+    lost (``lost_examples``)."""
+    failed = [r for r in results if r["status"] != 200]
+    unavailable = [r for r in failed if r["status"] == 503]
+    lost = [r for r in failed if r["status"] != 503]
+    return {"ok": len(results) - len(failed), "unavailable_503": len(unavailable),
+            "unavailable_with_retry_after": sum(1 for r in unavailable if r["retry_after"]),
+            "lost": len(lost), "lost_examples": [{k: r[k] for k in examples} for r in lost[:10]]}
+
+
 def non200_offsets(results: list[dict], at: float) -> list[float]:
     """When each non-200 answer came, in seconds from ``at`` (negative: before it), in order: the raw data of the
     fault window, kept in the results so that it can be re-derived from them."""
@@ -70,6 +82,24 @@ def outcome(r: httpx.Response) -> tuple[int, str | None, str | None]:
     return r.status_code, code, r.headers.get("retry-after")
 
 
+async def record_answer(request: Awaitable[httpx.Response], results: list[dict],
+                        clock: Callable[[], float] = time.perf_counter, **fields: object) -> None:
+    """One request of a closed-loop client: await ``request`` and append how it was answered to ``results``
+    (``fields`` first; then the status, ``None`` when no HTTP answer came, the error code, Retry-After, and its start
+    and end by ``clock``); after a 503, pause :data:`BACKOFF_ON_503_S` as a client told to retry does."""
+    import httpx
+
+    t0 = clock()
+    try:
+        status, code, retry_after = outcome(await request)
+    except httpx.HTTPError as e:
+        status, code, retry_after = None, type(e).__name__, None
+    results.append({**fields, "status": status, "code": code, "retry_after": retry_after, "start": t0,
+                    "end": clock()})
+    if status == 503:
+        await asyncio.sleep(BACKOFF_ON_503_S)
+
+
 async def _drive(s: ServeProcess, path: str, body: bytes, victim_model: str,
                  log: Callable[[str], None]) -> tuple[list[dict], dict]:
     """Closed-loop clients, the kill, and the wait for recovery: every response, and what was killed when."""
@@ -81,16 +111,7 @@ async def _drive(s: ServeProcess, path: str, body: bytes, victim_model: str,
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         while not done.is_set():
-            t0 = time.perf_counter()
-            try:
-                r = await client.post(path, content=body, headers={"Content-Type": "image/png"})
-                status, code, retry_after = outcome(r)
-            except httpx.HTTPError as e:
-                status, code, retry_after = None, type(e).__name__, None
-            results.append({"status": status, "code": code, "retry_after": retry_after, "start": t0,
-                            "end": time.perf_counter()})
-            if status == 503:
-                await asyncio.sleep(BACKOFF_ON_503_S)
+            await record_answer(client.post(path, content=body, headers={"Content-Type": "image/png"}), results)
 
     async def conductor() -> None:
         await asyncio.sleep(LOAD_BEFORE_S)
@@ -137,10 +158,7 @@ def run_phase(s: ServeProcess, model: str, log: Callable[[str], None],
                                 f"denoise a noisy {IMAGE_SIDE}×{IMAGE_SIDE} image (σ=25)")
     results, kill = asyncio.run(_drive(s, path, body, model, log))
     killed_at = kill.get("at")
-    ok = [r for r in results if r["status"] == 200]
     failed = [r for r in results if r["status"] != 200]
-    unavailable = [r for r in failed if r["status"] == 503]
-    lost = [r for r in failed if r["status"] != 503]
     last_failure = max((r["end"] for r in failed), default=killed_at)
     after = [r for r in results if killed_at is not None and r["start"] > last_failure]
     serve_log = "".join(s.output[kill.get("log_lines", 0):])  # what unroll serve logged from the kill on
@@ -151,9 +169,7 @@ def run_phase(s: ServeProcess, model: str, log: Callable[[str], None],
                  "done": killed_at is not None},
         "status_counts": dict(Counter(str(r["status"]) for r in results)),
         "error_codes": dict(Counter(r["code"] for r in results if r["code"])),
-        "ok": len(ok), "unavailable_503": len(unavailable),
-        "unavailable_with_retry_after": sum(1 for r in unavailable if r["retry_after"]),
-        "lost": len(lost), "lost_examples": [{k: r[k] for k in ("status", "code")} for r in lost[:10]],
+        **answers(results),
         # what the clients saw: from the kill (or an earlier non-200) to the last non-200 answer; judged
         "window_s": None if killed_at is None else fault_window_s(results, killed_at),
         "non200_s": [] if killed_at is None else non200_offsets(results, killed_at),
@@ -171,7 +187,7 @@ def run_phase(s: ServeProcess, model: str, log: Callable[[str], None],
         "stub_loss_logged": "lost its Python-backend stub" in serve_log,
         "triton_crash_logged": "was killed by SIGSEGV" in serve_log or "was killed by SIGABRT" in serve_log,
     }
-    p["passed"] = (killed_at is not None and not lost and len(after) >= SERVED_AFTER
+    p["passed"] = (killed_at is not None and not p["lost"] and len(after) >= SERVED_AFTER
                    and p["window_s"] <= TARGET_503_S)
     return p
 

@@ -1,5 +1,5 @@
 """An AOTInductor package (``export/aoti.py``) as a CPU session: the ``aotinductor`` runtime of
-:func:`unroll.serving.cpu_runtime.open_session`, with the same call (``run(feeds) -> outputs``, ``.runtime``,
+:func:`unroll.serving.runtimes.open_session`, with the same call (``run(feeds) -> outputs``, ``.runtime``,
 ``.inputs``).
 
 The package is compiled C++ that trusts its caller: it does not check its inputs' dtype, shapes or ranges, and a
@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 
 from unroll.errors import ServingError
-from unroll.serving.cpu_runtime import Session
+from unroll.serving.runtimes import Session
 
 
 def aoti_session(path: str | Path, threads: int) -> Session:
-    """A :data:`~unroll.serving.cpu_runtime.Session` running the AOTInductor package at ``path`` (``X.pt2``, with
+    """A :data:`~unroll.serving.runtimes.Session` running the AOTInductor package at ``path`` (``X.pt2``, with
     ``X.json`` beside it) on ``threads`` threads; calls are serialised (one package instance, one lock)."""
     import torch
     import torch._inductor

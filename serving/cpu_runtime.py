@@ -1,7 +1,8 @@
-"""One CPU inference call for an exported graph, on ONNX Runtime or OpenVINO: the per-model CPU runtime.
+"""The two CPU runtimes of an exported graph, ONNX Runtime and OpenVINO: one inference call each.
 
 Which runtime is faster depends on the graph, so the card records the choice per model (``card.cpu_runtime``,
-measured by ``unroll bench export``), and :func:`open_session` hides both behind one callable (``run(feeds)``,
+measured by ``unroll bench export``); :func:`unroll.serving.runtimes.open_session` opens the one asked for (these,
+or an AOTInductor package, or the PyTorch module on the CPU or a GPU) as one callable (``run(feeds)``,
 ``run.inputs``) for the Triton Python backend and the benchmarks. Settings: ``threads`` intra-op threads, latency
 first; OpenVINO is forced to FP32 because its default on CPUs with BF16 support is bfloat16, outside the export's
 parity tolerance. Nothing here imports PyTorch (the CPU serving image has none).
@@ -10,93 +11,23 @@ parity tolerance. Nothing here imports PyTorch (the CPU serving image has none).
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from unroll.errors import RuntimeUnavailable
-
-RUNTIMES = ("onnxruntime", "openvino", "aotinductor", "torch")
-#: Import name of each runtime (AOTInductor packages run on PyTorch; ``torch`` is the registered module itself,
-#: :mod:`unroll.serving.torch_runtime`, the one that also runs on a GPU).
-_MODULES = {"onnxruntime": "onnxruntime", "openvino": "openvino", "aotinductor": "torch", "torch": "torch"}
-DEFAULT_RUNTIME = "onnxruntime"
-
-Session = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
-"""Also carries ``.runtime`` (its name) and ``.inputs`` ({graph input: dims, ``None`` where dynamic})."""
-
-
-def available(runtime: str) -> bool:
-    """Whether ``runtime`` (one of :data:`RUNTIMES`) can be imported here."""
-    if runtime not in RUNTIMES:
-        return False
-    return importlib.util.find_spec(_MODULES[runtime]) is not None
-
-
-def unavailable_reason(runtime: str) -> str | None:
-    """``None`` when ``runtime`` is usable, else why not (for benchmark cells and errors)."""
-    if runtime not in RUNTIMES:
-        return f"unknown CPU runtime {runtime!r} (known: {', '.join(RUNTIMES)})"
-    if not available(runtime):
-        return f"{runtime} not installed (pip install {_MODULES[runtime]})"
-    return None
-
-
-def open_session(path: str | Path, runtime: str = DEFAULT_RUNTIME, threads: int = 2, spinning: bool = False,
-                 release_idle_s: float | None = None, static_shapes: bool = False, bf16: bool = False,
-                 device: str = "cpu", fp16: bool = False, batch_sizes: Sequence[int] = ()) -> Session:
-    """A callable running the graph at ``path`` on ``runtime`` with ``threads`` threads.
-
-    ``static_shapes`` (OpenVINO): compile one static-shape model per input shape met instead of running the
-    dynamic-shape graph (faster per call once compiled; :class:`_StaticShapes`). ``aotinductor``: ``path`` is an
-    AOTInductor package (``export/aoti.py``). ``bf16`` (OpenVINO): bfloat16 maths (:func:`openvino_config`).
-    ``torch``: the registered PyTorch module ``path``'s card names, checked against ``path`` before it serves, on
-    ``device`` (``cpu`` or ``cuda:N``; the other runtimes run on the CPU only); ``bf16`` / ``fp16``: bfloat16 /
-    float16 behind the card's fp16 gate, ``batch_sizes``: CUDA graphs captured at load
-    (:func:`unroll.serving.torch_runtime.torch_session`).
-
-    OpenVINO gives its intermediate buffers back after ``release_idle_s`` seconds without an inference
-    (:class:`IdleRelease`; default :data:`RELEASE_IDLE_S`); ONNX Runtime's are bounded by the largest input it
-    has run (the gateway's tiling bounds that).
-
-    It takes ``{input name: array}`` (extra names are an error, as in ONNX Runtime) and returns
-    ``{output name: array}`` for every graph output, in graph order, as arrays the caller owns. Safe
-    to call from several threads (OpenVINO calls are serialised on one infer request).
-    """
-    why = unavailable_reason(runtime)
-    if why:
-        raise RuntimeUnavailable(why)
-    if threads < 1:
-        raise ValueError(f"threads must be ≥ 1, got {threads}")
-    if bf16 and runtime not in ("openvino", "torch"):
-        raise ValueError(f"bf16 maths is an OpenVINO or torch setting, not one of {runtime}")
-    if fp16 and (runtime != "torch" or bf16):
-        raise ValueError("fp16 maths is a torch runtime setting, and one of bf16 and fp16 at most")
-    if device != "cpu" and runtime != "torch":
-        raise ValueError(f"{runtime} runs on the CPU here; device {device!r} takes the torch runtime")
-    if runtime == "torch":
-        from unroll.serving.torch_runtime import torch_session  # (PyTorch only when this runtime is asked for)
-
-        half = "bfloat16" if bf16 else "float16" if fp16 else None
-        return torch_session(path, threads, device, half=half, batch_sizes=batch_sizes)
-    if runtime == "onnxruntime":
-        return _ort_session(str(path), threads, spinning)
-    if runtime == "aotinductor":
-        from unroll.serving.aoti_runtime import aoti_session  # (PyTorch only when this runtime is asked for)
-
-        return aoti_session(path, threads)
-    idle_s = RELEASE_IDLE_S if release_idle_s is None else release_idle_s
-    return _openvino_session(str(path), threads, idle_s, static_shapes, bf16)
+if TYPE_CHECKING:
+    from unroll.serving.runtimes import Session
 
 
 def ort_session(path: str | Path, threads: int, spinning: bool = False):
-    """The ONNX Runtime CPU session behind :func:`open_session`: CPU provider, all graph optimizations, one inter-op
-    thread, sequential execution; idle threads sleep unless ``spinning`` (spinning takes CPU from neighbours).
+    """The ONNX Runtime CPU session behind :func:`onnxruntime_session`: CPU provider, all graph optimizations, one
+    inter-op thread, sequential execution; idle threads sleep unless ``spinning`` (spinning takes CPU from
+    neighbours).
 
     The benchmarks' in-process baseline uses it too, so "in-process ONNX Runtime" and Triton's model run the
     graph with the same settings.
@@ -112,7 +43,8 @@ def ort_session(path: str | Path, threads: int, spinning: bool = False):
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
-def _ort_session(path: str, threads: int, spinning: bool) -> Session:
+def onnxruntime_session(path: str, threads: int, spinning: bool) -> Session:
+    """The ``onnxruntime`` runtime of :func:`unroll.serving.runtimes.open_session` (:func:`ort_session`'s settings)."""
     sess = ort_session(path, threads, spinning)
     names = [o.name for o in sess.get_outputs()]
 
@@ -126,22 +58,10 @@ def _ort_session(path: str, threads: int, spinning: bool) -> Session:
 
 
 def openvino_config(threads: int, bf16: bool = False) -> dict[str, object]:
-    """OpenVINO CPU settings matching :func:`_ort_session`'s (latency, ``threads`` threads, FP32 maths; ``bf16``:
+    """OpenVINO CPU settings matching :func:`onnxruntime_session`'s (latency, ``threads`` threads, FP32 maths; ``bf16``:
     bfloat16 maths where the CPU has it, a reduced precision that must pass the FP16 gate)."""
     return {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY",
             "INFERENCE_PRECISION_HINT": "bf16" if bf16 else "f32", "NUM_STREAMS": 1}
-
-
-def bf16_unavailable() -> str | None:
-    """Why OpenVINO cannot run bfloat16 maths here (not installed, no BF16 in this CPU), or ``None``."""
-    why = unavailable_reason("openvino")
-    if why:
-        return why
-    import openvino as ov
-
-    if "BF16" not in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
-        return "this CPU has no bfloat16 instructions (OpenVINO's OPTIMIZATION_CAPABILITIES lacks BF16)"
-    return None
 
 
 #: Seconds without an inference after which an OpenVINO model gives its intermediate buffers back.
@@ -220,8 +140,11 @@ class _StaticShapes:
             compiled.release_memory()
 
 
-def _openvino_session(path: str, threads: int, release_idle_s: float, static_shapes: bool = False,
-                      bf16: bool = False) -> Session:
+def openvino_session(path: str, threads: int, release_idle_s: float, static_shapes: bool = False,
+                     bf16: bool = False) -> Session:
+    """The ``openvino`` runtime of :func:`unroll.serving.runtimes.open_session`: one compiled model (or one per input
+    shape, ``static_shapes``: :class:`_StaticShapes`), calls serialised on its infer request, buffers given back
+    after ``release_idle_s`` idle seconds (:class:`IdleRelease`)."""
     import openvino as ov
 
     core = ov.Core()

@@ -246,6 +246,37 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
     python = target == "cpu" or torch_gpu  # our Python-backend model runs it
     inputs, outputs = onnx_io(src.onnx)
     batching = all(t.dims and t.dims[0] == -1 for t in inputs + outputs)
+    cfg = _base_config(src, python, max_batch_size, batching)
+    defaults = _add_inputs(cfg, src, inputs, batching, python)
+    labels = _add_outputs(cfg, src, outputs, batching)
+    kind = _protocol_kind(src, inputs + outputs) if python and not cpu_stand_in else None
+    if kind is not None:
+        _image_protocol(src, cfg, kind)
+    if batching:
+        cfg.dynamic_batching.SetInParent()  # present even with delay 0 (the default): dynamic batching on
+        cfg.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
+    device = mc.ModelInstanceGroup.KIND_CPU if target == "cpu" else mc.ModelInstanceGroup.KIND_GPU
+    cfg.instance_group.add(kind=device, count=instances)
+    params = {"unroll_source_onnx": src.onnx.name, CARD_KEY: src.card.to_json()}
+    if python:
+        params |= _backend_params(threads, spinning)
+        params |= _runtime_params(src, cfg, precision, runtime or src.card.cpu_runtime, torch_gpu, static_shapes,
+                                  bf16, defaults)
+        if kind is not None:
+            params |= {wire.MAX_PIXELS_KEY: str(max_pixels), wire.MAX_ASPECT_RATIO_KEY: f"{max_aspect_ratio:g}"}
+    else:
+        params |= _gpu_params(src, cfg)
+    if cpu_stand_in:
+        params |= _stand_in(src, cfg) | _backend_params(threads, spinning)
+    for k, v in params.items():
+        cfg.parameters[k].string_value = v
+    _warmup(src, cfg, sorted({1, max_batch_size}) if batching else [1])
+    return cfg, labels
+
+
+def _base_config(src: Source, python: bool, max_batch_size: int, batching: bool) -> mc.ModelConfig:
+    """An empty config with its name, batch size and what runs it (our Python backend, a plan, or ONNX Runtime);
+    a batch larger than the plan's profile allows is refused here, with how to fix it."""
     if batching and src.profile is not None and max_batch_size > src.profile.max_batch:
         raise RepositoryError(f"{src.name}: max_batch_size {max_batch_size} exceeds the max batch "
                               f"{src.profile.max_batch} of the optimization profile {src.plan.name} was built with "
@@ -256,6 +287,12 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
         cfg.backend = "python"
     else:
         cfg.platform = "tensorrt_plan" if src.plan is not None else "onnxruntime_onnx"
+    return cfg
+
+
+def _add_inputs(cfg: mc.ModelConfig, src: Source, inputs: list[Tensor], batching: bool,
+                python: bool) -> dict[str, float]:
+    """The graph's inputs into ``cfg``; returns the defaults of those made optional (λ, in the Python backend)."""
     defaults: dict[str, float] = {}
     for t in inputs:
         io = cfg.input.add()
@@ -265,6 +302,11 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
             # default a missing input, so there it stays required and the gateway always sends it.
             io.optional = True
             defaults[t.name] = src.card.lam.default
+    return defaults
+
+
+def _add_outputs(cfg: mc.ModelConfig, src: Source, outputs: list[Tensor], batching: bool) -> list[str] | None:
+    """The graph's outputs into ``cfg``; returns a classifier's labels (its logits output names the labels file)."""
     labels = None
     for t in outputs:
         io = cfg.output.add()
@@ -272,78 +314,89 @@ def build_config(src: Source, target: Target, precision: str = "fp32", threads: 
         if tasks.get(src.card.task).logits and t.name == src.card.output:
             labels = class_labels(src.card, t.dims[-1])
             io.label_filename = LABELS_FILE
-    kind = prepare.protocol_kind(src.card) if python and not cpu_stand_in else None
-    if kind is not None and {t.name for t in inputs + outputs} & set(wire.NAMES):
-        kind = None  # a graph tensor takes one of the protocol's names: served as its graph only (see _header)
-    if kind is not None:
-        _image_protocol(src, cfg, kind)
-    if batching:
-        cfg.dynamic_batching.SetInParent()  # present even with delay 0 (the default): dynamic batching on
-        cfg.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
-    kind = mc.ModelInstanceGroup.KIND_CPU if target == "cpu" else mc.ModelInstanceGroup.KIND_GPU
-    cfg.instance_group.add(kind=kind, count=instances)
-    params = {"unroll_source_onnx": src.onnx.name, CARD_KEY: src.card.to_json()}
-    # what serving/triton_backend_model.py reads (the CPU target, and the test-only stand-in of a GPU config)
-    python_backend = {"onnx_file": "model.onnx", "intra_op_num_threads": str(threads),
-                      "intra_op_spinning": "1" if spinning else "0"}
-    if python:
-        runtime = runtime or src.card.cpu_runtime
-        asked_torch = runtime == "torch"
-        if runtime == "torch" and (why := torch_runtime.why_not(src.card)) is not None:
-            runtime = src.card.cpu_runtime  # said in the config's header and served as such (/v1/models: runtime)
-            where = " on the CPU (the bundled Triton has no other GPU runtime)" if torch_gpu else ""
-            params[TORCH_NOTE_KEY] = f"torch was asked for; {runtime} serves it{where}: {why}"
-            cfg.instance_group[0].kind = mc.ModelInstanceGroup.KIND_CPU
-        static = (src.card.cpu_static_shapes if static_shapes is None else static_shapes) and runtime != "torch"
-        half = "bf16" if bf16 else "fp16" if precision == "fp16" and asked_torch else None
-        if half is not None and runtime != "torch" and asked_torch:  # no PyTorch module: its graph, in FP32
-            params[TORCH_NOTE_KEY] += f" (in FP32: {half} is the torch runtime's, behind the card's fp16 gate)"
-            half = None
-        if bf16 and not asked_torch and runtime != "openvino":
-            raise RepositoryError(f"{src.name}: bf16 maths is an OpenVINO or torch setting, not one of {runtime}")
-        params |= python_backend | {"cpu_runtime": runtime, "static_shapes": "1" if static else "0",
-                                    "inference_precision": half or "f32",
-                                    "input_defaults": json.dumps(defaults)}
-        if runtime == "torch" and torch_gpu:
-            # the inputs where Triton holds them (on the GPU when a client or model put them there): DLPack in
-            params["FORCE_CPU_ONLY_INPUT_TENSORS"] = "no"
-            if batching:
-                cfg.dynamic_batching.preferred_batch_size.extend(
-                    sorted({b for b in TORCH_PREFERRED_BATCH if b <= max_batch_size} | {max_batch_size}))
-        if runtime == "aotinductor":
-            params["aoti_package"] = AOTI_PACKAGE
-        if kind is not None:
-            params |= {wire.MAX_PIXELS_KEY: str(max_pixels), wire.MAX_ASPECT_RATIO_KEY: f"{max_aspect_ratio:g}"}
-    else:
-        profile = src.profile if src.profile is not None else card_profile(src, cfg)
-        params[PROFILE_KEY] = profile.to_json()
-        if src.plan is None:
-            acc = cfg.optimization.execution_accelerators.gpu_execution_accelerator.add(name="tensorrt")
-            acc.parameters.update({
-                # FP32 = neither trt_fp16_enable nor trt_int8_enable: a strongly typed network running the
-                # graph's own precision (NAME.PRECISION.onnx); see the module docstring for the sources.
-                "precision_mode": "FP32",
-                "max_workspace_size_bytes": str(1 << 30),
-                "trt_engine_cache_enable": "1",
-                "trt_engine_cache_path": f"{GPU_ENGINE_CACHE}/{src.name}",
-                "trt_timing_cache_enable": "1",
-                "trt_timing_cache_path": f"{GPU_ENGINE_CACHE}/{src.name}",
-                **ort_profile_params(profile),
-            })
-    if cpu_stand_in:
-        if src.plan is not None:
-            raise RepositoryError(f"{src.name}: the CPU stand-in replaces ONNX Runtime's TensorRT provider only; a "
-                                  f"TensorRT plan ({src.plan}) cannot be stood in for")
-        params[STAND_IN_KEY] = cfg.platform
-        cfg.ClearField("platform")
-        cfg.ClearField("optimization")
-        cfg.backend = "python"
+    return labels
+
+
+def _protocol_kind(src: Source, graph_io: list[Tensor]) -> str | None:
+    """Which half of the encoded-image protocol a Python-backend config takes (:func:`.prepare.protocol_kind`), or
+    None: for a card without it, and for a graph with a tensor of one of the protocol's names (see :func:`_header`)."""
+    kind = prepare.protocol_kind(src.card)
+    if kind is not None and {t.name for t in graph_io} & set(wire.NAMES):
+        return None  # served as its graph only
+    return kind
+
+
+def _backend_params(threads: int, spinning: bool) -> dict[str, str]:
+    """What serving/triton_backend_model.py reads to open ONNX Runtime (the CPU target, and the test-only stand-in
+    of a GPU config)."""
+    return {"onnx_file": "model.onnx", "intra_op_num_threads": str(threads),
+            "intra_op_spinning": "1" if spinning else "0"}
+
+
+def _runtime_params(src: Source, cfg: mc.ModelConfig, precision: str, asked: str, torch_gpu: bool,
+                    static_shapes: bool | None, bf16: bool, defaults: dict[str, float]) -> dict[str, str]:
+    """The Python backend's runtime parameters: the runtime that serves (``asked``, else the card's where the
+    torch runtime cannot serve the model: said in :data:`TORCH_NOTE_KEY`, on CPU instances), its shape mode and
+    maths precision, the λ default; a torch GPU config's preferred batch sizes go into ``cfg``."""
+    params: dict[str, str] = {}
+    runtime = asked
+    if asked == "torch" and (why := torch_runtime.why_not(src.card)) is not None:
+        runtime = src.card.cpu_runtime  # said in the config's header and served as such (/v1/models: runtime)
+        where = " on the CPU (the bundled Triton has no other GPU runtime)" if torch_gpu else ""
+        params[TORCH_NOTE_KEY] = f"torch was asked for; {runtime} serves it{where}: {why}"
         cfg.instance_group[0].kind = mc.ModelInstanceGroup.KIND_CPU
-        params |= python_backend
-    for k, v in params.items():
-        cfg.parameters[k].string_value = v
-    _warmup(src, cfg, sorted({1, max_batch_size}) if batching else [1])
-    return cfg, labels
+    static = (src.card.cpu_static_shapes if static_shapes is None else static_shapes) and runtime != "torch"
+    half = "bf16" if bf16 else "fp16" if precision == "fp16" and asked == "torch" else None
+    if half is not None and runtime != "torch" and asked == "torch":  # no PyTorch module: its graph, in FP32
+        params[TORCH_NOTE_KEY] += f" (in FP32: {half} is the torch runtime's, behind the card's fp16 gate)"
+        half = None
+    if bf16 and asked != "torch" and runtime != "openvino":
+        raise RepositoryError(f"{src.name}: bf16 maths is an OpenVINO or torch setting, not one of {runtime}")
+    params |= {"cpu_runtime": runtime, "static_shapes": "1" if static else "0", "inference_precision": half or "f32",
+               "input_defaults": json.dumps(defaults)}
+    if runtime == "torch" and torch_gpu:
+        # the inputs where Triton holds them (on the GPU when a client or model put them there): DLPack in
+        params["FORCE_CPU_ONLY_INPUT_TENSORS"] = "no"
+        if cfg.HasField("dynamic_batching"):  # batching
+            cfg.dynamic_batching.preferred_batch_size.extend(
+                sorted({b for b in TORCH_PREFERRED_BATCH if b <= cfg.max_batch_size} | {cfg.max_batch_size}))
+    if runtime == "aotinductor":
+        params["aoti_package"] = AOTI_PACKAGE
+    return params
+
+
+def _gpu_params(src: Source, cfg: mc.ModelConfig) -> dict[str, str]:
+    """A GPU platform's parameters: the TensorRT profile served (the plan's, else the card's); without a plan, ONNX
+    Runtime's TensorRT accelerator on that profile goes into ``cfg``."""
+    profile = src.profile if src.profile is not None else card_profile(src, cfg)
+    if src.plan is None:
+        acc = cfg.optimization.execution_accelerators.gpu_execution_accelerator.add(name="tensorrt")
+        acc.parameters.update({
+            # FP32 = neither trt_fp16_enable nor trt_int8_enable: a strongly typed network running the
+            # graph's own precision (NAME.PRECISION.onnx); see the module docstring for the sources.
+            "precision_mode": "FP32",
+            "max_workspace_size_bytes": str(1 << 30),
+            "trt_engine_cache_enable": "1",
+            "trt_engine_cache_path": f"{GPU_ENGINE_CACHE}/{src.name}",
+            "trt_timing_cache_enable": "1",
+            "trt_timing_cache_path": f"{GPU_ENGINE_CACHE}/{src.name}",
+            **ort_profile_params(profile),
+        })
+    return {PROFILE_KEY: profile.to_json()}
+
+
+def _stand_in(src: Source, cfg: mc.ModelConfig) -> dict[str, str]:
+    """Turn a GPU config into its test-only CPU stand-in (module doc): the Python backend on CPU instances in place of
+    ONNX Runtime's TensorRT provider; returns the parameter that records the platform it stands in for."""
+    if src.plan is not None:
+        raise RepositoryError(f"{src.name}: the CPU stand-in replaces ONNX Runtime's TensorRT provider only; a "
+                              f"TensorRT plan ({src.plan}) cannot be stood in for")
+    params = {STAND_IN_KEY: cfg.platform}
+    cfg.ClearField("platform")
+    cfg.ClearField("optimization")
+    cfg.backend = "python"
+    cfg.instance_group[0].kind = mc.ModelInstanceGroup.KIND_CPU
+    return params
 
 
 def image_inputs(cfg: mc.ModelConfig) -> set[str]:
@@ -490,6 +543,37 @@ def write_repository(target: Target, models: list[str], out: Path, precision: st
     the module's (:data:`TORCH_PRECISIONS`; ``bf16`` too, on either target): half precision behind the card's fp16
     gate at load, from the FP32 graph (no ``NAME.fp16.onnx`` is needed).
     """
+    _check_options(target, precision, threads, max_batch_size, queue_delay_us, instances, cpu_stand_in, runtime, bf16)
+    if not models:
+        raise RepositoryError("no models given")
+    plans = target == "gpu" and not bundled_gpu(target, runtime)  # TensorRT plans: the NGC container's only
+    served = "fp32" if runtime == "torch" else precision  # the torch runtime casts the module itself (behind a gate)
+    sources = [_source(m, target, served, Path(onnx_dir), Path(plan_dir), plans) for m in dict.fromkeys(models)]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for src in sources:
+        cfg, labels = build_config(src, target, precision, threads, max_batch_size, queue_delay_us, instances,
+                                   cpu_stand_in, spinning, runtime=runtime, static_shapes=static_shapes, bf16=bf16)
+        tmp = out / f".{src.name}.tmp"
+        files = _write_model_dir(tmp, src, cfg, labels, _header(src, target, precision, cfg, cpu_stand_in),
+                                 Path(aoti_dir))
+        inputs = repository_inputs(src.name, target, precision, Path(onnx_dir), Path(plan_dir), threads,
+                                   max_batch_size, queue_delay_us, instances, cpu_stand_in, spinning, runtime,
+                                   static_shapes, Path(aoti_dir), bf16)
+        record = {artifacts.BUILT_FROM_KEY: inputs, "files": {f: artifacts.sha256(tmp / f) for f in files}}
+        (tmp / artifacts.REPOSITORY_SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        dst = out / src.name
+        if dst.exists():
+            shutil.rmtree(dst)
+        tmp.rename(dst)
+        written += [dst / f for f in files]
+    return written
+
+
+def _check_options(target: Target, precision: str, threads: int, max_batch_size: int | None, queue_delay_us: int,
+                   instances: int, cpu_stand_in: bool, runtime: str | None, bf16: bool) -> None:
+    """Refuse :func:`write_repository` options that cannot go together, each with what to ask for instead."""
     if target not in ("cpu", "gpu"):
         raise RepositoryError(f"target must be cpu or gpu, not {target!r}")
     if precision not in PRECISIONS:
@@ -509,57 +593,37 @@ def write_repository(target: Target, models: list[str], out: Path, precision: st
         raise RepositoryError(f"the torch runtime runs the model's PyTorch module in FP32, or in half precision behind "
                               f"the card's fp16 gate: --precision fp16 on a GPU, or bf16 (not --precision {precision}"
                               f"{' with bf16' if bf16 else ''} on the {target} target)")
-    if not models:
-        raise RepositoryError("no models given")
-    plans = target == "gpu" and not bundled_gpu(target, runtime)  # TensorRT plans: the NGC container's only
-    served = "fp32" if runtime == "torch" else precision  # the torch runtime casts the module itself (behind a gate)
-    sources = [_source(m, target, served, Path(onnx_dir), Path(plan_dir), plans) for m in dict.fromkeys(models)]
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
-    for src in sources:
-        cfg, labels = build_config(src, target, precision, threads, max_batch_size, queue_delay_us, instances,
-                                   cpu_stand_in, spinning, runtime=runtime, static_shapes=static_shapes, bf16=bf16)
-        tmp = out / f".{src.name}.tmp"
+
+
+def _write_model_dir(tmp: Path, src: Source, cfg: mc.ModelConfig, labels: list[str] | None, header: str,
+                     aoti_dir: Path) -> dict[str, None]:
+    """Write one model's directory afresh at ``tmp`` (config, labels, the graph or plan, model.py, the AOTInductor
+    package) and validate it against its graph, removing it if that fails; the files written, relative to it."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / VERSION).mkdir(parents=True)
+    files = {artifacts.TRITON_CONFIG: None}
+    artifacts.model_config(tmp).write_text(header + text_format.MessageToString(cfg))
+    if labels is not None:
+        (tmp / LABELS_FILE).write_text("\n".join(labels) + "\n")
+        files[LABELS_FILE] = None
+    if src.plan is not None:
+        shutil.copyfile(src.plan, tmp / VERSION / "model.plan")
+        shutil.copyfile(artifacts.plan_json(src.plan), tmp / PLAN_JSON)
+        files[f"{VERSION}/model.plan"] = files[PLAN_JSON] = None
+    else:
+        shutil.copyfile(src.onnx, tmp / VERSION / "model.onnx")
+        files[f"{VERSION}/model.onnx"] = None
+    if cfg.backend == "python":
+        shutil.copyfile(BACKEND_MODEL, tmp / VERSION / "model.py")
+        files[f"{VERSION}/model.py"] = None
+    if "aoti_package" in cfg.parameters:
+        files |= _copy_package(src.name, aoti_dir, tmp / VERSION)
+    try:
+        validate_model(tmp, reference_onnx=src.onnx, name=src.name)
+    except RepositoryError:
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / VERSION).mkdir(parents=True)
-        files = {artifacts.TRITON_CONFIG: None}
-        artifacts.model_config(tmp).write_text(_header(src, target, precision, cfg, cpu_stand_in)
-                                          + text_format.MessageToString(cfg))
-        if labels is not None:
-            (tmp / LABELS_FILE).write_text("\n".join(labels) + "\n")
-            files[LABELS_FILE] = None
-        if src.plan is not None:
-            shutil.copyfile(src.plan, tmp / VERSION / "model.plan")
-            shutil.copyfile(artifacts.plan_json(src.plan), tmp / PLAN_JSON)
-            files[f"{VERSION}/model.plan"] = files[PLAN_JSON] = None
-        else:
-            shutil.copyfile(src.onnx, tmp / VERSION / "model.onnx")
-            files[f"{VERSION}/model.onnx"] = None
-        if cfg.backend == "python":
-            shutil.copyfile(BACKEND_MODEL, tmp / VERSION / "model.py")
-            files[f"{VERSION}/model.py"] = None
-        if "aoti_package" in cfg.parameters:
-            files |= _copy_package(src.name, Path(aoti_dir), tmp / VERSION)
-        try:
-            validate_model(tmp, reference_onnx=src.onnx, name=src.name)
-        except RepositoryError:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        record = {artifacts.BUILT_FROM_KEY: repository_inputs(
-                      src.name, target, precision, Path(onnx_dir), Path(plan_dir), threads, max_batch_size,
-                      queue_delay_us, instances, cpu_stand_in, spinning, runtime, static_shapes, Path(aoti_dir),
-                      bf16),
-                  "files": {f: artifacts.sha256(tmp / f) for f in files}}
-        (tmp / artifacts.REPOSITORY_SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
-        dst = out / src.name
-        if dst.exists():
-            shutil.rmtree(dst)
-        tmp.rename(dst)
-        written += [dst / f for f in files]
-    return written
-
-
+        raise
+    return files
 
 
 def _copy_package(name: str, aoti_dir: Path, version_dir: Path) -> dict[str, None]:

@@ -1,6 +1,6 @@
 """The ``torch`` runtime: the registered PyTorch module a served graph was exported from, run in the Python backend
 on the instance's device — the CPU here, ``cuda:N`` for a ``KIND_GPU`` instance — with the call of every session of
-:func:`unroll.serving.cpu_runtime.open_session` (``run(feeds) -> outputs``, ``.runtime``, ``.inputs``), and
+:func:`unroll.serving.runtimes.open_session` (``run(feeds) -> outputs``, ``.runtime``, ``.inputs``), and
 ``run.tensors(feeds)``: the same call on PyTorch tensors, answering tensors on the device (the Python backend's
 DLPack path, no host round trip for tensors already there).
 
@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from unroll.errors import RuntimeUnavailable
-from unroll.serving.cpu_runtime import Session
+from unroll.serving.runtimes import Session
 
 log = logging.getLogger("unroll.serving")
 
@@ -332,8 +332,6 @@ class _Graphs:
         self._pinned: set[tuple] = set()  # captured at load: never dropped
         #: Shapes whose capture failed: run eagerly (logged once each).
         self._eager: set[tuple] = set()
-        #: How many captures were made (the load-time ones included).
-        self.captures = 0
 
     @staticmethod
     def key(args: list[Any], batch: int) -> tuple:
@@ -372,7 +370,6 @@ class _Graphs:
                         [s for s, _ in key], str(e).splitlines()[0])
             self._eager.add(key)
             return None
-        self.captures += 1
         self._cache[key] = (replay, static_in)
         lazy = [k for k in self._cache if k not in self._pinned]
         for k in lazy[:max(0, len(lazy) - MAX_GRAPHS)]:

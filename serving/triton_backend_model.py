@@ -67,8 +67,8 @@ import triton_python_backend_utils as pb_utils
 from unroll.card import CARD_KEY, InputCard, LamCard, SigmaCard, TileCard
 from unroll.errors import ApiError, BadInput, ImageRejected, RuntimeUnavailable
 from unroll.serving import batch_rows
-from unroll.serving.cpu_runtime import DEFAULT_RUNTIME, open_session
 from unroll.serving.imaging import images, prepare, wire
+from unroll.serving.runtimes import DEFAULT_RUNTIME, open_session
 from unroll.tiling import Tiler, run_tiled
 
 

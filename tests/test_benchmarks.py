@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import typer
+from readme_blocks import generated
 from typer.testing import CliRunner
 
 from unroll.app import bench_cli as cli
@@ -454,12 +455,12 @@ def test_readme_serve_block_is_the_one_generated_from_the_committed_results() ->
     from unroll.benchmarks import serve_report
     from unroll.benchmarks.common import RESULTS
 
-    readme = (RESULTS.parent.parent / "README.md").read_text()
-    start = readme.index(serve_report.README_BEGIN) + len(serve_report.README_BEGIN)
-    block = readme[start:readme.index(serve_report.README_END)].strip()
     payload = json.loads((RESULTS / "serve.json").read_text())
-    assert block == serve_report.readme_block(payload)
-    assert "gateway CPU per classify request" in block and "Triton direct" in block
+    blocks = generated(serve_report.README_BEGIN, serve_report.README_END)
+    assert len(blocks) == 2, "the README's headline and the REST guide's request-path costs"
+    for block in blocks:
+        assert block == serve_report.readme_block(payload)
+        assert "gateway CPU per classify request" in block and "Triton direct" in block
 
 
 def test_the_pytorch_call_fits_every_registered_models_inputs() -> None:

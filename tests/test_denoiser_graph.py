@@ -20,15 +20,15 @@ import unroll
 from unroll import data
 from unroll.errors import RuntimeUnavailable
 from unroll.registry import get_spec
-from unroll.serving import cpu_runtime
-from unroll.serving.cpu_runtime import open_session
+from unroll.serving import runtimes
+from unroll.serving.runtimes import open_session
 from unroll.solvers.shrink import textbook_mode
 
 DENOISER, CLASSIFIER = "csc-denoiser", "sdnet-mnist"
 MAX_ABS_ERR = 1e-4  # the export's parity tolerance (unroll.export.onnx_export.MAX_ABS_ERR)
 #: ONNX Runtime's NCHWc block on AVX-512 (8 on AVX2): a Conv with fewer output channels is padded up to it.
 NCHWC_BLOCK = 16
-OPENVINO = pytest.mark.skipif(not cpu_runtime.available("openvino"),
+OPENVINO = pytest.mark.skipif(not runtimes.available("openvino"),
                               reason="openvino not installed (pip install openvino)")
 
 
@@ -139,8 +139,8 @@ def test_benchmark_tables_name_a_missing_openvino(monkeypatch: pytest.MonkeyPatc
     """Without OpenVINO the benchmark cells say so (and the fastest runtime is ONNX Runtime)."""
     from unroll.benchmarks import export_speed, models_markdown
 
-    monkeypatch.setattr(cpu_runtime, "available", lambda runtime: runtime == "onnxruntime")
-    why = cpu_runtime.unavailable_reason("openvino")
+    monkeypatch.setattr(runtimes, "available", lambda runtime: runtime == "onnxruntime")
+    why = runtimes.unavailable_reason("openvino")
     assert why == "openvino not installed (pip install openvino)"
     with pytest.raises(RuntimeUnavailable, match="openvino not installed"):
         open_session("unused.onnx", "openvino")

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import onnx
 import pytest
+from readme_blocks import page_with
 from served_digits import assert_served_like_onnx
 
 from unroll.card import from_onnx
@@ -29,8 +30,8 @@ NAME = "my-model"
 
 
 def way3_commands() -> list[str]:
-    """The shell lines of the README's bash block under "**3. Only an ONNX file**"."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    """The shell lines of the docs' bash block under "**3. Only an ONNX file**" (docs/deploy-your-model.md)."""
+    text = page_with("**3. Only an ONNX file**").read_text(encoding="utf-8")
     section = text[text.index("**3. Only an ONNX file**"):]
     block = re.search(r"```bash\n(.*?)```", section, re.S)
     assert block, "no bash block in the README's third way in"

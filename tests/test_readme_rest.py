@@ -1,6 +1,7 @@
-"""The README's "## The REST API" examples, run verbatim against a live `unroll serve`, so they cannot drift again.
+"""The README's "## A first request" and the docs site's "## The REST API" examples (docs/rest-api.md), run
+verbatim against a live `unroll serve`, so they cannot drift again.
 
-Every ```bash block of that section is split into commands (``\\`` continuations joined) and each command is run
+Every ```bash block of those sections is split into commands (``\\`` continuations joined) and each command is run
 as written, with bash, from a directory laid out as a fresh clone is after `make serve`: the exports, the
 repository and the samples `unroll serve` writes (``build/samples/MODEL.png``), written there by the real
 `unroll serve` this test starts on the default models.
@@ -12,8 +13,8 @@ rewritten, and a command naming another port or host fails. The same file makes 
 (``fail-with-body``) and print the status on stderr, so each command must exit 0 with HTTP 200; its output is then
 checked per endpoint (JSON
 shape, the PNG written, headers), and a command this test has no check for fails it. Only curl commands can be
-run this way: any other command fails the test, naming it. Blocks that need what this machine lacks are listed in
-:data:`NOT_RUNNABLE` and reported as skipped with the reason.
+run this way: any other command fails the test, naming it. Blocks that need what this machine lacks live on other
+pages, each with the reason it is not run above it (``tests/test_docs.py`` holds every block to that).
 
 The banner `unroll serve` prints must offer the same commands (its sample paths are absolute; its port is the
 free one), and the answer the README shows (``# → {...}``) must have the keys of the real one.
@@ -39,12 +40,8 @@ from PIL import Image
 from readme_blocks import Block, Command, section, split_comment, without_comment
 from readme_run import README_BASE, Background, Shell
 
-SECTION = "The REST API"
-#: Subsections of the REST section whose blocks cannot run here, with the reason (reported as skips).
-NOT_RUNNABLE = {
-    "On a GPU server (NGC Triton container)": "needs an NVIDIA GPU, TensorRT and docker with NVIDIA's Triton "
-                                              "container (tests/test_gpu_repository.py covers the configs it serves)",
-}
+#: The sections whose curl lines run here: the README's first request and the docs site's REST guide.
+SECTIONS = ("A first request", "The REST API")
 URL = re.compile(r"https?://[^\s'\"]+")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,11 +49,7 @@ pytestmark = [pytest.mark.triton, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _blocks() -> list[Block]:
-    return section(SECTION)
-
-
-def _runnable() -> list[Block]:
-    return [b for b in _blocks() if b.subsection not in NOT_RUNNABLE]
+    return [b for heading in SECTIONS for b in section(heading)]
 
 
 @dataclass
@@ -189,7 +182,7 @@ CHECKS: dict[str, Callable[[Live, Command, dict[str, str], subprocess.CompletedP
 
 
 def test_rest_section_has_runnable_examples() -> None:
-    blocks = _runnable()
+    blocks = _blocks()
     assert blocks and sum(len(b.commands) for b in blocks) >= 8, blocks
     for b in blocks:
         for cmd in b.commands:
@@ -198,14 +191,6 @@ def test_rest_section_has_runnable_examples() -> None:
             for url in URL.findall(cmd.text):
                 assert url.startswith(README_BASE + "/"), f"{url} is not the gateway's default address"
             assert "localhost" not in cmd.text and not re.search(r"\bopen\b|xdg-open", cmd.text), cmd.text
-
-
-@pytest.mark.parametrize("subsection", sorted(NOT_RUNNABLE))
-def test_rest_blocks_that_cannot_run_here(subsection: str) -> None:
-    blocks = [b for b in _blocks() if b.subsection == subsection]
-    assert blocks, f"NOT_RUNNABLE names {subsection!r}, which the README's REST section no longer has: drop it"
-    pytest.skip(f"README '{subsection}': {NOT_RUNNABLE[subsection]} "
-                f"({sum(len(b.commands) for b in blocks)} commands not run)")
 
 
 def test_a_fresh_clone_stays_clean_after_serve(live: Live) -> None:
@@ -221,7 +206,7 @@ def test_a_fresh_clone_stays_clean_after_serve(live: Live) -> None:
 
 def test_rest_section_commands_run_verbatim(live: Live) -> None:
     ran = []
-    for block in _runnable():
+    for block in _blocks():
         for cmd in block.commands:
             url = next(iter(URL.findall(cmd.text)), None)
             assert url is not None, f"no URL in {cmd.text!r}"
@@ -237,13 +222,13 @@ def test_rest_section_commands_run_verbatim(live: Live) -> None:
             assert err.strip().splitlines()[-1] == "HTTP 200", f"{cmd.text}\n{err}"
             check(live, cmd, {k: v[-1] for k, v in parse_qs(parts.query).items()}, r)
             ran.append(cmd.text)
-    assert len(ran) == sum(len(b.commands) for b in _runnable())
+    assert len(ran) == sum(len(b.commands) for b in _blocks())
 
 
 def test_urls_in_rest_comments_answer(live: Live) -> None:
     """URLs the README's comments give for a browser (``/docs``) are served (GET, HTTP 200) too."""
-    comments = [*(c for b in _runnable() for c in b.comments),
-                *(split_comment(c.text)[1] for b in _runnable() for c in b.commands)]
+    comments = [*(c for b in _blocks() for c in b.comments),
+                *(split_comment(c.text)[1] for b in _blocks() for c in b.commands)]
     urls = sorted({u.rstrip(".,;)") for c in comments for u in URL.findall(c)})
     assert f"{README_BASE}/docs" in urls, comments
     with httpx.Client(timeout=30) as client:
@@ -256,7 +241,7 @@ def test_urls_in_rest_comments_answer(live: Live) -> None:
 def test_banner_offers_the_readme_commands(live: Live) -> None:
     """Every curl line `unroll serve` prints is one of the README's (sample paths relative to the clone, the
     default port), so the README and the banner say the same."""
-    readme = {without_comment(c.text) for b in _runnable() for c in b.commands}
+    readme = {without_comment(c.text) for b in _blocks() for c in b.commands}
     deadline = time.monotonic() + 10
     while "Ctrl-C stops" not in "".join(live.serve.output) and time.monotonic() < deadline:
         time.sleep(0.1)  # the banner's last line
@@ -270,7 +255,7 @@ def test_banner_offers_the_readme_commands(live: Live) -> None:
 
 def test_readme_samples_are_where_serve_writes_them(live: Live) -> None:
     """The sample files the README's commands post are the ones `unroll serve` wrote (build/samples/MODEL.png)."""
-    posted = {m for b in _runnable() for c in b.commands for m in re.findall(r"@(\S+)", c.text)}
+    posted = {m for b in _blocks() for c in b.commands for m in re.findall(r"@(\S+)", c.text)}
     assert posted, "the README posts no sample"
     for rel in posted:
         path = live.cwd / rel

@@ -115,7 +115,7 @@ def test_openvino_gives_memory_back_when_idle(demo_onnx_dir: Path) -> None:
     """After a batch of windows, the runtime's buffers (≈ 0.5 KB per pixel) go back once it has been idle."""
     code = f"""
 import time, numpy as np
-from unroll.serving.cpu_runtime import open_session
+from unroll.serving.runtimes import open_session
 def rss():
     return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) * 1024
 run = open_session({str(demo_onnx_dir / 'csc-denoiser.onnx')!r}, 'openvino', 2, release_idle_s=0.5)

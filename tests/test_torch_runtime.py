@@ -16,7 +16,7 @@ import unroll
 from unroll.card import from_onnx, write_to_onnx
 from unroll.data import mnist_split
 from unroll.errors import RuntimeUnavailable
-from unroll.serving.cpu_runtime import open_session
+from unroll.serving.runtimes import open_session
 from unroll.serving.torch_runtime import parity_feeds
 
 CLASSIFIER, DENOISER = "sdnet-mnist", "csc-denoiser"

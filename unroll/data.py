@@ -8,7 +8,7 @@ benchmarks agree on what is never trained on. Each model card names its sets by 
 * **calibration** — INT8 calibration only, where training data alone does not cover what the gates hold on (the
   denoiser: its training photos plus seeded synthetic patterns, :mod:`unroll.stress_patterns`);
 * **validation** — every choice: the INT8 layer placement and calibration method, the λ rule's λ, thresholds;
-* **test** — reported only: the README's numbers; nothing is selected on it;
+* **test** — reported only: the docs' numbers; nothing is selected on it;
 * **stress** — synthetic and graphic content (phantom, checkerboards, text, line art, flat regions with sharp
   edges, and the *gate* seeds of the synthetic patterns) that the gates hold on beside the validation images, worst
   image first; the patterns' *report* seeds are a set of their own, reported only (``unroll bench stress``).

@@ -1,4 +1,4 @@
-"""``POST /v1/denoise``: a PNG of the input's size and mode (per mode: the README's table; TIFF or a NumPy array
+"""``POST /v1/denoise``: a PNG of the input's size and mode (per mode: the docs' table; TIFF or a NumPy array
 when ``Accept`` asks), with tensor names, σ scale and minimum size from the card; σ given, or estimated with a
 verdict on its reliability (:mod:`.sigma`).
 

@@ -20,7 +20,7 @@ from unroll.serving.gateway.state import Gateway
 ItersQuery = Annotated[str | None, Query(
     description="Solver iterations to run, for models whose card lists the counts it serves (`iters` in GET "
                 "/v1/models): one of those counts; omit for the trained count. More iterations cost latency and "
-                "may help or hurt accuracy (see the README's robustness results)", examples=["4"])]
+                "may help or hurt accuracy (docs/models.md: the robustness results)", examples=["4"])]
 
 
 def parse_iters(raw: str | None) -> int | None:

@@ -4,7 +4,7 @@ Only PNG, JPEG, WebP, TIFF and BMP are decoded (no other decoder runs on client 
 ratio come from the header and are checked before any pixel is decoded, and every array allocated here is bounded
 by the pixel limit or the model's input size, never by the longer side squared (:func:`work_bytes_bound`). What a
 classifier's card asks (colour, polarity, resize policy, normalisation) and the mode each denoised PNG comes back
-in are the README's REST API rules, tested row by row by ``tests/test_denoise_contract.py``.
+in are the docs' REST API rules, tested row by row by ``tests/test_denoise_contract.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from unroll.errors import ApiError
 from unroll.serving.imaging import palette as palettes
 from unroll.serving.imaging import sigma as sigmas
 
-#: What ``POST /v1/denoise`` returns (its OpenAPI description; the README has it as a table).
+#: What ``POST /v1/denoise`` returns (its OpenAPI description; docs/rest-api.md has it as a table).
 DENOISE_OUTPUT = (
     "The denoised image as PNG, at the input's size as displayed, in the input's mode where PNG has one: 1, L, LA, "
     "RGB, RGBA and 16-bit gray (I;16) are kept; a palette image (P) comes back as P with the input's palette and "
@@ -251,7 +251,7 @@ def pixels(img: Image.Image) -> Pixels:
 
 def to_planes(img: Image.Image) -> Planes:
     """Any supported mode, turned upright by its EXIF orientation, as float channels (+ alpha) and what is needed to
-    write the result back in the input's mode (the README's table); modes PNG cannot hold map to the
+    write the result back in the input's mode (the docs' table); modes PNG cannot hold map to the
     nearest it can, float images are refused (415)."""
     exif = _upright(img)
     mode = img.mode

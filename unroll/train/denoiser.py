@@ -1,7 +1,7 @@
 """Recipe for the convolutional LISTA denoiser: training and evaluation on scikit-image's bundled images.
 
 Patches come from the training images only (``unroll.data.DENOISE_TRAIN_IMAGES``). Evaluation reports
-per-image PSNR on the test images (the README's numbers: nothing is chosen on them), the validation images
+per-image PSNR on the test images (the docs' numbers: nothing is chosen on them), the validation images
 (where choices are made) and the stress set (synthetic/graphic content), all from :mod:`unroll.data`.
 Runs on CPU or CUDA (``device``); everything is seeded. The
 recipe interface (``TRAIN_OPTIONS``, ``train``, ``EVAL_OPTIONS``, ``evaluate``) is :mod:`unroll.train`'s.
