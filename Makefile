@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: help venv test serve bench lint clean docs docs-serve
+.PHONY: help venv check test serve bench lint clean docs docs-serve
 
 $(STAMP): pyproject.toml scripts/editable_first.py
 	@test -x $(PY) || { echo "==> creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
@@ -32,6 +32,13 @@ venv: $(STAMP)  ## create .venv and install unroll with its serving and dev extr
 # while a version unloaded (boost lock_exception, upstream; the supervisor restarts it, but the deploy tests then
 # fail) — load makes both likelier. 0: one process.
 TEST_WORKERS ?= 0
+
+# The inner loop: the `check` tier (tests/conftest.py's table: every test but those marked `full`, which own their
+# servers for faults, restarts or memory, build images, train or benchmark), about 5 minutes of pytest on 2 cores
+# where `make test` takes 35. A fresh clone's first run also pays the venv and the exports built on first use.
+check: $(STAMP)  ## the inner loop: ruff, then the tests of the `check` tier (about 5 minutes; make test runs all)
+	$(PY) -m ruff check unroll export serving benchmarks app pipeline tests examples scripts deploy
+	$(PY) -m pytest -q -m check --durations=15
 
 test: $(STAMP)  ## run the whole test suite (CI calls this); TEST_WORKERS=N test processes (default 0: one)
 	$(PY) -m ruff check unroll export serving benchmarks app pipeline tests examples scripts deploy

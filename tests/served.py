@@ -1,8 +1,9 @@
 """Helpers for tests that classify through a real tritonserver and the real gateway (tests/ is on sys.path).
 
 :func:`shared_triton` is the one tritonserver of a test session for tests that only send it requests (the
-``demo_triton`` fixture of ``conftest.py``); :func:`gateway_over_triton` starts a server and a gateway of a test's
-own on a repository and always stops them; :func:`check_topk` compares the gateway's answer with PyTorch's
+``demo_triton`` fixture of ``conftest.py``, with ``demo_gateway`` in front of it: the one gateway of default settings
+for tests that only send it requests); :func:`gateway_over_triton` starts a server and a gateway of a test's own on a
+repository and always stops them; :func:`check_topk` compares the gateway's answer with PyTorch's
 probabilities.
 """
 
@@ -34,8 +35,9 @@ DEMO_MODELS = ["sdnet-mnist", "csc-denoiser"]
 def shared_triton(onnx_dir: Path, root: Path) -> Iterator[TritonHandle]:
     """tritonserver on the demo models (free ports, repository and log under ``root``), stopped at the end.
 
-    Shared by every test of a session that only sends it requests, each with a gateway of its own settings in front:
-    a test that stops, kills, loads or unloads a server starts its own (``gateway_over_triton`` or ``unroll serve``).
+    Shared by every test of a session that only sends it requests, through the session's gateway (``demo_gateway``)
+    or one of its own settings: a test that stops, kills, loads or unloads a server starts its own
+    (``gateway_over_triton`` or ``unroll serve``).
     Counts read from it (Triton's statistics, the metrics) are compared before and after, never from zero."""
     from unroll.pipeline import graphs_of
     from unroll.serving.repository import write_repository

@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from readme_blocks import generated
-from served import check_topk, gateway_over, png, softmax
+from served import check_topk, png, softmax
 
 import unroll
 from unroll.card import IterCard, from_onnx
@@ -71,11 +71,10 @@ def test_each_count_graph_matches_pytorch_with_that_many_iterations(demo_onnx_di
 
 
 @pytest.fixture(scope="module")
-def gateway(demo_triton, tmp_path_factory):
-    """A gateway in front of the session's tritonserver: every graph the demo models' cards name, other iteration
-    counts included."""
-    with gateway_over(demo_triton, tmp_path_factory.mktemp("iters")) as client:
-        yield client
+def gateway(demo_gateway):
+    """The session's gateway and tritonserver: every graph the demo models' cards name, other iteration counts
+    included."""
+    return demo_gateway
 
 
 def _digit(i: int) -> tuple[bytes, np.ndarray]:

@@ -6,7 +6,6 @@ out-of-distribution image; Triton-direct clients get the signals themselves. A r
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -15,7 +14,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from PIL import Image
-from served import gateway_over, png
+from served import png
 from skimage import data as skdata
 
 import unroll
@@ -115,9 +114,9 @@ def test_the_card_refuses_ood_where_it_cannot_hold() -> None:
 
 
 @pytest.fixture(scope="module")
-def gateway(demo_triton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    with gateway_over(demo_triton, tmp_path_factory.mktemp("ood")) as client:
-        yield client
+def gateway(demo_gateway: httpx.Client) -> httpx.Client:
+    """The session's gateway and tritonserver (the demo models)."""
+    return demo_gateway
 
 
 def classify(client: httpx.Client, data: bytes, query: str = "") -> httpx.Response:

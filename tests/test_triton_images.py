@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -379,13 +378,9 @@ def test_outputs_not_requested_are_not_computed(grpc, cards, noisy: np.ndarray, 
 
 
 @pytest.fixture(scope="module")
-def gateway(server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    from unroll.serving.gateway.process import gateway_process
-
-    with gateway_process(Settings(triton_url=server.grpc_url.removeprefix("grpc://")),
-                         tmp_path_factory.mktemp("gw") / "gateway.log") as base, \
-            httpx.Client(base_url=base, timeout=60) as client:
-        yield client
+def gateway(demo_gateway: httpx.Client) -> httpx.Client:
+    """The session's gateway (default settings) in front of ``server``."""
+    return demo_gateway
 
 
 def _inferences(server, model: str) -> int:
