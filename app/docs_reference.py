@@ -123,10 +123,14 @@ def pages() -> dict[str, str]:
             OPENAPI_FILE: json.dumps(schema, indent=2, ensure_ascii=False) + "\n"}
 
 
+def _differs(path: Path, text: str) -> bool:
+    """``path`` is missing or holds other than ``text``."""
+    return not path.is_file() or path.read_text(encoding="utf-8") != text
+
+
 def stale(out: Path) -> list[str]:
     """The generated files under ``out`` that are missing or differ from what the code gives now."""
-    return [name for name, text in pages().items()
-            if not (out / name).is_file() or (out / name).read_text(encoding="utf-8") != text]
+    return [name for name, text in pages().items() if _differs(out / name, text)]
 
 
 def main(out: Annotated[Path, typer.Option(help="Folder of the generated pages")] = Path("docs/reference"),
@@ -143,7 +147,7 @@ def main(out: Annotated[Path, typer.Option(help="Folder of the generated pages")
         return
     out.mkdir(parents=True, exist_ok=True)
     for name, text in pages().items():
-        if not (out / name).is_file() or (out / name).read_text(encoding="utf-8") != text:
+        if _differs(out / name, text):
             (out / name).write_text(text, encoding="utf-8")  # unchanged pages keep their times: git status clean
             print(f"wrote {out / name}")
 

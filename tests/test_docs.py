@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import markdown
 import pytest
 from readme_blocks import README, ROOT, fences, pages
@@ -85,7 +86,7 @@ def test_the_cli_reference_has_every_command_and_option() -> None:
     for path, cmd in docs_reference._commands(typer.main.get_command(app)):
         assert f"## `{' '.join(('unroll', *path))}`" in page, path
         for param in cmd.params:
-            if isinstance(param, __import__("click").Option) and not param.hidden:
+            if isinstance(param, click.Option) and not param.hidden:
                 assert f"`{param.opts[0]}" in page, (path, param.opts)
 
 
