@@ -45,6 +45,7 @@ from unroll.app.deploy_cli import deploy
 from unroll.app.doctor import doctor_command
 from unroll.app.errors import fail, handles_errors, report
 from unroll.app.optimize_cli import optimize
+from unroll.app.profile_cli import profile_app
 from unroll.app.serve import serve_command
 from unroll.app.triton_cli import repo, triton
 from unroll.app.trt_cli import build
@@ -506,6 +507,7 @@ def _register_subsystem_commands() -> None:
     app.command("build")(build)
     app.command("repo")(repo)
     app.command("optimize")(optimize)
+    app.add_typer(profile_app, name="profile")
     app.command("triton")(triton)
     app.command("serve")(serve_command)
     app.command("deploy")(deploy)

@@ -48,7 +48,8 @@ CHECK_FILES = frozenset({
     "test_gpu_serve_check.py", "test_hamburger.py", "test_hidden_args.py", "test_http_refusals.py",
     "test_import_from_parent.py", "test_iterations.py", "test_ood.py", "test_ood_served.py", "test_packaging.py",
     "test_paired_latency.py", "test_perf_analyzer.py", "test_pipelining.py", "test_png_level.py",
-    "test_precision_stress.py", "test_quality_gates.py", "test_quantize.py", "test_rate_limit.py",
+    "test_precision_stress.py", "test_profile.py", "test_profile_output.py", "test_quality_gates.py",
+    "test_quantize.py", "test_rate_limit.py",
     "test_rate_limit_workers.py", "test_registry_cli.py", "test_request_id.py", "test_robustness.py", "test_rvt.py",
     "test_sdnet_arch.py", "test_serve_models.py", "test_sigma_band.py", "test_solvers_attention.py",
     "test_staleness.py", "test_standby.py", "test_stress_patterns.py", "test_tiers.py", "test_tiling.py",
@@ -132,6 +133,14 @@ FULL: dict[str, str] = {
     "test_perf_analyzer.py::test_perf_analyzer_validates_outputs_against_onnx_runtime":
         "runs perf_analyzer measurements",
     "test_perf_analyzer.py::test_real_images_through_perf_analyzer": "runs perf_analyzer measurements",
+    "test_profile.py::test_search_finds_the_known_capacity_within_10_percent":
+        "searches a paced tritonserver's capacity with timed load levels",
+    "test_profile.py::test_a_pause_shows_as_a_queue_in_open_loop_and_hides_in_closed_loop":
+        "SIGSTOPs its own tritonserver during timed load levels",
+    "test_profile.py::test_bad_use_is_one_line_a_nonzero_exit_and_nothing_written":
+        "runs unroll profile in fresh processes against its own servers",
+    "test_profile.py::test_a_gateway_with_a_key_is_profiled_through_v1_and_v2_and_refuses_a_wrong_key_or_model":
+        "profiles a gateway of its own in front of its own tritonserver",
     "test_quality_gates.py::test_all_int8_fails_the_worst_image_gate_and_the_chosen_placement_passes":
         "two INT8 quantizations with their gates (minutes)",
     "test_quantize.py::test_int8_explicit_qdq_passes_gate": "INT8 quantization with calibration and gates",

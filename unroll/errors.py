@@ -311,6 +311,16 @@ class NoModel(BenchError, LookupError):
     """The registry has no model a benchmark needs (e.g. no trained denoiser); the message says which."""
 
 
+class ClientBound(BenchError):
+    """``unroll profile``: the load client could not send at the offered rate (its sends fell behind schedule beyond
+    the tolerance); the level is not reported as if offered."""
+
+
+class SloMissed(BenchError):
+    """``unroll profile``: the objective is already missed at the lowest rate or concurrency tried (the message says
+    which percentile or error rate, by how much)."""
+
+
 # ---------------------------------------- raised in unroll.app
 
 

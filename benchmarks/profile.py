@@ -1,0 +1,441 @@
+"""``unroll profile``: a deployment measured against a latency objective, level by level, on :mod:`.loadgen`.
+
+An objective (:func:`parse_slo`) is one or more limits joined by commas: ``p50``/``p90``/``p95``/``p99``/``max``/
+``mean`` latency (``20ms``, ``0.5s``, ``800us``) and ``errors`` (``1%`` or ``0.01``). Per level: whether it is met
+(and each limit's measured value), the *attainment* (share of the requests sent that were answered within the latency
+limit of the objective's highest percentile) and the *goodput* (those requests per second). :func:`search` finds the
+highest sustained rate that meets it: doubling from the start rate until a level fails, then bisecting between the
+last level met and the first failed until they are within ``resolution`` of each other; the report names the first
+failing level and why. Where Triton's HTTP URL is given, each level also holds the model's Triton statistics over
+the level (:func:`triton_stats_delta`: queue, compute input / infer / output per request, executed batch sizes).
+Results: a JSON (:data:`SCHEMA_VERSION`), a CSV of the levels, a rich table.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import re
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from unroll.benchmarks import loadgen
+from unroll.benchmarks.common import latency_summary, machine_info
+from unroll.benchmarks.loadgen import LevelResult, Load
+from unroll.benchmarks.profile_target import Deployment, key_headers
+from unroll.benchmarks.serve_triton import stats_delta
+from unroll.errors import BenchError, ClientBound, SloMissed, UsageError
+
+SCHEMA_VERSION = 1
+PERCENTILES = {"p50": 50.0, "p90": 90.0, "p95": 95.0, "p99": 99.0, "max": 100.0}
+_UNITS = {"us": 1e-3, "µs": 1e-3, "ms": 1.0, "s": 1e3}
+_LIMIT = re.compile(r"^\s*(p50|p90|p95|p99|max|mean|errors?)\s*(<=|<)\s*([0-9.]+(?:e-?[0-9]+)?)\s*(us|µs|ms|s|%)?\s*$")
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One limit of an objective: a latency statistic in ms, or the error rate as a fraction."""
+
+    metric: str  #: ``p50`` … ``max``, ``mean``, or ``errors``
+    value: float  #: ms for latencies, a fraction for ``errors``
+    strict: bool = False  #: ``<`` rather than ``<=``
+
+    def __str__(self) -> str:
+        op = "<" if self.strict else "<="
+        return f"errors{op}{100 * self.value:g}%" if self.metric == "errors" else f"{self.metric}{op}{self.value:g}ms"
+
+    def measured(self, level: LevelResult) -> float:
+        if self.metric == "errors":
+            return level.error_rate
+        if self.metric == "mean":
+            return latency_summary(level.latencies_ms)["mean"]
+        return level.percentile(PERCENTILES[self.metric])
+
+    def met(self, level: LevelResult) -> bool:
+        v = self.measured(level)
+        return not math.isnan(v) and (v < self.value if self.strict else v <= self.value)
+
+    def why(self, level: LevelResult) -> str:
+        v = self.measured(level)
+        if self.metric == "errors":
+            return f"errors {100 * v:.2f}% > {100 * self.value:g}%"
+        if math.isnan(v):
+            return f"{self.metric}: no request answered"
+        return f"{self.metric} {v:.1f} ms > {self.value:g} ms"
+
+
+@dataclass(frozen=True)
+class Slo:
+    """An objective: every limit must be met."""
+
+    limits: tuple[Limit, ...]
+
+    def __str__(self) -> str:
+        return ",".join(map(str, self.limits))
+
+    @property
+    def good_ms(self) -> float | None:
+        """Latency bound a request must meet to count as good: that of the highest percentile limited."""
+        lat = [lim for lim in self.limits if lim.metric in PERCENTILES]
+        return max(lat, key=lambda lim: PERCENTILES[lim.metric]).value if lat else None
+
+    def failures(self, level: LevelResult) -> list[str]:
+        return [lim.why(level) for lim in self.limits if not lim.met(level)]
+
+    def attainment(self, level: LevelResult) -> float:
+        """Share of the requests sent that were answered (within :attr:`good_ms`, where latency is limited)."""
+        if not level.sent:
+            return float("nan")
+        bound = self.good_ms
+        good = level.ok if bound is None else sum(1 for x in level.latencies_ms if x <= bound)
+        return good / level.sent
+
+    def goodput(self, level: LevelResult) -> float:
+        a = self.attainment(level)
+        return a * level.sent / level.duration_s if level.duration_s > 0 and not math.isnan(a) else float("nan")
+
+
+def parse_slo(text: str | None) -> Slo | None:
+    """``"p99<=20ms,errors<=1%"`` → :class:`Slo` (``None``/empty: no objective)."""
+    if not text or not text.strip():
+        return None
+    limits = []
+    for part in text.split(","):
+        m = _LIMIT.match(part)
+        if m is None:
+            raise UsageError(f"--slo: cannot read {part.strip()!r}: write e.g. p99<=20ms, p50<5ms or errors<=1%")
+        metric, op, number, unit = m.groups()
+        value = float(number)
+        if metric.startswith("error"):
+            metric = "errors"
+            if unit not in (None, "%"):
+                raise UsageError(f"--slo: {part.strip()!r}: an error rate is a percentage (1%) or a fraction (0.01)")
+            value = value / 100 if unit == "%" else value
+        else:
+            if unit == "%":
+                raise UsageError(f"--slo: {part.strip()!r}: a latency needs a time unit (ms, s, us)")
+            value *= _UNITS[unit or "ms"]
+        limits.append(Limit(metric, value, op == "<"))
+    return Slo(tuple(limits))
+
+
+def parse_range(text: str, what: str, integer: bool = False) -> list[float]:
+    """``"A:B:STEP"`` → A, A+STEP, … ≤ B; ``"A:B"`` (step A); ``"A,B,C"`` or ``"A"``: those values."""
+    try:
+        if ":" in text:
+            parts = [float(x) for x in text.split(":")]
+            if len(parts) == 2:
+                parts.append(parts[0])
+            a, b, step = parts
+            if step <= 0 or b < a:
+                raise ValueError
+            values = [a + k * step for k in range(int(math.floor((b - a) / step + 1e-9)) + 1)]
+        else:
+            values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{what}: cannot read {text!r}: write START:STOP:STEP (e.g. 10:100:10) or a list (10,20,50)"
+                         ) from None
+    if not values or any(v <= 0 for v in values):
+        raise UsageError(f"{what}: {text!r}: values must be positive")
+    return [float(int(v)) for v in values] if integer else values
+
+
+# ------------------------------------------------------------------------------------------- Triton statistics
+
+
+def triton_stats(url: str, model: str, key: str | None = None, timeout_s: float = 5.0) -> dict | None:
+    """The model's entry of Triton's ``GET /v2/models/NAME/stats`` (``None`` when it cannot be read)."""
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/v2/models/{model}/stats", headers=key_headers("triton", key),
+                      timeout=timeout_s)
+        stats = r.json()["model_stats"] if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+    return sum_versions(stats) if stats else None
+
+
+def sum_versions(stats: list[dict]) -> dict:
+    """Triton's per-version statistics summed: ``{"inference_stats": {name: {count, ns}}, "batch_stats": {bs: …}}``."""
+    inf: dict[str, dict[str, int]] = {}
+    batches: dict[int, dict[str, int]] = {}
+    for v in stats:
+        for name, d in (v.get("inference_stats") or {}).items():
+            acc = inf.setdefault(name, {"count": 0, "ns": 0})
+            acc["count"] += int(d.get("count", 0))
+            acc["ns"] += int(d.get("ns", 0))
+        for b in v.get("batch_stats") or []:
+            acc = batches.setdefault(int(b["batch_size"]), {"count": 0, "ns": 0})
+            acc["count"] += int(b.get("compute_infer", {}).get("count", 0))
+            acc["ns"] += int(b.get("compute_infer", {}).get("ns", 0))
+    return {"inference_stats": inf, "batch_stats": batches,
+            "execution_count": sum(int(v.get("execution_count", 0)) for v in stats),
+            "inference_count": sum(int(v.get("inference_count", 0)) for v in stats)}
+
+
+def triton_stats_delta(before: dict | None, after: dict | None) -> dict | None:
+    """What Triton did over a level: :func:`~unroll.benchmarks.serve_triton.stats_delta`'s split (requests,
+    executions, mean ms per request of queue / compute input / infer / output, average batch) and the batch sizes
+    executed (``{size: executions}``)."""
+    out = stats_delta(before, after)
+    if out is None or before is None or after is None:
+        return out
+    sizes = {}
+    for bs, a in after["batch_stats"].items():
+        n = a["count"] - before["batch_stats"].get(bs, {"count": 0})["count"]
+        if n > 0:
+            sizes[str(bs)] = n
+    out["batch_sizes"] = sizes
+    return out
+
+
+# --------------------------------------------------------------------------------------------- levels, search
+
+
+@dataclass
+class Level:
+    """One measured level and its verdict against the objective."""
+
+    result: LevelResult
+    slo: Slo | None
+    triton: dict | None = None
+
+    @property
+    def failures(self) -> list[str]:
+        bound = self.result.client_bound
+        return ([f"client-bound: {bound}"] if bound else []) + (self.slo.failures(self.result) if self.slo else [])
+
+    @property
+    def met(self) -> bool:
+        return not self.failures
+
+    def row(self) -> dict[str, Any]:
+        r, lat = self.result, latency_summary(self.result.latencies_ms)
+        row: dict[str, Any] = {
+            "load": r.load.label, "mode": "open" if r.load.open_loop else "closed", "arrivals": r.load.arrivals,
+            "cv": r.load.cv if r.load.arrivals == "gamma" else None, "offered_rps": r.offered_rate,
+            "concurrency": r.load.concurrency, "scheduled_rps": r.scheduled_rate if r.load.open_loop else None,
+            "send_rps": r.send_rate if r.load.open_loop else None,
+            "late_p99_ms": r.late_p99_ms if r.load.open_loop else None, "client_bound": r.client_bound,
+            "duration_s": r.duration_s, "sent": r.sent, "ok": r.ok, "throughput_rps": r.throughput,
+            "error_rate": r.error_rate, "errors": dict(r.errors),
+            **{f"{k}_ms": v for k, v in lat.items()},
+            "client_cpu_s": r.client_cpu_s, "client_cpu_ms_per_request": r.cpu_ms_per_request,
+        }
+        if self.slo is not None:
+            row.update(slo_met=self.met, slo_failures=self.failures, attainment=self.slo.attainment(r),
+                       goodput_rps=self.slo.goodput(r))
+        if self.triton is not None:
+            row["triton"] = self.triton
+        return row
+
+
+@dataclass
+class Runner:
+    """Runs levels against one deployment (its bodies, its headers), with Triton's statistics around each."""
+
+    deployment: Deployment
+    slo: Slo | None
+    duration_s: float = 10.0
+    warmup_s: float = 2.0
+    timeout_s: float = 30.0
+    requests: int | None = None
+    triton_url: str | None = None
+    triton_key: str | None = None
+    progress: Callable[[Load, float], None] | None = None
+    seed: int = 0
+    late_tolerance_ms: float = loadgen.LATE_TOLERANCE_MS
+
+    def level(self, load: Load) -> Level:
+        d = self.deployment
+        before = triton_stats(self.triton_url, d.model, self.triton_key) if self.triton_url else None
+        result = loadgen.run(d.url, d.payloads, load, self.duration_s, self.warmup_s, self.timeout_s, d.headers,
+                             self.seed, self.requests,
+                             None if self.progress is None else lambda f: self.progress(load, f),
+                             self.late_tolerance_ms)
+        after = triton_stats(self.triton_url, d.model, self.triton_key) if self.triton_url else None
+        return Level(result, self.slo, triton_stats_delta(before, after))
+
+
+@dataclass
+class SearchResult:
+    """The highest rate met, the first level that failed (and why), every level run, in order."""
+
+    best: Level | None
+    first_failed: Level | None
+    levels: list[Level]
+    resolution: float
+    capped: bool = False  #: the search reached ``max_rate`` with every level met
+
+    def summary(self) -> dict[str, Any]:
+        return {"highest_rate_met_rps": self.best.result.offered_rate if self.best else None,
+                "first_failed_rps": self.first_failed.result.offered_rate if self.first_failed else None,
+                "first_failed_why": self.first_failed.failures if self.first_failed else None,
+                "resolution": self.resolution, "reached_max_rate": self.capped}
+
+
+def _rate_load(rate: float, arrivals: str, cv: float) -> Load:
+    return Load(rate=rate, arrivals=arrivals, cv=cv)
+
+
+def _check_client(level: Level, best: Level | None = None) -> None:
+    bound = level.result.client_bound
+    if bound:
+        so_far = f"; the highest rate met before it: {best.result.offered_rate:g} req/s" if best else ""
+        raise ClientBound(f"the client cannot send {level.result.load.label}: {bound}{so_far} (run the client on "
+                          "another machine, or lower the rate)")
+
+
+def search(run_level: Callable[[Load], Level], slo: Slo, start: float, arrivals: str = "constant", cv: float = 1.0,
+           resolution: float = 0.05, max_rate: float = 100_000.0) -> SearchResult:
+    """Bracket by doubling from ``start`` until a level fails the objective, then bisect between the last rate met
+    and the first failed until ``(high - low) / low <= resolution``. A level the client could not send stops the
+    search (:class:`ClientBound`); an objective missed at ``start`` is :class:`SloMissed`."""
+    if start <= 0 or resolution <= 0:
+        raise UsageError("the search needs a positive start rate and resolution")
+    levels: list[Level] = []
+
+    def measure(rate: float) -> Level:
+        lv = run_level(_rate_load(rate, arrivals, cv))
+        levels.append(lv)
+        _check_client(lv, best)
+        return lv
+
+    best: Level | None = None
+    rate = start
+    first = measure(rate)
+    if not first.met:
+        raise SloMissed(f"the objective {slo} is missed already at the lowest rate, {rate:g} req/s: "
+                        f"{'; '.join(first.failures)}")
+    best, failed = first, None
+    while failed is None:
+        if rate * 2 > max_rate:
+            return SearchResult(best, None, levels, resolution, capped=True)
+        rate *= 2
+        lv = measure(rate)
+        if lv.met:
+            best = lv
+        else:
+            failed = lv
+    lo, hi = best.result.offered_rate or start, failed.result.offered_rate or rate
+    first_failed = failed
+    while (hi - lo) / lo > resolution:
+        mid = (lo + hi) / 2
+        lv = measure(mid)
+        if lv.met:
+            best, lo = lv, mid
+        else:
+            first_failed, hi = lv, mid
+    return SearchResult(best, first_failed, levels, resolution)
+
+
+def sweep(run_level: Callable[[Load], Level], loads: Sequence[Load], slo: Slo | None) -> list[Level]:
+    """Each load in turn; a level the client could not send stops the sweep (:class:`ClientBound`), and an objective
+    missed at the first level is :class:`SloMissed` (later misses are results)."""
+    levels = []
+    for k, load in enumerate(loads):
+        lv = run_level(load)
+        _check_client(lv)
+        if k == 0 and slo is not None and not lv.met:
+            raise SloMissed(f"the objective {slo} is missed already at the lowest level, {load.label}: "
+                            f"{'; '.join(lv.failures)}")
+        levels.append(lv)
+    return levels
+
+
+# ------------------------------------------------------------------------------------------------------ output
+
+CSV_FIELDS = ("load", "mode", "arrivals", "cv", "offered_rps", "concurrency", "scheduled_rps", "send_rps",
+              "late_p99_ms", "client_bound", "duration_s", "sent", "ok", "throughput_rps", "error_rate", "mean_ms",
+              "p50_ms", "p90_ms", "p95_ms", "p99_ms", "max_ms", "slo_met", "attainment", "goodput_rps",
+              "client_cpu_s", "client_cpu_ms_per_request", "errors", "triton_queue_ms", "triton_compute_input_ms",
+              "triton_compute_infer_ms", "triton_compute_output_ms", "triton_batch_sizes")
+
+
+def results_payload(deployment: Deployment, levels: list[Level], slo: Slo | None, settings: dict[str, Any],
+                    found: SearchResult | None = None) -> dict[str, Any]:
+    """The results JSON: schema version, machine, the deployment (its ``/v1/models`` answer), settings, levels."""
+    return {"schema_version": SCHEMA_VERSION, "kind": "unroll-profile", "machine": machine_info(threads=1),
+            "deployment": {"target": deployment.target, "url": deployment.url, "model": deployment.model,
+                           "task": deployment.task, "inputs": deployment.inputs, "v1_models": deployment.listing,
+                           "model_info": deployment.metadata},
+            "settings": settings, "slo": str(slo) if slo else None,
+            "search": found.summary() if found else None, "levels": [lv.row() for lv in levels]}
+
+
+def csv_text(levels: list[Level]) -> str:
+    """The levels as CSV (one row a level; Triton's split flattened)."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for lv in levels:
+        row = lv.row()
+        t = row.pop("triton", None) or {}
+        for k in ("queue", "compute_input", "compute_infer", "compute_output"):
+            row[f"triton_{k}_ms"] = t.get(f"{k}_ms")
+        row["triton_batch_sizes"] = json.dumps(t["batch_sizes"]) if t else None
+        row["errors"] = json.dumps(row["errors"]) if row["errors"] else ""
+        w.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})
+    return buf.getvalue()
+
+
+def write_outputs(out_dir: Path, stem: str, payload: dict[str, Any], levels: list[Level]) -> tuple[Path, Path]:
+    """``out_dir/STEM.json`` and ``out_dir/STEM.csv``, each written whole (a temporary file renamed into place)."""
+    from unroll.benchmarks.common import _strict
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = out_dir / f"{stem}.json", out_dir / f"{stem}.csv"
+    texts = json.dumps(_strict(payload), indent=2, allow_nan=False) + "\n", csv_text(levels)
+    for path, text in zip(paths, texts, strict=True):
+        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    return paths
+
+
+def table(levels: list[Level], slo: Slo | None, title: str):
+    """A rich table of the levels."""
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for col in ("load", "sent/s", "answered/s", "p50 ms", "p95 ms", "p99 ms", "errors", "client ms/req"):
+        t.add_column(col, justify="left" if col == "load" else "right")
+    if slo is not None:
+        t.add_column("goodput/s", justify="right")
+        t.add_column(f"SLO {slo}")
+    if any(lv.triton for lv in levels):
+        t.add_column("Triton queue / infer ms", justify="right")
+    for lv in levels:
+        r = lv.result
+        send = f"{r.send_rate:.1f}" if r.load.open_loop else "-"
+        cells = [r.load.label, send, f"{r.throughput:.1f}", f"{r.percentile(50):.1f}", f"{r.percentile(95):.1f}",
+                 f"{r.percentile(99):.1f}", f"{100 * r.error_rate:.2f}%" if r.sent else "-",
+                 f"{r.cpu_ms_per_request:.2f}"]
+        if slo is not None:
+            cells += [f"{slo.goodput(r):.1f}", "[green]met[/]" if lv.met else f"[red]{'; '.join(lv.failures)}[/]"]
+        if any(x.triton for x in levels):
+            tr = lv.triton or {}
+            q, i = tr.get("queue_ms"), tr.get("compute_infer_ms")
+            cells.append("-" if q is None or i is None else f"{q:.2f} / {i:.2f}")
+        t.add_row(*cells)
+    return t
+
+
+def ensure_loads(rates: Sequence[float], concurrencies: Sequence[float], arrivals: str, cv: float,
+                 trace: tuple[float, ...] | None) -> list[Load]:
+    """The levels of a sweep: a trace (one level), else the rates, then the concurrencies."""
+    if trace is not None:
+        return [Load(arrivals="trace", trace=trace)]
+    loads = [Load(rate=r, arrivals=arrivals, cv=cv) for r in rates]
+    loads += [Load(concurrency=int(c)) for c in concurrencies]
+    if not loads:
+        raise BenchError("nothing to run: give --rate-range, --concurrency-range, --trace or --search")
+    return loads
