@@ -94,16 +94,18 @@ def write_input_data(feeds: Sequence[dict[str, np.ndarray]], path: Path, batchin
 
 
 def parse_csv(text: str) -> list[dict]:
-    """``perf_analyzer -f FILE --verbose-csv`` → one dict per concurrency level (times in ms).
+    """``perf_analyzer -f FILE --verbose-csv`` → one dict per level (times in ms).
 
-    Keys: ``concurrency``, ``throughput_rps``, ``latency_ms`` (p50/p90/p95/p99 and avg if reported), ``server``
-    (queue/compute input/infer/output ms per request), ``client`` (send, network + server, receive ms).
+    Keys: ``concurrency`` (or ``request_rate``, a ``--request-rate-range`` report), ``throughput_rps``,
+    ``latency_ms`` (p50/p90/p95/p99 and avg if reported), ``server`` (queue/compute input/infer/output ms per
+    request), ``client`` (send, network + server, receive ms).
     Raises ValueError when the report lacks the columns (not a perf_analyzer latency report).
     """
     rows = list(csv.DictReader(io.StringIO(text)))
     if not rows:
         raise ValueError("perf_analyzer's CSV report has no rows")
-    need = {"Concurrency", "Inferences/Second", "p50 latency", *SERVER_COLUMNS}
+    level = "Request Rate" if "Request Rate" in rows[0] else "Concurrency"
+    need = {level, "Inferences/Second", "p50 latency", *SERVER_COLUMNS}
     missing = need - set(rows[0])
     if missing:
         raise ValueError(f"perf_analyzer's CSV report lacks {sorted(missing)} (columns: {sorted(rows[0])})")
@@ -112,7 +114,8 @@ def parse_csv(text: str) -> list[dict]:
         lat = {p: float(r[f"{p} latency"]) / 1e3 for p in PERCENTILES if r.get(f"{p} latency")}
         if r.get("Avg latency"):
             lat["mean"] = float(r["Avg latency"]) / 1e3
-        out.append({"concurrency": int(r["Concurrency"]), "throughput_rps": float(r["Inferences/Second"]),
+        key = {"request_rate": float(r[level])} if level == "Request Rate" else {"concurrency": int(r[level])}
+        out.append({**key, "throughput_rps": float(r["Inferences/Second"]),
                     "latency_ms": lat,
                     "server": {k: float(r[c]) / 1e3 for c, k in SERVER_COLUMNS.items()},
                     "client": {k: float(r[c]) / 1e3 for c, k in CLIENT_COLUMNS.items() if r.get(c)}})
@@ -121,10 +124,17 @@ def parse_csv(text: str) -> list[dict]:
 
 def command(binary: Path, model: str, grpc_url: str, data: Path, concurrency: int, report: Path,
             window_ms: int = DEFAULT_WINDOW_MS, stability_pct: int = DEFAULT_STABILITY_PCT,
-            max_trials: int = DEFAULT_MAX_TRIALS) -> list[str]:
-    """The ``perf_analyzer`` command line for one concurrency level (gRPC, synchronous, batch 1, real inputs)."""
-    return [str(binary), "-m", model, "-u", grpc_url, "-i", "grpc", "--sync", "-b", "1",
-            "--input-data", str(data), "--concurrency-range", f"{concurrency}:{concurrency}",
+            max_trials: int = DEFAULT_MAX_TRIALS, rate: float | None = None, distribution: str = "constant",
+            protocol: str = "grpc") -> list[str]:
+    """The ``perf_analyzer`` command line for one level (batch 1, real inputs): ``concurrency`` synchronous requests
+    in flight, or (``rate``) an open-loop request rate with ``distribution`` (constant or poisson), asynchronous
+    requests (synchronous ones would cap what is outstanding at its threads: a closed loop); ``grpc_url`` is
+    the ``host:port`` of ``protocol`` (grpc, or http: Triton's HTTP port or the gateway's ``/v2`` front)."""
+    level = ["--request-rate-range", f"{rate:g}:{rate:g}", "--request-distribution", distribution] \
+        if rate is not None else ["--concurrency-range", f"{concurrency}:{concurrency}"]
+    return [str(binary), "-m", model, "-u", grpc_url, "-i", protocol, "--async" if rate is not None else "--sync",
+            "-b", "1",
+            "--input-data", str(data), *level,
             "--measurement-interval", str(window_ms), "--stability-percentage", str(stability_pct),
             "--max-trials", str(max_trials), "--percentile", "50", "-f", str(report), "--verbose-csv"]
 
@@ -132,7 +142,8 @@ def command(binary: Path, model: str, grpc_url: str, data: Path, concurrency: in
 def measure(model: str, grpc_url: str, feeds: Sequence[dict[str, np.ndarray]], concurrency: int,
             window_ms: int = DEFAULT_WINDOW_MS, stability_pct: int = DEFAULT_STABILITY_PCT,
             max_trials: int = DEFAULT_MAX_TRIALS, binary: Path | None = None, batching: bool = True,
-            timeout_s: float | None = None) -> dict:
+            timeout_s: float | None = None, rate: float | None = None, distribution: str = "constant",
+            protocol: str = "grpc") -> dict:
     """One level: run ``perf_analyzer`` against ``model`` at ``grpc_url`` on ``feeds`` and parse its report.
 
     Returns :func:`parse_csv`'s row plus ``command`` (what ran) and ``stable`` (False: the stability demand was
@@ -148,7 +159,8 @@ def measure(model: str, grpc_url: str, feeds: Sequence[dict[str, np.ndarray]], c
         report = tmp / "report.csv"
         stable = True
         for pct in (stability_pct, UNSTABLE_PCT):
-            cmd = command(binary, model, grpc_url, data, concurrency, report, window_ms, pct, max_trials)
+            cmd = command(binary, model, grpc_url, data, concurrency, report, window_ms, pct, max_trials, rate,
+                          distribution, protocol)
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=tmp)
             except subprocess.TimeoutExpired:
@@ -164,7 +176,7 @@ def measure(model: str, grpc_url: str, feeds: Sequence[dict[str, np.ndarray]], c
             raise PerfAnalyzerError(f"perf_analyzer exited with {p.returncode} and "
                                     f"{'no' if not report.exists() else 'a'} report: {tail}")
         rows = parse_csv(report.read_text())
-        row = next((r for r in rows if r["concurrency"] == concurrency), rows[-1])
+        row = rows[-1] if rate is not None else next((r for r in rows if r["concurrency"] == concurrency), rows[-1])
         row["stable"] = stable
         row["command"] = " ".join(Path(c).name if c in (str(data), str(report)) else c for c in cmd)
         return row

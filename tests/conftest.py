@@ -54,7 +54,8 @@ CHECK_FILES = frozenset({
     "test_sdnet_arch.py", "test_serve_models.py", "test_sigma_band.py", "test_solvers_attention.py",
     "test_staleness.py", "test_standby.py", "test_stress_patterns.py", "test_tiers.py", "test_tiling.py",
     "test_torch_runtime.py", "test_torch_runtime_gpu_paths.py", "test_tracing.py", "test_triton.py",
-    "test_triton_down.py", "test_triton_images.py", "test_trt_build.py", "test_trt_lint.py", "test_v2_protocol.py",
+    "test_triton_down.py", "test_triton_images.py", "test_trt_build.py", "test_trt_lint.py", "test_v2_introspection.py",
+    "test_v2_protocol.py",
     "test_versions.py",
 })
 

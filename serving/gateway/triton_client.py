@@ -15,6 +15,7 @@ environment variable :data:`TRITON_API_KEY_ENV` (set by ``unroll serve`` for its
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import os
@@ -240,6 +241,32 @@ class TritonBackend:
         return await self._call(f"config of {name}", lambda c: c.get_model_config(name, headers=self._headers),
                                 self.timeout_s)
 
+    async def server_metadata(self) -> dict[str, Any]:
+        """Triton's name, version and protocol extensions, as its HTTP API gives them."""
+        if self.protocol == "grpc":
+            return proto_json(await self._call("the server metadata",
+                                               lambda c: c.get_server_metadata(headers=self._headers), self.timeout_s))
+        return await self._call("the server metadata", lambda c: c.get_server_metadata(headers=self._headers),
+                                self.timeout_s)
+
+    async def model_config_json(self, name: str) -> dict[str, Any]:
+        """The model's configuration as Triton's HTTP API gives it (numbers as JSON numbers, not gRPC's strings)."""
+        if self.protocol == "grpc":
+            cfg = await self._call(f"config of {name}",
+                                   lambda c: c.get_model_config(name, headers=self._headers), self.timeout_s)
+            return proto_json(cfg.config)
+        return await self.model_config(name)
+
+    async def model_statistics(self, name: str, version: str = "") -> dict[str, Any]:
+        """Triton's statistics of one model (every version, or ``version``), as its HTTP API gives them."""
+        what = f"statistics of {name}"
+        if self.protocol == "grpc":
+            stats = await self._call(what, lambda c: c.get_inference_statistics(
+                name, version, headers=self._headers), self.timeout_s)
+            return proto_json(stats)
+        return await self._call(what, lambda c: c.get_inference_statistics(name, version, headers=self._headers),
+                                self.timeout_s)
+
     @tracing.client_span  # the Triton call's span when tracing is on (its context goes in the headers)
     async def infer(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str],
                     class_count: int | None = None, version: str = "") -> dict[str, np.ndarray]:
@@ -281,6 +308,34 @@ class TritonBackend:
         except Exception as e:  # a malformed response is Triton's fault, not the client's
             raise TritonRejected(f"Triton's response from {model} could not be read: {type(e).__name__}: {e}") \
                 from None
+
+
+def proto_json(message: Any) -> dict[str, Any]:
+    """A protobuf message as Triton's HTTP API writes it: field names as declared, 64-bit integers as numbers (the
+    protobuf JSON mapping writes them as strings, which ``perf_analyzer``'s HTTP client cannot read), enums by name,
+    scalars and lists present even when empty or zero, sub-messages only when set."""
+    out: dict[str, Any] = {}
+    for fd in message.DESCRIPTOR.fields:
+        value = getattr(message, fd.name)
+        is_map = fd.message_type is not None and fd.message_type.GetOptions().map_entry
+        if is_map:
+            value_fd = fd.message_type.fields_by_name["value"]
+            out[fd.name] = {k: _proto_value(value_fd, v) for k, v in value.items()}
+        elif fd.label == fd.LABEL_REPEATED:
+            out[fd.name] = [_proto_value(fd, v) for v in value]
+        elif fd.message_type is None or message.HasField(fd.name):
+            out[fd.name] = _proto_value(fd, value)
+    return out
+
+
+def _proto_value(fd: Any, value: Any) -> Any:
+    if fd.message_type is not None:
+        return proto_json(value)
+    if fd.enum_type is not None:
+        return fd.enum_type.values_by_number[value].name
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    return value
 
 
 def _translate(e: InferenceServerException, what: str) -> TritonError:

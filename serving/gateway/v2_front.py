@@ -7,7 +7,9 @@ admission control, and only after :mod:`.v2_protocol` has checked each input: it
 what it sent, its datatype, rank, fixed dimensions and batch size are the model's, and an image tensor stays within
 the gateway's pixel limit. Triton 2.45 does none of this for a Python-backend model, whose process a lying shape
 kills; Triton's own ports need a key only the serving user holds (``unroll serve``), so this is the way in for
-everyone else. ``GET /v2/models/{model}`` gives the model's metadata (names, datatypes, shapes).
+everyone else. ``GET /v2/models/{model}`` gives the model's metadata (names, datatypes, shapes); ``GET /v2``,
+``.../config`` and ``.../stats`` give Triton's server metadata, model configuration and statistics, which is what
+``perf_analyzer -i http`` reads around its measurements, so it drives this front as it drives Triton.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from unroll.serving.gateway.triton_client import ModelInfo
 from unroll.serving.imaging import wire
 
 router = keyed_router("/v2")
+SERVED_EXTENSIONS = frozenset({"classification", "binary_tensor_data", "model_configuration", "statistics"})
 
 ModelName = Annotated[str, Path(description="A model Triton has loaded (any: `GET /v1/models` lists them)",
                                 examples=["my-classifier"])]
@@ -119,3 +122,36 @@ async def metadata(gw: GatewayDep, model: ModelName) -> dict[str, Any]:
 
     return {"name": info.name, "versions": [v.version for v in entry.versions if v.state == "READY"],
             "platform": info.runtime or "", "inputs": tensors(info.inputs), "outputs": tensors(info.outputs)}
+
+
+@router.get("", tags=["triton"], responses=errors(503, 504),
+            summary="Triton's server metadata: its name, version and protocol extensions (clients such as "
+                    "perf_analyzer read it first)")
+async def server_metadata(gw: GatewayDep) -> dict[str, Any]:
+    meta = await gw.triton.server_metadata()
+    # Only the extensions this front answers: a client must not be told of shared memory or repository control.
+    meta["extensions"] = [e for e in meta.get("extensions", []) if e in SERVED_EXTENSIONS]
+    return meta
+
+
+@router.get("/models/{model}/config", tags=["triton"], responses=errors(404, 503, 504),
+            summary="The model's configuration as Triton's HTTP API gives it (what perf_analyzer reads first)")
+async def config(gw: GatewayDep, model: ModelName) -> dict[str, Any]:
+    await gw.catalog.loaded(model)
+    return await gw.triton.model_config_json(model)
+
+
+@router.get("/models/{model}/stats", tags=["triton"], responses=errors(404, 503, 504),
+            summary="Triton's inference statistics of the model, every version (what perf_analyzer reads around "
+                    "each measurement window for its server-side split)")
+async def stats(gw: GatewayDep, model: ModelName) -> dict[str, Any]:
+    await gw.catalog.loaded(model)
+    return await gw.triton.model_statistics(model)
+
+
+@router.get("/models/{model}/versions/{version}/stats", tags=["triton"], responses=errors(404, 503, 504),
+            summary="Triton's inference statistics of one version of the model")
+async def version_stats(gw: GatewayDep, model: ModelName,
+                        version: Annotated[str, Path(pattern=r"^[0-9]{1,9}$", examples=["1"])]) -> dict[str, Any]:
+    await gw.catalog.loaded(model)
+    return await gw.triton.model_statistics(model, version)
