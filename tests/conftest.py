@@ -48,7 +48,8 @@ CHECK_FILES = frozenset({
     "test_gpu_serve_check.py", "test_hamburger.py", "test_hidden_args.py", "test_http_refusals.py",
     "test_import_from_parent.py", "test_iterations.py", "test_ood.py", "test_ood_served.py", "test_packaging.py",
     "test_paired_latency.py", "test_perf_analyzer.py", "test_pipelining.py", "test_png_level.py",
-    "test_precision_stress.py", "test_profile.py", "test_profile_output.py", "test_quality_gates.py",
+    "test_precision_stress.py", "test_profile.py", "test_profile_agreement.py", "test_profile_output.py",
+    "test_quality_gates.py",
     "test_quantize.py", "test_rate_limit.py",
     "test_rate_limit_workers.py", "test_registry_cli.py", "test_request_id.py", "test_robustness.py", "test_rvt.py",
     "test_sdnet_arch.py", "test_serve_models.py", "test_sigma_band.py", "test_solvers_attention.py",
@@ -134,6 +135,8 @@ FULL: dict[str, str] = {
     "test_perf_analyzer.py::test_perf_analyzer_validates_outputs_against_onnx_runtime":
         "runs perf_analyzer measurements",
     "test_perf_analyzer.py::test_real_images_through_perf_analyzer": "runs perf_analyzer measurements",
+    "test_profile_agreement.py::test_perf_analyzer_and_the_engine_both_drive_the_gateways_v2_front":
+        "starts its own tritonserver and gateway and runs perf_analyzer and the engine at a request rate",
     "test_profile.py::test_search_finds_the_known_capacity_within_10_percent":
         "searches a paced tritonserver's capacity with timed load levels",
     "test_profile.py::test_a_pause_shows_as_a_queue_in_open_loop_and_hides_in_closed_loop":
