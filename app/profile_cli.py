@@ -60,15 +60,16 @@ profile_app = typer.Typer(
 @handles_errors
 def profile(
     model: Annotated[str, typer.Argument(help="The served model's name (as `GET /v1/models` or Triton lists it)")],
-    url: Annotated[str, typer.Option(help="The deployment: the gateway's base URL (http://host:8080), or Triton's "
-                                          "HTTP URL with --target triton")],
+    url: Annotated[str, typer.Option(help="The deployment: the gateway's base URL (http://host:8080), or with "
+                                          "--target triton Triton's HTTP URL (http://host:8000) or gRPC port "
+                                          "(grpc://host:8001)")],
     target: Annotated[str, typer.Option(help="v1: the gateway's task route with images; v2: the gateway's KServe v2 "
-                                             "front; triton: Triton's own HTTP port")] = "v1",
+                                             "front; triton: Triton's own HTTP or gRPC port")] = "v1",
     key: Annotated[str | None, typer.Option(help="API key: the gateway's (X-API-Key), or Triton's restricted-API "
                                                  "key with --target triton", envvar="UNROLL_PROFILE_KEY")] = None,
-    triton_url: Annotated[str | None, typer.Option(help="Triton's HTTP URL, for its statistics per level (queue, "
-                                                        "compute, batch sizes); default: --url with --target "
-                                                        "triton")] = None,
+    triton_url: Annotated[str | None, typer.Option(help="Where to read Triton's statistics per level (queue, compute, "
+                                                        "batch sizes): Triton's HTTP or grpc:// URL; default: --url "
+                                                        "(the gateway's /v2 front serves them too)")] = None,
     triton_key: Annotated[str | None, typer.Option(help="Triton's restricted-API key for --triton-url (default: "
                                                         "--key with --target triton)")] = None,
     rate_range: Annotated[str | None, typer.Option(help="Open-loop request rates, req/s: START:STOP:STEP or a "
@@ -90,6 +91,9 @@ def profile(
     slo: Annotated[str | None, typer.Option(help="Objective, limits joined by commas: p50/p90/p95/p99/max/mean "
                                                  "latency (p99<=20ms) and errors (errors<=1%)")] = None,
     duration: Annotated[float, typer.Option(help="Measured seconds per level")] = 10.0,
+    runs: Annotated[int, typer.Option(help="Measure each level this many times: the levels then hold 95% "
+                                           "confidence intervals, and a level meets --slo only if each interval's "
+                                           "unfavourable end does")] = 1,
     requests: Annotated[int | None, typer.Option(help="Measured requests per level, instead of --duration")] = None,
     warmup: Annotated[float, typer.Option(help="Seconds of load before each level's measurement (not "
                                                "counted)")] = 2.0,
@@ -109,17 +113,20 @@ def profile(
 
     Open-loop levels (--rate-range, --search, --trace) time each request from its scheduled send time, so a server
     that stalls shows its queue; a level the client could not send at is refused, never reported as offered.
-    Closed-loop levels (--concurrency-range) keep that many requests in flight. Writes a JSON (machine, the
-    deployment's /v1/models answer, every level, Triton's time split where --triton-url is given), a CSV, and the
-    plots the run has data for: MODEL-profile-latency.png (percentiles against offered load), -throughput.png
-    (against concurrency), -split.png (Triton's time split per level).
+    Closed-loop levels (--concurrency-range) keep that many requests in flight. Per level it also reads what the
+    deployment reports: Triton's time split and batch sizes, the gateway's own metrics, CPU ms per request of each
+    local process (gateway workers, tritonserver, backend stubs: a deployment on this machine) and the GPU (NVML,
+    where present). Writes a JSON (machine, the deployment's /v1/models answer, every level), a CSV, and the plots
+    the run has data for: MODEL-profile-latency.png (percentiles against offered load), -throughput.png (against
+    concurrency), -split.png (Triton's time split per level).
     """
     from unroll.benchmarks import loadgen
     from unroll.benchmarks import profile as prof
+    from unroll.benchmarks.profile_observe import observers_for
     from unroll.benchmarks.profile_target import discover
 
-    if duration <= 0 or warmup < 0 or timeout <= 0:
-        raise UsageError("--duration and --timeout must be positive, --warmup not negative")
+    if duration <= 0 or warmup < 0 or timeout <= 0 or runs < 1:
+        raise UsageError("--duration and --timeout must be positive, --warmup not negative, --runs at least 1")
     slo_ = prof.parse_slo(slo)
     if search and (rate_range or concurrency_range or trace):
         raise UsageError("--search finds the rate itself: give it without --rate-range, --concurrency-range, --trace")
@@ -134,8 +141,7 @@ def profile(
     if not search:
         loads = prof.ensure_loads(rates, concurrencies, arrivals, cv, trace_times)
     deployment = discover(target, url, model, key, images, size, binary)
-    if triton_url is None and target == "triton":
-        triton_url, triton_key = url, triton_key or key
+    observers = observers_for(target, deployment.url, model, key, triton_url, triton_key)
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
@@ -149,8 +155,8 @@ def profile(
             bar.update(tasks[key_], completed=fraction)
 
         runner_levels: list[prof.Level] = []
-        runner = prof.Runner(deployment, slo_, duration, warmup, timeout, requests, triton_url, triton_key,
-                             on_progress, late_tolerance_ms=late_tolerance_ms)
+        runner = prof.Runner(deployment, slo_, duration, warmup, timeout, requests, observers, on_progress,
+                             late_tolerance_ms=late_tolerance_ms, runs=runs)
 
         def run_level(load: loadgen.Load) -> prof.Level:
             lv = runner.level(load)
@@ -168,7 +174,8 @@ def profile(
                 "duration_s": duration, "requests": requests, "warmup_s": warmup, "timeout_s": timeout,
                 "size": size if images is None else None, "images": str(images) if images else None,
                 "binary": binary, "trace": str(trace) if trace else None,
-                "late_tolerance_ms": late_tolerance_ms, "rate_tolerance": loadgen.RATE_TOLERANCE}
+                "late_tolerance_ms": late_tolerance_ms, "rate_tolerance": loadgen.RATE_TOLERANCE, "runs": runs,
+                "observers": {o.name: o.why_absent or "read" for o in observers}}
     payload = prof.results_payload(deployment, levels, slo_, settings, found)
     folder = out or Path(f"profile-{model}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
     json_path, csv_path = prof.write_outputs(folder, f"{model}-profile", payload, levels)

@@ -21,17 +21,15 @@ import os
 import re
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from unroll.benchmarks import loadgen
 from unroll.benchmarks.common import latency_summary, machine_info
 from unroll.benchmarks.loadgen import LevelResult, Load
-from unroll.benchmarks.profile_target import Deployment, key_headers
-from unroll.benchmarks.serve_triton import stats_delta
+from unroll.benchmarks.profile_observe import Observer
+from unroll.benchmarks.profile_target import Deployment
 from unroll.errors import BenchError, ClientBound, SloMissed, UsageError
 
 SCHEMA_VERSION = 1
@@ -148,51 +146,43 @@ def parse_range(text: str, what: str, integer: bool = False) -> list[float]:
     return [float(int(v)) for v in values] if integer else values
 
 
-# ------------------------------------------------------------------------------------------- Triton statistics
+# -------------------------------------------------------------------------------------------- repeated runs
 
 
-def triton_stats(url: str, model: str, key: str | None = None, timeout_s: float = 5.0) -> dict | None:
-    """The model's entry of Triton's ``GET /v2/models/NAME/stats`` (``None`` when it cannot be read)."""
-    try:
-        r = httpx.get(f"{url.rstrip('/')}/v2/models/{model}/stats", headers=key_headers("triton", key),
-                      timeout=timeout_s)
-        stats = r.json()["model_stats"] if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, KeyError):
+def mean_interval(values: Sequence[float], level_pct: float = 95.0) -> tuple[float, float] | None:
+    """The mean of ``values`` and the half-width of its ``level_pct`` % confidence interval (Student's t);
+    ``None`` with fewer than two finite values."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if len(values) < 2:
         return None
-    return sum_versions(stats) if stats else None
+    from scipy import stats
+
+    n = len(values)
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    return mean, float(stats.t.ppf(0.5 + level_pct / 200, n - 1)) * sd / math.sqrt(n)
 
 
-def sum_versions(stats: list[dict]) -> dict:
-    """Triton's per-version statistics summed: ``{"inference_stats": {name: {count, ns}}, "batch_stats": {bs: …}}``."""
-    inf: dict[str, dict[str, int]] = {}
-    batches: dict[int, dict[str, int]] = {}
-    for v in stats:
-        for name, d in (v.get("inference_stats") or {}).items():
-            acc = inf.setdefault(name, {"count": 0, "ns": 0})
-            acc["count"] += int(d.get("count", 0))
-            acc["ns"] += int(d.get("ns", 0))
-        for b in v.get("batch_stats") or []:
-            acc = batches.setdefault(int(b["batch_size"]), {"count": 0, "ns": 0})
-            acc["count"] += int(b.get("compute_infer", {}).get("count", 0))
-            acc["ns"] += int(b.get("compute_infer", {}).get("ns", 0))
-    return {"inference_stats": inf, "batch_stats": batches,
-            "execution_count": sum(int(v.get("execution_count", 0)) for v in stats),
-            "inference_count": sum(int(v.get("inference_count", 0)) for v in stats)}
-
-
-def triton_stats_delta(before: dict | None, after: dict | None) -> dict | None:
-    """What Triton did over a level: :func:`~unroll.benchmarks.serve_triton.stats_delta`'s split (requests,
-    executions, mean ms per request of queue / compute input / infer / output, average batch) and the batch sizes
-    executed (``{size: executions}``)."""
-    out = stats_delta(before, after)
-    if out is None or before is None or after is None:
-        return out
-    sizes = {}
-    for bs, a in after["batch_stats"].items():
-        n = a["count"] - before["batch_stats"].get(bs, {"count": 0})["count"]
-        if n > 0:
-            sizes[str(bs)] = n
-    out["batch_sizes"] = sizes
+def pool(runs: Sequence[LevelResult]) -> LevelResult:
+    """Repeated runs of one level as one result: their requests, latencies and errors together over their summed
+    windows; client-bound when any run was."""
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+    out = LevelResult(load=first.load, duration_s=sum(r.duration_s for r in runs),
+                      late_tolerance_ms=first.late_tolerance_ms, rate_tolerance=first.rate_tolerance)
+    for r in runs:
+        out.sent += r.sent
+        out.ok += r.ok
+        out.latencies_ms += r.latencies_ms
+        out.errors.update(r.errors)
+        out.lateness_ms += r.lateness_ms
+        out.client_cpu_s += r.client_cpu_s
+        out.client_requests += r.client_requests
+        out.wall_s += r.wall_s
+        out.windows += r.windows
+        out.error_samples += [e for e in r.error_samples if e not in out.error_samples]
+    out.aborted = next((r.client_bound for r in runs if r.client_bound), None)
     return out
 
 
@@ -201,22 +191,44 @@ def triton_stats_delta(before: dict | None, after: dict | None) -> dict | None:
 
 @dataclass
 class Level:
-    """One measured level and its verdict against the objective."""
+    """One measured level (its runs pooled in :attr:`result`), what the deployment reported over it, and its verdict
+    against the objective: with repeated runs, each limit is judged on its confidence interval's unfavourable end."""
 
     result: LevelResult
     slo: Slo | None
     triton: dict | None = None
+    observed: dict[str, Any] = field(default_factory=dict)  #: the other observers' reports (gateway, CPU, GPU)
+    runs: list[LevelResult] = field(default_factory=list)  #: the repetitions (``--runs``), when more than one
+
+    def interval(self, limit: Limit) -> tuple[float, float] | None:
+        """The limit's measured mean and CI half-width over the runs (``None``: fewer than two runs)."""
+        return mean_interval([limit.measured(r) for r in self.runs]) if len(self.runs) >= 2 else None
 
     @property
     def failures(self) -> list[str]:
         bound = self.result.client_bound
-        return ([f"client-bound: {bound}"] if bound else []) + (self.slo.failures(self.result) if self.slo else [])
+        out = [f"client-bound: {bound}"] if bound else []
+        if self.slo is None:
+            return out
+        for lim in self.slo.limits:
+            ci = self.interval(lim)
+            if ci is None:
+                if not lim.met(self.result):
+                    out.append(lim.why(self.result))
+                continue
+            worst = ci[0] + ci[1]
+            if not (worst < lim.value if lim.strict else worst <= lim.value):
+                unit = ("%", 100.0) if lim.metric == "errors" else (" ms", 1.0)
+                out.append(f"{lim.metric} {unit[1] * ci[0]:.3g} ± {unit[1] * ci[1]:.2g}{unit[0]} over "
+                           f"{len(self.runs)} runs: its 95% interval's upper end is over {unit[1] * lim.value:g}"
+                           f"{unit[0]}")
+        return out
 
     @property
     def met(self) -> bool:
         return not self.failures
 
-    def row(self) -> dict[str, Any]:
+    def row(self, with_runs: bool = True) -> dict[str, Any]:
         r, lat = self.result, latency_summary(self.result.latencies_ms)
         row: dict[str, Any] = {
             "load": r.load.label, "mode": "open" if r.load.open_loop else "closed", "arrivals": r.load.arrivals,
@@ -234,12 +246,16 @@ class Level:
                        goodput_rps=self.slo.goodput(r))
         if self.triton is not None:
             row["triton"] = self.triton
+        row.update(self.observed)
+        if with_runs and len(self.runs) >= 2:
+            row["runs"] = [Level(run, self.slo).row(with_runs=False) for run in self.runs]
         return row
 
 
 @dataclass
 class Runner:
-    """Runs levels against one deployment (its bodies, its headers), with Triton's statistics around each."""
+    """Runs levels against one deployment (its bodies, its headers), ``runs`` times each, with the observers
+    (:mod:`.profile_observe`) read around each run."""
 
     deployment: Deployment
     slo: Slo | None
@@ -247,21 +263,42 @@ class Runner:
     warmup_s: float = 2.0
     timeout_s: float = 30.0
     requests: int | None = None
-    triton_url: str | None = None
-    triton_key: str | None = None
+    observers: Sequence[Observer] = ()
     progress: Callable[[Load, float], None] | None = None
     seed: int = 0
     late_tolerance_ms: float = loadgen.LATE_TOLERANCE_MS
+    runs: int = 1
+
+    def _once(self, load: Load, k: int) -> tuple[LevelResult, dict[str, Any]]:
+        d = self.deployment
+        for o in self.observers:
+            o.start()
+        result = loadgen.run(d.url, d.payloads, load, self.duration_s, self.warmup_s, self.timeout_s, d.headers,
+                             self.seed + k, self.requests,
+                             None if self.progress is None else
+                             lambda f: self.progress(load, (k + f) / self.runs), self.late_tolerance_ms)
+        return result, {o.name: o.stop(result.client_requests) for o in self.observers}
 
     def level(self, load: Load) -> Level:
-        d = self.deployment
-        before = triton_stats(self.triton_url, d.model, self.triton_key) if self.triton_url else None
-        result = loadgen.run(d.url, d.payloads, load, self.duration_s, self.warmup_s, self.timeout_s, d.headers,
-                             self.seed, self.requests,
-                             None if self.progress is None else lambda f: self.progress(load, f),
-                             self.late_tolerance_ms)
-        after = triton_stats(self.triton_url, d.model, self.triton_key) if self.triton_url else None
-        return Level(result, self.slo, triton_stats_delta(before, after))
+        results, reports = [], []
+        for k in range(self.runs):
+            result, seen = self._once(load, k)
+            results.append(result)
+            reports.append(seen)
+            if result.client_bound:
+                break
+        observed = _pool_reports(reports)
+        return Level(pool(results), self.slo, observed.pop("triton", None), observed,
+                     results if len(results) > 1 else [])
+
+
+def _pool_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The observers' reports of a level's runs: the last run's (each is a whole run's own picture), a run's
+    missing report replaced by an earlier one's."""
+    out: dict[str, Any] = {}
+    for seen in reports:
+        out.update({k: v for k, v in seen.items() if v is not None or k not in out})
+    return out
 
 
 @dataclass
@@ -356,7 +393,8 @@ CSV_FIELDS = ("load", "mode", "arrivals", "cv", "offered_rps", "concurrency", "s
               "late_p99_ms", "client_bound", "duration_s", "sent", "ok", "throughput_rps", "error_rate", "mean_ms",
               "p50_ms", "p90_ms", "p95_ms", "p99_ms", "max_ms", "slo_met", "attainment", "goodput_rps",
               "client_cpu_s", "client_cpu_ms_per_request", "errors", "triton_queue_ms", "triton_compute_input_ms",
-              "triton_compute_infer_ms", "triton_compute_output_ms", "triton_batch_sizes")
+              "triton_compute_infer_ms", "triton_compute_output_ms", "triton_batch_sizes",
+              "service_cpu_ms_per_request", "gateway_triton_call_mean_ms", "gpu_util_mean")
 
 
 def results_payload(deployment: Deployment, levels: list[Level], slo: Slo | None, settings: dict[str, Any],
@@ -381,6 +419,9 @@ def csv_text(levels: list[Level]) -> str:
         for k in ("queue", "compute_input", "compute_infer", "compute_output"):
             row[f"triton_{k}_ms"] = t.get(f"{k}_ms")
         row["triton_batch_sizes"] = json.dumps(t["batch_sizes"]) if t else None
+        row["service_cpu_ms_per_request"] = (row.get("service_cpu") or {}).get("total_cpu_ms_per_request")
+        row["gateway_triton_call_mean_ms"] = (row.get("gateway") or {}).get("triton_call_mean_ms")
+        row["gpu_util_mean"] = (row.get("gpu") or {}).get("gpu_util_mean")
         row["errors"] = json.dumps(row["errors"]) if row["errors"] else ""
         w.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})
     return buf.getvalue()
@@ -413,6 +454,9 @@ def table(levels: list[Level], slo: Slo | None, title: str):
         t.add_column(f"SLO {slo}")
     if any(lv.triton for lv in levels):
         t.add_column("Triton queue / infer ms", justify="right")
+    service = any(lv.observed.get("service_cpu") for lv in levels)
+    if service:
+        t.add_column("server CPU ms/req", justify="right")
     for lv in levels:
         r = lv.result
         send = f"{r.send_rate:.1f}" if r.load.open_loop else "-"
@@ -425,6 +469,9 @@ def table(levels: list[Level], slo: Slo | None, title: str):
             tr = lv.triton or {}
             q, i = tr.get("queue_ms"), tr.get("compute_infer_ms")
             cells.append("-" if q is None or i is None else f"{q:.2f} / {i:.2f}")
+        if service:
+            total = (lv.observed.get("service_cpu") or {}).get("total_cpu_ms_per_request")
+            cells.append("-" if total is None else f"{total:.2f}")
         t.add_row(*cells)
     return t
 

@@ -8,8 +8,8 @@ deployment, objective and the search's capacity (highest rate met, first failed 
 
 Repeated runs: a level that holds ``runs`` (a list of rows of the same fields, one per repetition; the level's own
 fields their aggregate) gets a 95 % confidence interval of the mean (Student's t) for p99 and the answered rate, in
-columns shown only when some level has at least two runs. ``unroll profile`` measures each level once today, and the
-comparison says so instead of showing intervals it does not have.
+columns shown only when some level has at least two runs (``unroll profile --runs N``); without them the comparison
+says so instead of showing intervals it does not have.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unroll.benchmarks.profile import SCHEMA_VERSION
+from unroll.benchmarks.profile import SCHEMA_VERSION, mean_interval
 from unroll.benchmarks.profile_plots import pace
 from unroll.errors import BenchError
 
@@ -178,15 +178,7 @@ def confidence_interval(level: dict | None, name: str, level_pct: float = 95.0) 
     (Student's t); ``None`` with fewer than two runs holding it."""
     if level is None:
         return None
-    values = [v for r in level.get("runs") or [] if (v := _val(r, name)) is not None]
-    if len(values) < 2:
-        return None
-    from scipy import stats
-
-    n = len(values)
-    mean = sum(values) / n
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    return mean, float(stats.t.ppf(0.5 + level_pct / 200, n - 1)) * sd / math.sqrt(n)
+    return mean_interval([v for r in level.get("runs") or [] if (v := _val(r, name)) is not None], level_pct)
 
 
 def _ci_text(level: dict | None, name: str) -> str:

@@ -6,7 +6,8 @@ Three targets, one model each:
   gateway's ``GET /v1/models``; the body is an encoded image (the user's files, or one generated at ``--size``).
 - ``v2``: the gateway's KServe v2 front (``/v2/models/NAME/infer``), the tensors from ``GET /v1/models`` (or the
   front's own metadata, for a model ``/v1`` does not route).
-- ``triton``: Triton's own HTTP port (``/v2/models/NAME/infer``), the tensors from Triton's model config.
+- ``triton``: Triton's own HTTP port (``/v2/models/NAME/infer``), or its gRPC port (a ``grpc://host:port`` URL:
+  binary tensors on ``tritonclient.grpc.aio``), the tensors from Triton's model metadata and config.
 
 Tensors are KServe v2 binary (JSON header + raw bytes, ``Inference-Header-Content-Length``) or JSON; a dynamic
 first axis takes 1 (the batch), other dynamic axes ``--size``. Every failure to reach the server, to authenticate
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ import httpx
 import numpy as np
 
 from unroll import tasks
-from unroll.benchmarks.loadgen import Payload
+from unroll.benchmarks.loadgen import Payload, Tensors
 from unroll.errors import BenchError
 from unroll.serving.triton import RESTRICTED_HEADER
 
@@ -98,6 +100,10 @@ def discover(target: str, url: str, model: str, key: str | None = None, images: 
         raise BenchError(f"unknown target {target!r}: one of {', '.join(TARGETS)}")
     headers = key_headers(target, key)
     url = url.rstrip("/")
+    if url.startswith("grpc://"):
+        if target != "triton":
+            raise BenchError(f"{url}: a grpc:// URL is Triton's gRPC port: use it with --target triton")
+        return _triton_grpc(url, model, headers, size)
     with httpx.Client(base_url=url, headers=headers, timeout=timeout_s) as client:
         if target == "triton":
             return _triton(client, url, model, headers, size, binary)
@@ -189,6 +195,47 @@ def _triton(client: httpx.Client, url: str, model: str, headers: dict[str, str],
     feeds = _tensors(inputs, size)
     return Deployment("triton", url, model, headers, _v2_payloads(model, feeds, binary), None,
                       {"metadata": meta, "config": config}, None, _describe(feeds, binary))
+
+
+def _triton_grpc(url: str, model: str, headers: dict[str, str], size: int) -> Deployment:
+    import tritonclient.grpc as grpcclient
+    from google.protobuf.json_format import MessageToDict
+    from tritonclient.utils import InferenceServerException
+
+    address = url.removeprefix("grpc://")
+    client = grpcclient.InferenceServerClient(address)
+
+    def call(what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except InferenceServerException as e:
+            status, text = str(e.status() or ""), str(e.message() or e)
+            if "UNAVAILABLE" in status:
+                raise BenchError(f"cannot reach {url}: nothing answers there (is Triton's gRPC port running?)") \
+                    from None
+            if "PERMISSION_DENIED" in status or "UNAUTHENTICATED" in status or "restricted" in text.lower():
+                raise BenchError(f"{url} refused the API key: pass Triton's restricted-API key with --key (the key "
+                                 "`unroll serve` wrote to build/triton.key)") from None
+            if what == "metadata":
+                return None
+            raise BenchError(f"{url}: {what} of {model!r}: {text}") from None
+
+    try:
+        meta = call("metadata", lambda: client.get_model_metadata(model, headers=headers, as_json=True))
+        if meta is None:
+            index = call("the model index", lambda: client.get_model_repository_index(headers=headers, as_json=True))
+            names = [str(m.get("name")) for m in index.get("models", []) if m.get("state") == "READY"]
+            raise _not_served(model, names, f"Triton at {url}")
+        config = call("the config", lambda: client.get_model_config(model, headers=headers)).config
+    finally:
+        client.close()
+    optional = {i.name for i in config.input if i.optional}
+    inputs = [{**i, "shape": [int(d) for d in i.get("shape", [])], "optional": i.get("name") in optional}
+              for i in meta.get("inputs", [])]
+    feeds = _tensors(inputs, size)
+    config_json = MessageToDict(config, preserving_proto_field_name=True)
+    return Deployment("triton", url, model, headers, [Tensors(model, feeds)], None,
+                      {"metadata": meta, "config": config_json}, None, _describe(feeds, True) + " over gRPC")
 
 
 def _index(client: httpx.Client) -> tuple[int, list]:

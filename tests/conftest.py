@@ -137,6 +137,8 @@ FULL: dict[str, str] = {
     "test_perf_analyzer.py::test_real_images_through_perf_analyzer": "runs perf_analyzer measurements",
     "test_profile_agreement.py::test_perf_analyzer_and_the_engine_both_drive_the_gateways_v2_front":
         "starts its own tritonserver and gateway and runs perf_analyzer and the engine at a request rate",
+    "test_profile.py::test_triton_direct_over_grpc_with_repeated_runs_and_their_intervals_compared":
+        "profiles a paced tritonserver of its own over gRPC, three timed runs",
     "test_profile.py::test_search_finds_the_known_capacity_within_10_percent":
         "searches a paced tritonserver's capacity with timed load levels",
     "test_profile.py::test_a_pause_shows_as_a_queue_in_open_loop_and_hides_in_closed_loop":

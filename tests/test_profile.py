@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from unroll.benchmarks import loadgen
-from unroll.benchmarks.profile import parse_slo
+from unroll.benchmarks import loadgen, nvml
+from unroll.benchmarks.profile import Level, parse_slo, pool
 from unroll.benchmarks.profile_target import discover
 from unroll.serving.triton import TritonHandle, free_ports, start
 
@@ -240,13 +240,61 @@ def test_a_gateway_with_a_key_is_profiled_through_v1_and_v2_and_refuses_a_wrong_
                         "does not serve 'nope'", "sdnet-mnist", "csc-denoiser")
         assert not out.exists()
         for target in ("v1", "v2"):
+            # v1 reads Triton's statistics from Triton's own port, v2 through the gateway's /v2 front (the default)
+            stats = ("--triton-url", f"http://127.0.0.1:{demo_triton.http_port}") if target == "v1" else ()
             p = _profile("sdnet-mnist", "--url", gateway, "--key", "the-right-key", "--target", target,
-                         "--rate-range", "20", "--arrivals", "poisson", "--size", "28",
-                         "--triton-url", f"http://127.0.0.1:{demo_triton.http_port}", *common)
+                         "--rate-range", "20", "--arrivals", "poisson", "--size", "28", *stats, *common)
             assert p.returncode == 0, p.stderr
             result = json.loads((out / "sdnet-mnist-profile.json").read_text())
             (lv,) = result["levels"]
             assert lv["ok"] == lv["sent"] > 10 and not lv["errors"], lv
             assert lv["triton"]["requests"] >= lv["sent"]  # every request reached Triton (and was counted there)
+            # The gateway's own counters over the level: the profiled route, its Triton calls.
+            (route,) = [r for r in lv["gateway"]["routes"].values() if r["requests"] >= lv["sent"]]
+            assert set(route["by_status"]) == {"200"} and route["mean_ms"] > 0, lv["gateway"]
+            assert lv["gateway"]["triton_calls"] >= lv["sent"], lv["gateway"]
+            # The local gateway process's CPU per request (Triton here is the session's, not this gateway's child).
+            assert lv["service_cpu"]["processes"] == {"gateway": 1} and lv["service_cpu"]["cpu_ms_per_request"][
+                "gateway"] > 0, lv["service_cpu"]
+            assert result["settings"]["observers"]["gpu"] == (nvml.absent() or "read")
             names = [m["name"] for m in result["deployment"]["v1_models"]["models"]]
             assert "sdnet-mnist" in names and result["deployment"]["target"] == target
+
+
+def test_a_level_of_repeated_runs_is_judged_on_its_intervals_unfavourable_end() -> None:
+    load = loadgen.Load(rate=10)
+    runs = []
+    for ms in (8.0, 9.0, 10.0):
+        r = loadgen.LevelResult(load=load, duration_s=10.0, sent=100, ok=100, latencies_ms=[ms] * 100)
+        runs.append(r)
+    pooled = pool(runs)
+    assert pooled.sent == 300 and pooled.duration_s == 30.0 and pooled.throughput == 10.0
+    assert Level(pooled, parse_slo("p99<=11ms")).met  # one pooled figure would pass: p99 = 10 ms …
+    lv = Level(pooled, parse_slo("p99<=11ms"), runs=runs)
+    mean, half = lv.interval(parse_slo("p99<=11ms").limits[0])
+    assert mean == pytest.approx(9.0) and half == pytest.approx(4.303 / 3 ** 0.5, rel=1e-3)
+    assert not lv.met and "upper end is over 11 ms" in lv.failures[0], lv.failures  # … its interval's end does not
+    assert Level(pooled, parse_slo("p99<=12ms"), runs=runs).met
+    assert [r["p99_ms"] for r in lv.row()["runs"]] == [8.0, 9.0, 10.0]
+
+
+@pytest.mark.triton
+@pytest.mark.slow
+def test_triton_direct_over_grpc_with_repeated_runs_and_their_intervals_compared(paced: TritonHandle,
+                                                                                 tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    p = _profile("paced", "--url", f"grpc://127.0.0.1:{paced.grpc_port}", "--target", "triton", "--rate-range", "40",
+                 "--runs", "3", "--duration", "1", "--warmup", "0.3", "--late-tolerance-ms", "50",
+                 "--slo", "p99<=500ms", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    result = json.loads((out / "paced-profile.json").read_text())
+    assert "over gRPC" in result["deployment"]["inputs"] and result["settings"]["runs"] == 3
+    (lv,) = result["levels"]
+    assert len(lv["runs"]) == 3 and sum(r["sent"] for r in lv["runs"]) == lv["sent"] and not lv["errors"], lv
+    assert lv["slo_met"], lv["slo_failures"]
+    assert lv["triton"]["requests"] >= lv["runs"][-1]["sent"]  # Triton's statistics, read over gRPC
+    c = subprocess.run([UNROLL, "profile", "compare", str(out / "paced-profile.json"), str(out / "paced-profile.json"),
+                        "--out", str(tmp_path / "cmp")], capture_output=True, text=True, timeout=120)
+    assert c.returncode == 0, c.stderr
+    md = (tmp_path / "cmp" / "profile-compare.md").read_text()
+    assert "95% CI" in md and "(n=3)" in md, md
