@@ -328,7 +328,10 @@ class ServiceCpu(Observer):
         out = {}
         for pid in descendants(self.root):
             stat = read_stat(pid)
-            kind = "supervisor" if pid == self.root and _SUPERVISOR.search(_cmdline(pid)) else kind_of(pid)
+            if pid == self.root and _SUPERVISOR.search(_cmdline(pid)) or "resource_tracker" in _cmdline(pid):
+                kind = "supervisor"  # unroll serve itself, and the bookkeeping process its workers' spawning starts
+            else:
+                kind = kind_of(pid)
             if stat is not None and kind is not None:
                 out[pid] = (kind, stat.cpu_s)
         return out
@@ -380,8 +383,8 @@ def observers_for(target: str, url: str, model: str, key: str | None = None, tri
     from unroll.benchmarks.profile_target import key_headers
 
     triton_key = triton_key or (key if target == "triton" else None)
-    stats_url, stats_headers = (triton_url, key_headers("triton", triton_key)) if triton_url else \
-        (url, key_headers(target, key))
+    stats_url, stats_headers = (triton_url, key_headers("triton", triton_key, triton_url)) if triton_url else \
+        (url, key_headers(target, key, url))
     read = grpc_stats_reader if stats_url.startswith("grpc://") else http_stats_reader
     out: list[Observer] = [TritonStats(read(stats_url, model, stats_headers))]
     if target in ("v1", "v2"):

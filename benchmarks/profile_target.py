@@ -29,7 +29,7 @@ import numpy as np
 from unroll import tasks
 from unroll.benchmarks.loadgen import Payload, Tensors
 from unroll.errors import BenchError
-from unroll.serving.triton import RESTRICTED_HEADER
+from unroll.serving.triton import GRPC_HEADER_PREFIX, RESTRICTED_HEADER
 
 TARGETS = ("v1", "v2", "triton")
 IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".bmp": "image/bmp",
@@ -56,11 +56,14 @@ class Deployment:
     inputs: str = ""  #: what is sent, in words
 
 
-def key_headers(target: str, key: str | None) -> dict[str, str]:
-    """The gateway's ``X-API-Key``, or Triton's restricted-API header for Triton direct."""
+def key_headers(target: str, key: str | None, url: str = "") -> dict[str, str]:
+    """The gateway's ``X-API-Key``, or Triton's restricted-API header for Triton direct (over gRPC under Triton's
+    ``triton-grpc-protocol-`` prefix)."""
     if not key:
         return {}
-    return {RESTRICTED_HEADER: key} if target == "triton" else {"X-API-Key": key}
+    if target != "triton":
+        return {"X-API-Key": key}
+    return {(GRPC_HEADER_PREFIX if url.startswith("grpc://") else "") + RESTRICTED_HEADER: key}
 
 
 def get_json(client: httpx.Client, path: str, what: str) -> tuple[int, Any]:
@@ -98,8 +101,8 @@ def discover(target: str, url: str, model: str, key: str | None = None, images: 
     """Read the deployment at ``url`` and prepare the bodies for ``model`` on ``target``."""
     if target not in TARGETS:
         raise BenchError(f"unknown target {target!r}: one of {', '.join(TARGETS)}")
-    headers = key_headers(target, key)
     url = url.rstrip("/")
+    headers = key_headers(target, key, url)
     if url.startswith("grpc://"):
         if target != "triton":
             raise BenchError(f"{url}: a grpc:// URL is Triton's gRPC port: use it with --target triton")

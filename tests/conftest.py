@@ -135,6 +135,7 @@ FULL: dict[str, str] = {
     "test_perf_analyzer.py::test_perf_analyzer_validates_outputs_against_onnx_runtime":
         "runs perf_analyzer measurements",
     "test_perf_analyzer.py::test_real_images_through_perf_analyzer": "runs perf_analyzer measurements",
+    "test_profile_deploy.py": "fuses a third-party ONNX and profiles it under an unroll serve of its own",
     "test_profile_agreement.py::test_perf_analyzer_and_the_engine_both_drive_the_gateways_v2_front":
         "starts its own tritonserver and gateway and runs perf_analyzer and the engine at a request rate",
     "test_profile.py::test_triton_direct_over_grpc_with_repeated_runs_and_their_intervals_compared":
