@@ -102,8 +102,12 @@ def profile(
                                                           "this (p99, ms) or than the mean gap between sends is "
                                                           "client-bound: refused, not reported")] = 10.0,
     images: Annotated[Path | None, typer.Option(help="--target v1: send the image files of this folder")] = None,
-    size: Annotated[int, typer.Option(help="Generated inputs: images of SIZE×SIZE (v1), dynamic tensor axes of "
-                                           "SIZE (v2, triton)")] = 64,
+    inputs: Annotated[str, typer.Option(help="--target v1 without --images: card (the test images of the dataset "
+                                             "the model's card names), generated, or auto (card where this package "
+                                             "has that dataset)")] = "auto",
+    size: Annotated[int | None, typer.Option(help="Generated inputs: images of SIZE×SIZE (v1), dynamic tensor axes "
+                                                  "of SIZE (v2, triton); default 64. Card images: centre-cropped to "
+                                                  "SIZE×SIZE")] = None,
     binary: Annotated[bool, typer.Option("--binary/--json", help="v2, triton: binary tensors or JSON")] = True,
     out: Annotated[Path | None, typer.Option(help="Folder for MODEL-profile.json and .csv (default: "
                                                   "./profile-MODEL-UTCTIME)")] = None,
@@ -140,7 +144,7 @@ def profile(
     trace_times = loadgen.read_trace(trace) if trace is not None else None
     if not search:
         loads = prof.ensure_loads(rates, concurrencies, arrivals, cv, trace_times)
-    deployment = discover(target, url, model, key, images, size, binary)
+    deployment = discover(target, url, model, key, images, size, binary, inputs=inputs)
     observers = observers_for(target, deployment.url, model, key, triton_url, triton_key)
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -173,6 +177,7 @@ def profile(
     settings = {"target": target, "arrivals": arrivals, "cv": cv if arrivals == "gamma" else None,
                 "duration_s": duration, "requests": requests, "warmup_s": warmup, "timeout_s": timeout,
                 "size": size if images is None else None, "images": str(images) if images else None,
+                "inputs": inputs if images is None else "images",
                 "binary": binary, "trace": str(trace) if trace else None,
                 "late_tolerance_ms": late_tolerance_ms, "rate_tolerance": loadgen.RATE_TOLERANCE, "runs": runs,
                 "observers": {o.name: o.why_absent or "read" for o in observers}}

@@ -3,7 +3,8 @@
 Three targets, one model each:
 
 - ``v1``: the gateway's task route (``/v1/classify``, ``/v1/denoise`` …), the model and its task read from the
-  gateway's ``GET /v1/models``; the body is an encoded image (the user's files, or one generated at ``--size``).
+  gateway's ``GET /v1/models``; the body is an encoded image: the user's files, or the test images of the dataset
+  the model's card names (where this package has it: ``inputs="card"``, the default when it can), or generated.
 - ``v2``: the gateway's KServe v2 front (``/v2/models/NAME/infer``), the tensors from ``GET /v1/models`` (or the
   front's own metadata, for a model ``/v1`` does not route).
 - ``triton``: Triton's own HTTP port (``/v2/models/NAME/infer``), or its gRPC port (a ``grpc://host:port`` URL:
@@ -37,8 +38,11 @@ IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg",
                ".ppm": "image/x-portable-pixmap"}
 DTYPES = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32,
           "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8, "UINT16": np.uint16, "BOOL": np.bool_}
-#: Generated inputs: how many distinct bodies to cycle through.
+#: Generated inputs: how many distinct bodies to cycle through (and at most this many of the card's test images).
 GENERATED = 8
+#: Side of generated inputs when no ``size`` is given.
+DEFAULT_SIZE = 64
+INPUTS = ("auto", "card", "generated")
 
 
 @dataclass
@@ -97,19 +101,26 @@ def _not_served(model: str, names: list[str], where: str) -> BenchError:
 
 
 def discover(target: str, url: str, model: str, key: str | None = None, images: Path | None = None,
-             size: int = 64, binary: bool = True, timeout_s: float = 10.0) -> Deployment:
-    """Read the deployment at ``url`` and prepare the bodies for ``model`` on ``target``."""
+             size: int | None = None, binary: bool = True, timeout_s: float = 10.0,
+             inputs: str = "auto") -> Deployment:
+    """Read the deployment at ``url`` and prepare the bodies for ``model`` on ``target``: ``images`` (a folder), else
+    (``v1``) the card's test images (``inputs`` ``card``; ``auto``: when this package has them), else generated
+    inputs of side ``size`` (card images are cropped to ``size`` where it is given)."""
     if target not in TARGETS:
         raise BenchError(f"unknown target {target!r}: one of {', '.join(TARGETS)}")
+    if inputs not in INPUTS:
+        raise BenchError(f"unknown inputs {inputs!r}: one of {', '.join(INPUTS)}")
+    if inputs == "card" and target != "v1":
+        raise BenchError("the card's test images are sent as images: --inputs card needs --target v1")
     url = url.rstrip("/")
     headers = key_headers(target, key, url)
     if url.startswith("grpc://"):
         if target != "triton":
             raise BenchError(f"{url}: a grpc:// URL is Triton's gRPC port: use it with --target triton")
-        return _triton_grpc(url, model, headers, size)
+        return _triton_grpc(url, model, headers, size or DEFAULT_SIZE)
     with httpx.Client(base_url=url, headers=headers, timeout=timeout_s) as client:
         if target == "triton":
-            return _triton(client, url, model, headers, size, binary)
+            return _triton(client, url, model, headers, size or DEFAULT_SIZE, binary)
         status, listing = get_json(client, "/v1/models", "gateway")
         if status != 200 or not isinstance(listing, dict):
             raise BenchError(f"{url}/v1/models answered {status}: is {url} an unroll gateway? (Triton's own port: "
@@ -122,14 +133,14 @@ def discover(target: str, url: str, model: str, key: str | None = None, images: 
         if entry is None:
             raise _not_served(model, [str(m.get("name")) for m in models], f"the gateway at {url}")
         if target == "v1":
-            return _v1(url, model, headers, listing, entry, images, size)
-        feeds = _tensors(entry.get("inputs", []), size)
+            return _v1(url, model, headers, listing, entry, images, size, inputs)
+        feeds = _tensors(entry.get("inputs", []), size or DEFAULT_SIZE)
         return Deployment(target, url, model, headers, _v2_payloads(model, feeds, binary), listing, entry,
                           entry.get("task"), _describe(feeds, binary))
 
 
 def _v1(url: str, model: str, headers: dict[str, str], listing: dict, entry: dict, images: Path | None,
-        size: int) -> Deployment:
+        size: int | None, inputs: str = "auto") -> Deployment:
     task = entry.get("task")
     try:
         route = tasks.get(str(task)).route
@@ -142,9 +153,17 @@ def _v1(url: str, model: str, headers: dict[str, str], listing: dict, entry: dic
         bodies = read_images(images)
         what = f"{len(bodies)} image(s) from {images}"
     else:
-        card_input = (entry.get("card") or {}).get("input") or {}
-        bodies = generated_images(card_input, size)
-        what = f"{len(bodies)} generated {size}×{size} PNG(s)"
+        card = entry.get("card") or {}
+        test = (card.get("data") or {}).get("test")
+        found = card_images(test, size) if inputs != "generated" and test else None
+        if found is None and inputs == "card":
+            raise BenchError(f"{model}'s card names no test data this package has ({test!r}): send --images DIR")
+        if found is not None:
+            bodies, what = found
+        else:
+            side = size or DEFAULT_SIZE
+            bodies = generated_images(card.get("input") or {}, side)
+            what = f"{len(bodies)} generated {side}×{side} PNG(s)"
     payloads = [Payload(path, body, {"Content-Type": ctype}) for body, ctype in bodies]
     return Deployment("v1", url, model, headers, payloads, listing, entry, str(task), what)
 
@@ -159,6 +178,39 @@ def read_images(folder: Path) -> list[tuple[bytes, str]]:
     if not found:
         raise BenchError(f"--images {folder}: no image files there ({', '.join(sorted(IMAGE_TYPES))})")
     return found
+
+
+def card_images(dataset_id: str, size: int | None, n: int = GENERATED) -> tuple[list[tuple[bytes, str]], str] | None:
+    """The first ``n`` test images of the dataset a card names, as PNGs (where ``size`` is given: those at least that
+    large, centre-cropped to ``size``²), with their description; ``None`` when this package does not have that
+    dataset or none of its images is that large."""
+    from PIL import Image
+
+    from unroll.data import DATASETS
+
+    ds = DATASETS.get(dataset_id)
+    if ds is None:
+        return None
+    loaded = ds.load()
+    arrays = [x.transpose(1, 2, 0) for x in loaded[0]] if ds.kind == "labelled" else list(loaded.values())
+    out = []
+    for a in arrays:
+        a = np.asarray(a)
+        a = a[..., 0] if a.ndim == 3 and a.shape[-1] == 1 else a
+        if size is not None:
+            if min(a.shape[:2]) < size:
+                continue
+            top, left = (a.shape[0] - size) // 2, (a.shape[1] - size) // 2
+            a = a[top:top + size, left:left + size]
+        if len(out) == n:
+            break
+        buf = io.BytesIO()
+        Image.fromarray((np.clip(a, 0, 1) * 255).round().astype(np.uint8)).save(buf, "PNG")
+        out.append((buf.getvalue(), "image/png"))
+    if not out:
+        return None
+    shapes = sorted({f"{Image.open(io.BytesIO(b)).width}×{Image.open(io.BytesIO(b)).height}" for b, _ in out})
+    return out, f"{len(out)} test image(s) of the card's {dataset_id} ({', '.join(shapes)} PNG)"
 
 
 def generated_images(card_input: dict, size: int, n: int = GENERATED, seed: int = 0) -> list[tuple[bytes, str]]:

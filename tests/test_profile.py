@@ -33,6 +33,7 @@ import pytest
 from unroll.benchmarks import loadgen, nvml
 from unroll.benchmarks.profile import Level, parse_slo, pool
 from unroll.benchmarks.profile_target import discover
+from unroll.errors import BenchError
 from unroll.serving.triton import TritonHandle, free_ports, start
 
 SERVICE_MS = 10.0
@@ -298,3 +299,15 @@ def test_triton_direct_over_grpc_with_repeated_runs_and_their_intervals_compared
     assert c.returncode == 0, c.stderr
     md = (tmp_path / "cmp" / "profile-compare.md").read_text()
     assert "95% CI" in md and "(n=3)" in md, md
+
+
+def test_v1_sends_the_cards_test_images_where_this_package_has_them(demo_gateway) -> None:
+    base = str(demo_gateway.base_url).rstrip("/")
+    d = discover("v1", base, "sdnet-mnist")
+    assert "test image(s) of the card's mnist-test (28×28 PNG)" in d.inputs, d.inputs
+    cropped = discover("v1", base, "csc-denoiser", size=256)
+    assert "denoise-test (256×256 PNG)" in cropped.inputs, cropped.inputs
+    generated = discover("v1", base, "sdnet-mnist", inputs="generated", size=28)
+    assert generated.inputs.endswith("generated 28×28 PNG(s)"), generated.inputs
+    with pytest.raises(BenchError, match="needs --target v1"):
+        discover("v2", base, "sdnet-mnist", inputs="card")
