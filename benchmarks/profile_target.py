@@ -134,7 +134,8 @@ def discover(target: str, url: str, model: str, key: str | None = None, images: 
             raise _not_served(model, [str(m.get("name")) for m in models], f"the gateway at {url}")
         if target == "v1":
             return _v1(url, model, headers, listing, entry, images, size, inputs)
-        feeds = _tensors(entry.get("inputs", []), size or DEFAULT_SIZE)
+        _, config = get_json(client, f"/v2/models/{model}/config", "gateway")
+        feeds = _tensors(entry.get("inputs", []), size or DEFAULT_SIZE, input_defaults(config))
         return Deployment(target, url, model, headers, _v2_payloads(model, feeds, binary), listing, entry,
                           entry.get("task"), _describe(feeds, binary))
 
@@ -247,7 +248,7 @@ def _triton(client: httpx.Client, url: str, model: str, headers: dict[str, str],
     config = config if isinstance(config, dict) else {}
     optional = {i.get("name") for i in config.get("input", []) if i.get("optional")}
     inputs = [{**i, "optional": i.get("name") in optional} for i in meta.get("inputs", [])]
-    feeds = _tensors(inputs, size)
+    feeds = _tensors(inputs, size, input_defaults(config))
     return Deployment("triton", url, model, headers, _v2_payloads(model, feeds, binary), None,
                       {"metadata": meta, "config": config}, None, _describe(feeds, binary))
 
@@ -287,8 +288,8 @@ def _triton_grpc(url: str, model: str, headers: dict[str, str], size: int) -> De
     optional = {i.name for i in config.input if i.optional}
     inputs = [{**i, "shape": [int(d) for d in i.get("shape", [])], "optional": i.get("name") in optional}
               for i in meta.get("inputs", [])]
-    feeds = _tensors(inputs, size)
     config_json = MessageToDict(config, preserving_proto_field_name=True)
+    feeds = _tensors(inputs, size, input_defaults(config_json))
     return Deployment("triton", url, model, headers, [Tensors(model, feeds)], None,
                       {"metadata": meta, "config": config_json}, None, _describe(feeds, True) + " over gRPC")
 
@@ -301,12 +302,24 @@ def _index(client: httpx.Client) -> tuple[int, list]:
         return 0, []
 
 
-def _tensors(inputs: list[dict], size: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random tensors for the required inputs (the first one but ``image_bytes`` when all are optional): a dynamic
-    first axis takes 1 (the batch), other dynamic axes ``size``; values in [0, 1) (integers: 0–255)."""
+def input_defaults(config: Any) -> set[str]:
+    """The inputs a model config gives defaults to (``unroll``'s Python backend: its ``input_defaults`` parameter,
+    e.g. λ), which a profile leaves out as a client would."""
+    try:
+        return set(json.loads(config["parameters"]["input_defaults"]["string_value"]))
+    except (KeyError, TypeError, ValueError):
+        return set()
+
+
+def _tensors(inputs: list[dict], size: int, defaults: set[str] = frozenset(), seed: int = 0) -> dict[str, np.ndarray]:
+    """Random tensors for the required inputs — where every input is optional (a model that also takes the encoded
+    image), the tensor form's: all but the encoded-image protocol's and those with a default — a dynamic first axis
+    1 (the batch), other dynamic axes ``size``; values in [0, 1) (integers: 0–255)."""
+    from unroll.serving.imaging import wire
+
     required = [i for i in inputs if not i.get("optional")]
     if not required:
-        required = [i for i in inputs if i.get("name") != "image_bytes"][:1]
+        required = [i for i in inputs if i.get("name") not in wire.INPUTS and i.get("name") not in defaults]
     if not required:
         raise BenchError("the model declares no input this profile can fill (only encoded image bytes): use --target "
                          "v1 to send images")

@@ -90,6 +90,19 @@ def _url(h: TritonHandle) -> str:
     return f"http://127.0.0.1:{h.http_port}"
 
 
+def _idle(h: TritonHandle, timeout_s: float = 60.0) -> None:
+    """Wait until the paced server answers one request within a few service times: a level an earlier test stopped
+    (client-bound) leaves the requests it had sent queued in Triton, which would be the next test's latency."""
+    d = discover("triton", _url(h), "paced")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = loadgen.run(d.url, d.payloads, loadgen.Load(concurrency=1), duration_s=0.2, warmup_s=0.0,
+                        timeout_s=timeout_s)
+        if r.latencies_ms and max(r.latencies_ms) < 5 * SERVICE_MS:
+            return
+    raise AssertionError(f"the paced server still had a queue after {timeout_s:g} s")
+
+
 def _profile(*args: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([UNROLL, "profile", *args, "--no-progress"], capture_output=True, text=True,
                           timeout=timeout_s)
@@ -175,6 +188,7 @@ def test_search_finds_the_known_capacity_within_10_percent(paced: TritonHandle, 
 @pytest.mark.triton
 @pytest.mark.slow
 def test_a_pause_shows_as_a_queue_in_open_loop_and_hides_in_closed_loop(paced: TritonHandle) -> None:
+    _idle(paced)
     d = discover("triton", _url(paced), "paced")
     rate, pause_s = 0.9 * CAPACITY, 1.0
 
@@ -283,6 +297,7 @@ def test_a_level_of_repeated_runs_is_judged_on_its_intervals_unfavourable_end() 
 @pytest.mark.slow
 def test_triton_direct_over_grpc_with_repeated_runs_and_their_intervals_compared(paced: TritonHandle,
                                                                                  tmp_path: Path) -> None:
+    _idle(paced)
     out = tmp_path / "out"
     p = _profile("paced", "--url", f"grpc://127.0.0.1:{paced.grpc_port}", "--target", "triton", "--rate-range", "40",
                  "--runs", "3", "--duration", "1", "--warmup", "0.3", "--late-tolerance-ms", "50",
