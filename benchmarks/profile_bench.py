@@ -1,13 +1,13 @@
 """``unroll profile`` on the demo models under ``unroll serve``: the capacity at a stated p99 objective.
 
-Per workload — ``sdnet-mnist`` on its card's test digits, ``csc-denoiser`` on its card's test photos cropped to 256²
-and 512² — and per way in (the gateway's ``/v1`` route with the images; Triton direct over gRPC with binary tensors
+Per workload — the demo classifier on its card's test digits, the demo denoiser on its card's test photos cropped to
+256² and 512² — and per way in (the gateway's ``/v1`` route with the images; Triton direct over gRPC with binary tensors
 of the same size, the Triton key ``unroll serve`` wrote), the command users run, ``unroll profile MODEL --search
 --slo p99<=…`` with Poisson arrivals: the highest rate meeting the objective, the level that first failed and why,
 the client's own CPU per request and the serve tree's (by process kind) at the highest rate met, and the profile's
 latency-against-load plot. One ``unroll serve`` (two gateway workers, spare ports, an API key) serves them all.
 
-The objectives are stated per workload (:data:`WORKLOADS`), not fitted to the results. ``python -m
+The objectives are stated per workload (:func:`workloads`), not fitted to the results. ``python -m
 unroll.benchmarks.profile_bench [--out DIR]`` writes ``profile_bench.json``, ``.md`` and the plots into
 ``benchmarks/results`` and rewrites the pages' generated block (:data:`BLOCK`).
 """
@@ -27,9 +27,15 @@ from unroll.benchmarks.common import RESULTS, machine_info, unroll_command, writ
 from unroll.benchmarks.soak import start_serve, stop_serve
 from unroll.errors import BenchError
 
-#: (model, crop side or None for the card's own size, p99 objective, search start rate req/s).
-WORKLOADS = (("sdnet-mnist", None, "p99<=50ms", 10.0), ("csc-denoiser", 256, "p99<=500ms", 2.0),
-             ("csc-denoiser", 512, "p99<=2s", 0.5))
+
+def workloads() -> tuple[tuple[str, int | None, str, float], ...]:
+    """(model, crop side or None for the card's own size, p99 objective, search start rate req/s), the demo models
+    from the registry."""
+    from unroll.benchmarks.serve_load import served_models
+
+    served = served_models()
+    return ((served.classifier, None, "p99<=50ms", 10.0), (served.denoiser, 256, "p99<=500ms", 2.0),
+            (served.denoiser, 512, "p99<=2s", 0.5))
 WAYS = ("v1", "triton-grpc")
 KEY = "profile-bench"
 LEVEL_S, WARMUP_S, RESOLUTION = 4.0, 1.0, 0.1
@@ -66,9 +72,10 @@ def _profile(args: list[str], model: str, slo: str, start: float, out: Path) -> 
                 "triton")}}
 
 
-def run(out_dir: Path, log: Callable[[str], None] = print, workloads: Sequence[tuple] = WORKLOADS) -> dict:
+def run(out_dir: Path, log: Callable[[str], None] = print, chosen: Sequence[tuple] | None = None) -> dict:
     """One ``unroll serve`` on the demo models; each workload searched through each way in."""
-    models = sorted({w[0] for w in workloads})
+    chosen = workloads() if chosen is None else chosen
+    models = sorted({w[0] for w in chosen})
     onnx_dir = artifacts.ONNX_DIR.resolve()  # unroll serve runs from a folder of its own
     pipeline.run(pipeline.plan(models, onnx_dir=onnx_dir))
     rows = []
@@ -78,7 +85,7 @@ def run(out_dir: Path, log: Callable[[str], None] = print, workloads: Sequence[t
                             args=("--workers", "2"))
         try:
             triton_key = (onnx_dir.parent / "triton.key").read_text().strip()
-            for model, size, slo, start in workloads:
+            for model, size, slo, start in chosen:
                 for way in WAYS:
                     name = f"{model}{f'-{size}' if size else ''}-{way}"
                     log(f"{name}: searching the rate meeting {slo}")

@@ -15,7 +15,7 @@ PAYLOAD = json.loads((RESULTS / "profile_bench.json").read_text())
 
 
 def test_every_workload_and_way_in_was_searched_against_its_stated_objective() -> None:
-    want = {(m, s, slo) for m, s, slo, _ in pb.WORKLOADS}
+    want = {(m, s, slo) for m, s, slo, _ in pb.workloads()}
     rows = PAYLOAD["rows"]
     assert {(r["model"], r["size"], r["slo"]) for r in rows} == want
     assert {r["way"] for r in rows} == set(pb.WAYS) and len(rows) == len(want) * len(pb.WAYS)
