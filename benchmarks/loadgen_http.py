@@ -17,16 +17,10 @@ from urllib.parse import urlsplit
 
 import h11
 
+from unroll.errors import HttpError
+
 #: Bytes read from a socket at a time.
 READ_SIZE = 1 << 18
-
-
-class HttpError(Exception):
-    """A request that got no HTTP answer; :attr:`cause` says how (``connect``, ``timeout``, ``disconnected``)."""
-
-    def __init__(self, cause: str, detail: str) -> None:
-        super().__init__(f"{cause}: {detail}")
-        self.cause = cause
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,15 @@ class ServingError(UnrollError):
     code = "unavailable"
 
 
+class HttpError(UnrollError):
+    """A load-engine request that got no HTTP answer; :attr:`cause` says how (``connect``, ``timeout``,
+    ``disconnected``)."""
+
+    def __init__(self, cause: str, detail: str) -> None:
+        super().__init__(f"{cause}: {detail}")
+        self.cause = cause
+
+
 class BenchError(UnrollError):
     """A benchmark could not run or its results are not comparable."""
 
