@@ -459,6 +459,18 @@ class LevelResult:
     def percentile(self, q: float) -> float:
         return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else float("nan")
 
+    def add(self, r: LevelResult) -> None:
+        """``r``'s requests, latencies, errors, lateness, client CPU and windows added to this result's."""
+        self.sent += r.sent
+        self.ok += r.ok
+        self.latencies_ms += r.latencies_ms
+        self.errors.update(r.errors)
+        self.lateness_ms += r.lateness_ms
+        self.client_cpu_s += r.client_cpu_s
+        self.client_requests += r.client_requests
+        self.windows += r.windows
+        self.error_samples += [e for e in r.error_samples if e not in self.error_samples]
+
 
 def _cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -643,16 +655,8 @@ def merge(results: Sequence[LevelResult], load: Load) -> LevelResult:
     out = LevelResult(load=load, duration_s=max(r.duration_s for r in results), processes=len(results),
                       late_tolerance_ms=results[0].late_tolerance_ms, rate_tolerance=results[0].rate_tolerance)
     for r in results:
-        out.sent += r.sent
-        out.ok += r.ok
-        out.latencies_ms += r.latencies_ms
-        out.errors.update(r.errors)
-        out.lateness_ms += r.lateness_ms
-        out.client_cpu_s += r.client_cpu_s
-        out.client_requests += r.client_requests
-        out.windows += r.windows
+        out.add(r)
         out.aborted = out.aborted or r.aborted
-        out.error_samples += [s for s in r.error_samples if s not in out.error_samples]
     order = np.argsort([t for r in results for t in r.send_times], kind="stable")
     for name in ("send_times", "scheduled_times"):
         values = [t for r in results for t in getattr(r, name)]

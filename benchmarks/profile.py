@@ -172,16 +172,8 @@ def pool(runs: Sequence[LevelResult]) -> LevelResult:
     out = LevelResult(load=first.load, duration_s=sum(r.duration_s for r in runs),
                       late_tolerance_ms=first.late_tolerance_ms, rate_tolerance=first.rate_tolerance)
     for r in runs:
-        out.sent += r.sent
-        out.ok += r.ok
-        out.latencies_ms += r.latencies_ms
-        out.errors.update(r.errors)
-        out.lateness_ms += r.lateness_ms
-        out.client_cpu_s += r.client_cpu_s
-        out.client_requests += r.client_requests
+        out.add(r)
         out.wall_s += r.wall_s
-        out.windows += r.windows
-        out.error_samples += [e for e in r.error_samples if e not in out.error_samples]
     out.aborted = next((r.client_bound for r in runs if r.client_bound), None)
     return out
 
