@@ -45,9 +45,6 @@ test: $(STAMP)  ## run the whole test suite (CI calls this); TEST_WORKERS=N test
 	$(VENV)/bin/hadolint Dockerfile
 	@echo "==> perf_analyzer (Triton's own client) in build/perf_analyzer-venv; its tests skip with the reason without it"
 	-bash scripts/perf_analyzer_setup.sh
-	@echo "==> ab (ApacheBench, Debian's apache2-utils) for the gateway benchmarks; their tests skip with the reason without it"
-	-@command -v ab >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq apache2-utils; } \
-		>/dev/null 2>&1 || echo "    could not install apache2-utils (needs root and Debian's package index)"
 	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 serve: $(STAMP)  ## build what is missing, then start Triton and the REST gateway; options: ARGS="--port 8081 …"

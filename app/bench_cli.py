@@ -530,13 +530,13 @@ def bench_iters(
                                                                                     "[default: all]")] = None,
     digits: Annotated[int | None, typer.Option(help="Evaluate the first N test digits only (a smoke run) "
                                                     "[default: all]")] = None,
-    duration: Annotated[float, typer.Option(help="Seconds of `ab` load per iteration count")] = 3.0,
+    duration: Annotated[float, typer.Option(help="Seconds of load per iteration count")] = 3.0,
     out: OutOpt = RESULTS,
     progress: ProgressOpt = True,
 ) -> None:
     """The iteration dial: per served iteration count (`iters=K`), clean and mean-corrupted accuracy beside latency
     and CPU per request through the real gateway and tritonserver (exports and a repository as `unroll serve`
-    makes them; `ab` must be installed).
+    makes them), driven by the project's load engine.
 
     Writes iterations.json, iterations.md and iterations.png.
     """

@@ -1,9 +1,10 @@
 """Where the gateway's time goes per request: a sampling profile (py-spy) of a real gateway under real load.
 
-``unroll bench gateway-profile`` runs a real tritonserver and one gateway worker under closed-loop clients sending
-real test digits, while ``py-spy record`` samples the gateway; each stack goes to the stage of its innermost
-recognised frame (:data:`STAGES`), reported as share of samples and ms per request per concurrency level. py-spy
-needs ptrace rights over the gateway and is a benchmark extra; without it the benchmark says so and exits.
+``unroll bench gateway-profile`` runs a real tritonserver and one gateway worker under closed-loop load from the
+project's load engine (:mod:`.loadgen`) sending real test digits, while ``py-spy record`` samples the gateway; each
+stack goes to the stage of its innermost recognised frame (:data:`STAGES`), reported as share of samples and ms per
+request per concurrency level. py-spy needs ptrace rights over the gateway and is a benchmark extra; without it the
+benchmark says so and exits.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 from unroll import artifacts, pipeline
+from unroll.benchmarks import loadgen
 from unroll.benchmarks.common import (
     exported_card,
     latency_summary,
@@ -30,7 +32,7 @@ from unroll.benchmarks.common import (
     ort_session,
     write_results,
 )
-from unroll.benchmarks.serve_bench import classify_workload, closed_loop, gateway_client, ort_client, served_models
+from unroll.benchmarks.serve_load import REQUEST_TIMEOUT_S, Workload, classify_workload, gateway_payloads, served_models
 from unroll.errors import (
     BenchError,  # py-spy missing or not allowed to attach, or a server could not start
     TritonStartError,
@@ -140,10 +142,18 @@ def _metric(base: str, name: str, **labels: str) -> float:
         return metric_sum(r.read().decode(), name, **labels)
 
 
-def profile_level(base: str, pid: int, workload, concurrency: int, duration_s: float, rate: int,
+def _load(target: str | loadgen.Sender, payloads: list, concurrency: int, duration_s: float,
+          warmup_s: float) -> loadgen.LevelResult:
+    """A closed-loop level on the load engine."""
+    return loadgen.run(target, payloads, loadgen.Load(concurrency=concurrency), duration_s, warmup_s,
+                       REQUEST_TIMEOUT_S)
+
+
+def profile_level(base: str, pid: int, workload: Workload, concurrency: int, duration_s: float, rate: int,
                   out_dir: Path) -> dict:
     """py-spy over ``duration_s`` of closed-loop load at ``concurrency``; the stage breakdown of that window."""
-    closed_loop(gateway_client(base, workload), concurrency, 1.0, 0.5)  # warm connections, caches, the catalog
+    payloads = gateway_payloads(workload)
+    _load(base, payloads, concurrency, 1.0, 0.5)  # warm connections, caches, the catalog
     raw = out_dir / f"pyspy-c{concurrency}.txt"
     route = workload.gateway_path.split("?", 1)[0]
     n0 = _metric(base, "unroll_gateway_requests_total", route=route, status="200")
@@ -151,39 +161,36 @@ def profile_level(base: str, pid: int, workload, concurrency: int, duration_s: f
     spy = subprocess.Popen([py_spy(), "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw",
                             "--threads", "--nonblocking", "--duration", str(int(duration_s)), "-o", str(raw)],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    res = closed_loop(gateway_client(base, workload), concurrency, duration_s + 1.0, 0.0)
+    res = _load(base, payloads, concurrency, duration_s + 1.0, 0.0)
     log, _ = spy.communicate(timeout=60)
     if spy.returncode != 0 or not raw.exists():
         raise BenchError(f"py-spy failed (needs ptrace rights over the gateway, e.g. root): {log.strip()[-400:]}")
     n = _metric(base, "unroll_gateway_requests_total", route=route, status="200") - n0
     triton_s = _metric(base, "unroll_gateway_triton_request_duration_seconds_sum", outcome="ok") - t0
     # Requests answered while py-spy sampled: the client's rate over its window × py-spy's duration.
-    rps = len(res.latencies_ms) / res.elapsed_s if res.elapsed_s else 0.0
-    in_window = rps * int(duration_s)
+    in_window = res.throughput * int(duration_s)
     b = breakdown(parse_raw(raw.read_text()), rate, int(duration_s), round(in_window))
-    return {"concurrency": concurrency, "duration_s": int(duration_s), "rate_hz": rate,
-            "requests": len(res.latencies_ms),
-            "requests_in_window": round(in_window), "errors": len(res.errors), "throughput_rps": rps,
-            "latency_ms": latency_summary(res.latencies_ms),
+    return {"concurrency": concurrency, "duration_s": int(duration_s), "rate_hz": rate, "requests": res.ok,
+            "requests_in_window": round(in_window), "errors": res.errors_total, "throughput_rps": res.throughput,
+            "latency_ms": latency_summary(res.latencies_ms), "client_cpu_ms_per_request": res.cpu_ms_per_request,
             "triton_round_trip_ms": triton_s / n * 1e3 if n else None, **b}
 
 
-def _ort_p50(onnx_dir: Path, model: str, workload, duration_s: float) -> dict:
+def _ort_p50(onnx_dir: Path, model: str, workload: Workload, duration_s: float) -> dict:
     """In-process ONNX Runtime at concurrency 1 on the same inputs (the +2 ms target's reference)."""
     # as Triton's model runs it
     session = ort_session(artifacts.graph(model, onnx_dir=onnx_dir), threads=2, spinning=INTRA_OP_SPINNING)
-    res = closed_loop(ort_client(session, workload), 1, duration_s, 0.5)
-    return {"requests": len(res.latencies_ms), "errors": len(res.errors),
-            "latency_ms": latency_summary(res.latencies_ms)}
+    res = _load(loadgen.InProcessSender(lambda feeds: session.run(None, feeds)), workload.arrays, 1, duration_s, 0.5)
+    return {"requests": res.ok, "errors": res.errors_total, "latency_ms": latency_summary(res.latencies_ms)}
 
 
-def _throughput(base: str, workload, concurrency: int, duration_s: float, workers: int) -> dict:
+def _throughput(base: str, workload: Workload, concurrency: int, duration_s: float, workers: int) -> dict:
     load = os.getloadavg()
-    res = closed_loop(gateway_client(base, workload), concurrency, duration_s, 1.0)
-    return {"workers": workers, "concurrency": concurrency, "requests": len(res.latencies_ms),
-            "errors": len(res.errors), "error_samples": list(dict.fromkeys(res.errors))[:3],
-            "throughput_rps": len(res.latencies_ms) / res.elapsed_s if res.elapsed_s else 0.0,
-            "latency_ms": latency_summary(res.latencies_ms), "load_average": load}
+    res = _load(base, gateway_payloads(workload), concurrency, duration_s, 1.0)
+    return {"workers": workers, "concurrency": concurrency, "requests": res.ok, "errors": res.errors_total,
+            "error_samples": list(res.error_samples), "throughput_rps": res.throughput,
+            "latency_ms": latency_summary(res.latencies_ms), "client_cpu_ms_per_request": res.cpu_ms_per_request,
+            "load_average": load}
 
 
 def run(concurrency: tuple[int, ...] = (1, 32), duration_s: float = 10.0, rate: int = 250,
@@ -243,7 +250,8 @@ def run(concurrency: tuple[int, ...] = (1, 32), duration_s: float = 10.0, rate: 
 def markdown(p: dict) -> str:
     lines = [f"# Gateway profile: where a request's time goes ({p['model']}, {p['input']}, PNG over HTTP)", "",
              f"{p['profiler']} at {p['levels'][0]['rate_hz'] if p['levels'] else '-'} Hz on one gateway process "
-             "(real tritonserver over gRPC, keep-alive httpx clients in a closed loop, real test digits). Each sampled "
+             "(real tritonserver over gRPC, the load engine's keep-alive HTTP/1.1 client in a closed loop, real test "
+             "digits). Each sampled "
              "stack is assigned to the stage of its innermost recognised frame (`benchmarks/gateway_profile.py`, "
              "`STAGES`). ms/request = samples ÷ rate ÷ requests answered in the window. `waiting` = the event loop "
              "idle while no gateway thread works on the request (Triton, network, client). "

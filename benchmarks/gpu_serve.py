@@ -3,14 +3,15 @@ each model's PyTorch module on the GPU, and the gateway — measured from outsid
 
 Per workload (the demo classifier's digits; the demo denoiser's photos at 256² and 512², σ=25) and per path — Triton
 direct with binary tensors, Triton direct with the encoded image (``image_bytes``), the gateway (PNG) — it runs
-closed-loop levels (:mod:`~unroll.benchmarks.gpu_serve_load`): concurrency 1 (p50/p99) and 64 and 256 in flight
-(throughput). Per level: the batch sizes Triton formed (its statistics extension), the GPU's utilisation (NVML,
-sampled), CPU ms per request of each of the service's processes (gateway, tritonserver, backend stubs; ``/proc``) and
-of the client. Beside them: the same model in-process on the same device at batch 1 and at the batch Triton formed
-(eager, and a CUDA graph's replay on a GPU), and the parity gate: the card's gate data through Triton within the
-card's FP32 tolerance of the CPU FP32 model (:mod:`~unroll.benchmarks.gpu_check_run`). ``--timed-only NAME:SIDE`` adds
-a model that has no committed weights, which the torch runtime therefore does not serve: on a GPU its module (random
-weights) is timed in-process at SIDE² (the script names the VARS RVT at 224²).
+closed-loop levels on the project's load engine (:mod:`~unroll.benchmarks.gpu_serve_load`, over
+:mod:`~unroll.benchmarks.loadgen`): concurrency 1 (p50/p99) and 64 and 256 in flight (throughput). Per level: the
+batch sizes Triton formed (its statistics extension), the GPU's utilisation (NVML, sampled), CPU ms per request of
+each of the service's processes (gateway, tritonserver, backend stubs; ``/proc``) and of the client. Beside them:
+the same model in-process on the same device at batch 1 and at the batch Triton formed (eager, and a CUDA graph's
+replay on a GPU), and the parity gate: the card's gate data through Triton within the card's FP32 tolerance of the
+CPU FP32 model (:mod:`~unroll.benchmarks.gpu_check_run`). ``--timed-only NAME:SIDE`` adds a model that has no
+committed weights, which the torch runtime therefore does not serve: on a GPU its module (random weights) is timed
+in-process at SIDE² (the script names the VARS RVT at 224²).
 
 Without CUDA it says why and writes nothing. ``--device cpu`` runs the same check with ``unroll serve --target cpu``
 (the card's CPU runtime through the same real tritonserver and gateway): the tests' dry run. Usage:
@@ -25,18 +26,14 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import numpy as np
 
 from unroll import artifacts, tasks
 from unroll.benchmarks.common import RESULTS, demo_model, latency_summary
 from unroll.benchmarks.gpu_check_device import cuda_unavailable, machine
 from unroll.benchmarks.gpu_serve_decode import decode_times
-from unroll.benchmarks.gpu_serve_load import CLIENT_START_S, Request, ceiling, default_processes, drive
+from unroll.benchmarks.gpu_serve_load import ceiling, default_processes, level
 from unroll.benchmarks.gpu_serve_report import STEM, write
 from unroll.benchmarks.gpu_serve_triton import (
     TritonHttp,
@@ -45,6 +42,8 @@ from unroll.benchmarks.gpu_serve_triton import (
     parity_rows,
     workloads,
 )
+from unroll.benchmarks.loadgen import Payload
+from unroll.benchmarks.nvml import GpuSampler
 from unroll.benchmarks.processes import cpu_by_pid, cpu_ms_per_request
 from unroll.benchmarks.serve_triton import stats_delta
 from unroll.benchmarks.soak import ServeProcess, start_serve, stop_serve
@@ -64,64 +63,30 @@ def default_models() -> tuple[str, ...]:
     return demo_model(tasks.CLASSIFICATION), demo_model(tasks.DENOISING)
 
 
-class GpuSampler:
-    """NVML utilisation of GPU 0, sampled every ``period_s`` from :meth:`start` to :meth:`stop` (nothing on the CPU)."""
-
-    def __init__(self, device: str, period_s: float = 0.02) -> None:
-        self.samples: list[tuple[int, int]] = []
-        self.period_s, self._stop, self._thread = period_s, threading.Event(), None
-        self._handle = None
-        if device == "cuda":
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.period_s):
-            u = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
-            self.samples.append((u.gpu, u.memory))
-
-    def start(self) -> None:
-        self.samples, self._stop = [], threading.Event()
-        if self._handle is not None:
-            self._thread = threading.Thread(target=self._loop, daemon=True)
-            self._thread.start()
-
-    def stop(self) -> dict | None:
-        self._stop.set()
-        if self._thread is None:
-            return None
-        self._thread.join()
-        if not self.samples:
-            return None
-        gpu = np.array([s[0] for s in self.samples], np.float64)
-        return {"gpu_util_mean": float(gpu.mean()), "gpu_util_max": float(gpu.max()),
-                "mem_util_mean": float(np.mean([s[1] for s in self.samples])), "samples": len(self.samples)}
-
-
-def _level(svc: ServeProcess, triton: TritonHttp, sampler: GpuSampler, model: str, requests: list[Request], port: int,
-           concurrency: int, quick: bool, client_procs: int | None) -> dict:
-    """One level through ``port``; the service's CPU, Triton's statistics and the GPU sampled over its window."""
+def _level(svc: ServeProcess, triton: TritonHttp, sampler: GpuSampler | None, model: str, payloads: list[Payload],
+           base_url: str, concurrency: int, quick: bool, client_procs: int | None) -> dict:
+    """One level through ``base_url``; the service's CPU, Triton's statistics and the GPU sampled over its measured
+    window."""
     warmup_s, duration_s = TIMING[quick]
-    procs = client_procs or default_processes(concurrency)
-    start_at = time.time() + CLIENT_START_S + warmup_s
-    with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(drive, "127.0.0.1", port, requests, concurrency, duration_s, warmup_s, procs,
-                          None, start_at)
-        time.sleep(max(0.0, start_at - time.time()))
-        stats0, cpu0 = triton.stats(model), cpu_by_pid(svc.proc.pid)
-        sampler.start()
-        res = fut.result()
-    gpu = sampler.stop()
+    before: dict = {}
+
+    def measure_start() -> None:  # the engine calls it when its processes' measured window opens
+        before.update(stats=triton.stats(model), cpu=cpu_by_pid(svc.proc.pid))
+        if sampler is not None:
+            sampler.start()
+
+    res = level(base_url, payloads, concurrency, duration_s, warmup_s, client_procs or default_processes(concurrency),
+                measure_start)
+    gpu = sampler.stop() if sampler is not None else None
     stats1, cpu1 = triton.stats(model), cpu_by_pid(svc.proc.pid)
-    cpu = cpu_ms_per_request(cpu0, cpu1, res.requests) or {}
-    cpu["client"] = res.client_cpu_s * 1e3 / res.requests if res.requests else None
-    return {"concurrency": concurrency, "requests": res.requests, "errors": res.errors,
-            "error_samples": res.error_samples, "elapsed_s": res.elapsed_s, "throughput": res.throughput,
-            "latency_ms": latency_summary(res.latencies_ms), "client_processes": res.processes,
-            "client_cpu_share": res.client_cpu_share, "cpu_ms_per_request": cpu, "gpu": gpu,
-            "triton": stats_delta(stats0, stats1), "batches": batch_histogram(stats0, stats1)}
+    cpu = cpu_ms_per_request(before.get("cpu", {}), cpu1, res.ok) or {}
+    cpu["client"] = res.cpu_ms_per_request if res.client_requests else None
+    stats0 = before.get("stats")
+    return {"concurrency": concurrency, "requests": res.ok, "errors": res.errors_total,
+            "errors_by_cause": dict(res.errors), "error_samples": res.error_samples, "elapsed_s": res.duration_s,
+            "throughput": res.throughput, "latency_ms": latency_summary(res.latencies_ms),
+            "client_processes": res.processes, "client_cpu_share": res.client_cpu_share, "cpu_ms_per_request": cpu,
+            "gpu": gpu, "triton": stats_delta(stats0, stats1), "batches": batch_histogram(stats0, stats1)}
 
 
 def run_check(out: Path, device: str = "cuda", quick: bool = False, onnx_dir: Path = artifacts.ONNX_DIR,
@@ -143,13 +108,14 @@ def run_check(out: Path, device: str = "cuda", quick: bool = False, onnx_dir: Pa
     print(f"gpu_serve: {info.get('gpu', device)}, torch {info['torch']}, {cores} cores, {workers} gateway workers",
           flush=True)
     ceil = ceiling(free_ports(1)[0], 64, 1, 0.8 if quick else 2.0)
-    print(f"  load generator ceiling: {ceil.throughput:,.0f} req/s per client process", flush=True)
+    print(f"  load engine's ceiling: {ceil.throughput:,.0f} req/s per client process", flush=True)
     levels = QUICK_LEVELS if quick else LEVELS
     sizes = (256,) if quick else (256, 512)
     rows, parity, inproc = [], [], []
     result = {"machine": info, "quick": quick, "levels": rows, "parity": parity, "inprocess": inproc,
               "load_generator": {"req_per_s_per_process": ceil.throughput, "client_cpu_share": ceil.client_cpu_share,
-                                 "errors": ceil.errors}, "complete": False}
+                                 "cpu_ms_per_request": ceil.cpu_ms_per_request, "errors": ceil.errors_total},
+              "complete": False}
 
     def save() -> None:  # after each workload: a run stopped at its time limit keeps what it measured
         result["elapsed_s"] = time.perf_counter() - t0
@@ -170,13 +136,15 @@ def run_check(out: Path, device: str = "cuda", quick: bool = False, onnx_dir: Pa
             info["tritonserver"] = triton.version()
             info["served_as"] = triton.runtimes(models)
             print(f"  served: tritonserver {info['tritonserver']}; {info['served_as']}", flush=True)
-            sampler = GpuSampler(device)
+            sampler = GpuSampler(period_s=0.02) if device == "cuda" else None
+            if sampler is not None and sampler.why_absent:
+                print(f"  GPU utilisation not sampled: {sampler.why_absent}", flush=True)
             for w in workloads(models, sizes, quick):
                 for path in PATHS:
-                    port = int(svc.base.rsplit(":", 1)[1]) if path == "gateway" else http
+                    base = svc.base if path == "gateway" else f"http://127.0.0.1:{http}"
                     for c in levels:
                         row = {"workload": w.key, "model": w.model, "label": w.label, "path": path,
-                               **_level(svc, triton, sampler, w.model, triton.requests(w, path), port, c, quick,
+                               **_level(svc, triton, sampler, w.model, triton.requests(w, path), base, c, quick,
                                         client_procs)}
                         rows.append(row)
                         print(f"  {w.key:12s} {path:15s} c={c:<4d} {row['throughput']:9.1f}/s p50 "

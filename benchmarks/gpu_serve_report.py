@@ -35,9 +35,11 @@ def markdown(r: dict) -> str:
         f"measured {m['date_utc']} UTC{' (quick run)' if r['quick'] else ''}; {r['elapsed_s']:.0f} s in all.",
         f"Served as: {', '.join(f'{k}: {v}' for k, v in m.get('served_as', {}).items())}.",
         "",
-        f"Load generator (`benchmarks/gpu_serve_load.py`, asyncio + h11, one connection per request in flight): "
-        f"{gen['req_per_s_per_process']:,.0f} requests/s per client process against a server that does nothing "
-        f"(its ceiling on this machine); a level whose client CPU share nears 100 % was limited by the client.",
+        f"Load: the project's load engine (`benchmarks/loadgen.py`, closed loop, asyncio + h11, one keep-alive "
+        f"connection per request in flight, over several client processes): {gen['req_per_s_per_process']:,.0f} "
+        f"requests/s per client process against a server that does nothing (its ceiling on this machine"
+        + (f", {gen['cpu_ms_per_request']:.3f} client CPU ms per request" if gen.get("cpu_ms_per_request") else "")
+        + "); a level whose client CPU share nears 100 % was limited by the client.",
         "",
         "## Levels",
         "",

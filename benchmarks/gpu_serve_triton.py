@@ -1,7 +1,7 @@
 """The GPU serving check's requests and references: Triton's HTTP/REST protocol with binary tensors (the lent machine
-has no ``tritonclient`` HTTP stack to spare, and the load generator sends raw bytes), Triton's statistics, the
-workloads (``serve_load``'s, as ``unroll bench serve`` measures them), the parity gate through Triton on the card's
-gate data (``gpu_check``'s cases and gate), and the in-process timings of the same model and batch."""
+has no ``tritonclient`` HTTP stack to spare, and the load engine sends a request's bytes as they are), Triton's
+statistics, the workloads (``serve_load``'s, as ``unroll bench serve`` measures them), the parity gate through Triton
+on the card's gate data (``gpu_check``'s cases and gate), and the in-process timings of the same model and batch."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from unroll import tasks
 from unroll.benchmarks.gpu_check_cases import build_cases
 from unroll.benchmarks.gpu_check_device import time_runner
 from unroll.benchmarks.gpu_check_run import gate_check, parity, tolerance_for
-from unroll.benchmarks.gpu_serve_load import Request
+from unroll.benchmarks.loadgen import Payload
 from unroll.benchmarks.serve_load import (
     Workload,
     as_batch,
@@ -101,17 +101,17 @@ class TritonHttp:
         length = r.headers.get("Inference-Header-Content-Length")
         return parse_response(r.content, int(length) if length else None)
 
-    def requests(self, w: Workload, path: str) -> list[Request]:
-        """``w``'s samples as the load generator sends them on ``path``."""
+    def requests(self, w: Workload, path: str) -> list[Payload]:
+        """``w``'s samples as the load engine sends them on ``path`` (under the gateway's or Triton's base URL)."""
         if path == "gateway":
-            return [Request(w.gateway_path, png, {"Content-Type": "image/png"}) for png in w.images]
+            return [Payload(w.gateway_path, png, {"Content-Type": "image/png"}) for png in w.images]
         feeds = image_feeds(w) if path == "triton-image" else [{k: as_batch(v) for k, v in a.items()}
                                                                 for a in w.arrays]
         output = image_output(w) if path == "triton-image" else w.output
         out = []
         for f in feeds:
             body, headers = infer_body(f, [output])
-            out.append(Request(f"/v2/models/{w.model}/infer", body, {**headers, RESTRICTED_HEADER: self.key}))
+            out.append(Payload(f"/v2/models/{w.model}/infer", body, {**headers, RESTRICTED_HEADER: self.key}))
         return out
 
 

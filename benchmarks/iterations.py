@@ -3,9 +3,10 @@ latency and CPU per request through the real gateway and tritonserver, so a user
 
 Every trained digit classifier whose card lists served counts (``iters``) is measured. Accuracy: PyTorch with the
 solver layers unrolled to K (each K's served graph is verified against exactly that at export) on the MNIST test
-digits, clean and under every corruption of :mod:`unroll.corruptions` at severities 1–3 (the mean). Latency: ``ab``
-at concurrency 1 posting one test digit as a PNG to ``/v1/classify?iters=K`` for ``duration_s``, with the CPU each
-process kind spent per request. Writes ``iterations.{json,md,png}``.
+digits, clean and under every corruption of :mod:`unroll.corruptions` at severities 1–3 (the mean). Latency: the
+project's load engine (:mod:`.loadgen`) at concurrency 1 posting one test digit as a PNG to ``/v1/classify?iters=K``
+for ``duration_s`` after :data:`WARMUP_S` of warm-up, with the CPU each process kind spent per request (the engine's
+own among them). Writes ``iterations.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,15 @@ import torch
 
 import unroll
 from unroll import artifacts, data, pipeline
-from unroll.benchmarks import serve_ab
-from unroll.benchmarks.common import RESULTS, machine_info, png_bytes, write_docs_blocks, write_results
+from unroll.benchmarks import loadgen
+from unroll.benchmarks.common import (
+    RESULTS,
+    latency_summary,
+    machine_info,
+    png_bytes,
+    write_docs_blocks,
+    write_results,
+)
 from unroll.benchmarks.plots import iterations_plot
 from unroll.benchmarks.processes import cpu_by_pid, cpu_ms_per_request
 from unroll.benchmarks.robustness import TEST_SEED, digit_classifiers
@@ -33,6 +41,9 @@ from unroll.registry import get_spec
 from unroll.serving.gateway.process import gateway_process
 from unroll.serving.gateway.settings import Settings
 from unroll.solvers.iterations import set_iterations
+
+#: Unmeasured seconds of load before each count's measured window (the first calls fill caches).
+WARMUP_S = 2.0
 
 
 def dial_models() -> list[str]:
@@ -63,12 +74,23 @@ def accuracy_per_count(name: str, corruptions: Sequence[str], n_test: int | None
     return out
 
 
+def one_count(base: str, path: str, body: bytes, duration_s: float) -> dict:
+    """One count's level: the load engine at concurrency 1 posting ``body`` to ``path``; latency, throughput, failed
+    requests, CPU ms per request by process kind and the engine's own."""
+    snap: dict = {}
+    res = loadgen.run(base, [loadgen.Payload(path, body, {"Content-Type": "image/png"})], loadgen.Load(concurrency=1),
+                      duration_s, WARMUP_S, on_measure_start=lambda: snap.update(cpu_by_pid()))
+    return {"requests": res.ok, "failed": res.sent - res.ok, "errors": dict(res.errors),
+            "error_samples": list(res.error_samples), "throughput_rps": res.throughput,
+            "latency_ms": latency_summary(res.latencies_ms),
+            "cpu_ms_per_request": cpu_ms_per_request(snap, cpu_by_pid(), res.ok),
+            "client_cpu_ms_per_request": res.cpu_ms_per_request}
+
+
 def latency_per_count(models: Sequence[str], duration_s: float, onnx_dir: Path,
                       tick: Callable[[], None] = lambda: None) -> dict[str, dict[int, dict]]:
-    """Per model and served K: ``ab`` at concurrency 1 through the gateway (latency, throughput, CPU ms per request
-    by process kind). The repository is written by the pipeline, as ``unroll serve`` writes it."""
-    if serve_ab.find() is None:
-        raise BenchError(serve_ab.missing_reason())
+    """Per model and served K: :func:`one_count` through the gateway. The repository is written by the pipeline, as
+    ``unroll serve`` writes it."""
     body = png_bytes(np.asarray(data.dataset("mnist-test").load()[0][0, 0], np.float32))
     out: dict[str, dict[int, dict]] = {}
     with tempfile.TemporaryDirectory(prefix="unroll-iters-") as tmp:
@@ -81,14 +103,12 @@ def latency_per_count(models: Sequence[str], duration_s: float, onnx_dir: Path,
             for name in models:
                 out[name] = {}
                 for k in counts_of(name)[1]:
-                    url = f"{base}/v1/classify?model={name}&iters={k}"
-                    serve_ab.run(url, body, "image/png", 1, 2)  # warm-up: the first calls fill caches
-                    before = cpu_by_pid()
-                    run = serve_ab.run(url, body, "image/png", 1, duration_s)
-                    run["cpu_ms_per_request"] = cpu_ms_per_request(before, cpu_by_pid(), run["requests"])
-                    if run["failed"]:
-                        raise BenchError(f"{name} iters={k}: {run['failed']} of {run['requests']} requests failed "
-                                         f"(gateway log: {Path(tmp) / 'gw.log'})")
+                    run = one_count(base, f"/v1/classify?model={name}&iters={k}", body, duration_s)
+                    if run["failed"] or not run["requests"]:
+                        sent = run["failed"] + run["requests"]
+                        raise BenchError(f"{name} iters={k}: {run['failed']} of {sent} requests failed "
+                                         f"({'; '.join(run['error_samples']) or 'none answered'}; gateway log: "
+                                         f"{Path(tmp) / 'gw.log'})")
                     out[name][k] = run
                     tick()
     return out
@@ -102,7 +122,8 @@ def run(models: Sequence[str] | None = None, corruptions: Sequence[str] | None =
     chosen = list(corruptions or CORRUPTIONS)
     lat = latency_per_count(names, duration_s, onnx_dir, tick)
     payload = {"benchmark": "iterations", "machine": machine_info(torch.get_num_threads()),
-               "corruptions": chosen, "severities": list(SEVERITIES), "duration_s": duration_s, "concurrency": 1,
+               "corruptions": chosen, "severities": list(SEVERITIES), "duration_s": duration_s, "warmup_s": WARMUP_S,
+               "concurrency": 1,
                "models": {}}
     for name in names:
         trained, _ = counts_of(name)
@@ -110,7 +131,8 @@ def run(models: Sequence[str] | None = None, corruptions: Sequence[str] | None =
         payload["models"][name] = {"trained": trained, "test_digits": n_test or "all", "counts": [
             {"iters": k, **acc[k], "latency_ms": lat[name][k]["latency_ms"],
              "throughput_rps": lat[name][k]["throughput_rps"], "requests": lat[name][k]["requests"],
-             "cpu_ms_per_request": lat[name][k]["cpu_ms_per_request"]} for k in sorted(acc)]}
+             "cpu_ms_per_request": lat[name][k]["cpu_ms_per_request"],
+             "client_cpu_ms_per_request": lat[name][k]["client_cpu_ms_per_request"]} for k in sorted(acc)]}
     if out_dir is not None:
         write_results("iterations", payload, markdown(payload), Path(out_dir))
         iterations_plot(payload, Path(out_dir))
@@ -130,8 +152,9 @@ def markdown(p: dict) -> str:
              "Per served iteration count K of each model's weight-tied solver layers: top-1 accuracy (%) on the MNIST "
              "test digits, clean and the mean over " + f"{len(p['corruptions'])} corruptions × severities "
              f"{', '.join(map(str, p['severities']))}; latency of `POST /v1/classify?iters=K` through the gateway and "
-             f"tritonserver (FP32 graphs, each with the default configuration; `ab`, concurrency {p['concurrency']}, "
-             f"{p['duration_s']:g} s per K after 2 s of warm-up, one digit PNG) and "
+             f"tritonserver (FP32 graphs, each with the default configuration; the load engine, closed loop at "
+             f"concurrency {p['concurrency']}, {p['duration_s']:g} s per K after {p.get('warmup_s', WARMUP_S):g} s of "
+             "warm-up, one digit PNG) and "
              "CPU ms per request by process (gateway, tritonserver, its backend processes). The trained count is "
              "marked *; every other count is the same weights unrolled further or less, never trained at that depth.",
              ""]

@@ -2,12 +2,13 @@
 
 One ``unroll serve`` subprocess at its defaults (gateway, supervised Triton and its Python-backend processes, and
 the warm standby tritonserver when its memory rule starts one, :mod:`unroll.serving.standby`; the demo denoiser,
-spare ports, a temporary folder) is measured idle, then ``requests`` clients each send one maximum-size image at
-once (a noisy colour photo of ``UNROLL_MAX_PIXELS`` pixels, 2048×2048 at the default), then it is measured again
-after ``settle_s`` seconds without traffic. Memory is the sum of the **proportional set size** (PSS, from
-``/proc/PID/smaps_rollup``) of every process of the service — the ``unroll serve`` process tree: gateway,
-``tritonserver`` and its stubs, with the runtimes' arenas — sampled every ``interval_s``; PSS counts the shared
-memory that Triton and its stubs both map once, where summing RSS would count it twice.
+spare ports, a temporary folder) is measured idle, then ``requests`` clients (the load engine's closed loop,
+:mod:`.loadgen`) each send one maximum-size image at once (a noisy colour photo of ``UNROLL_MAX_PIXELS`` pixels,
+2048×2048 at the default), then it is measured again after ``settle_s`` seconds without traffic. Memory is the sum
+of the **proportional set size** (PSS, from ``/proc/PID/smaps_rollup``) of every process of the service — the
+``unroll serve`` process tree: gateway, ``tritonserver`` and its stubs, with the runtimes' arenas — sampled every
+``interval_s``; PSS counts the shared memory that Triton and its stubs both map once, where summing RSS would count
+it twice.
 
 The run passes when every request got 200, the peak stays under ``peak_limit_bytes`` and the service returns to
 within ``return_limit_bytes`` of its idle footprint. Results: ``benchmarks/results/memory.{json,md}``.
@@ -20,15 +21,14 @@ import os
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import numpy as np
 from PIL import Image
 
 from unroll import tasks
+from unroll.benchmarks import loadgen
 from unroll.benchmarks.common import demo_model, machine_info, write_results
 from unroll.benchmarks.processes import descendants, kind_of
 from unroll.benchmarks.soak import start_serve, stop_serve
@@ -120,22 +120,19 @@ def run(requests: int = 20, max_pixels: int = 2048 * 2048, settle_s: float = 8.0
             latencies: list[float] = []
             refusals: list[str] = []  # what each non-200 said: a failure names its cause
 
-            def one(_: int) -> None:
-                t0 = time.perf_counter()
-                try:
-                    r = httpx.post(f"{serve.base}/v1/denoise?model={model}&sigma=25", content=body,
-                                   headers={"Content-Type": "image/png"}, timeout=REQUEST_TIMEOUT_S)
-                    statuses.append(r.status_code)
-                    if r.status_code != 200:
-                        refusals.append(f"{r.status_code}: {r.text[:300]}")
-                except httpx.HTTPError as e:
-                    statuses.append(0)
-                    refusals.append(f"no answer: {type(e).__name__}: {e}")
-                latencies.append(time.perf_counter() - t0)
+            def answered(a: loadgen.Answer) -> None:
+                o = a.outcome
+                statuses.append(o.status or 0)
+                if o.status != 200:
+                    refusals.append(f"{o.status}: {o.detail}" if o.status else f"no answer: {o.detail or o.cause}")
+                latencies.append(a.end - a.start)
 
+            # one burst: ``requests`` clients of the load engine's closed loop, one request each, all sent at once
+            payload = loadgen.Payload(f"/v1/denoise?model={model}&sigma=25", body, {"Content-Type": "image/png"})
             t0 = time.perf_counter()
-            with Sampler(serve.proc.pid) as sampler, ThreadPoolExecutor(requests) as pool:
-                list(pool.map(one, range(requests)))
+            with Sampler(serve.proc.pid) as sampler:
+                loadgen.run(serve.base, [payload], loadgen.Load(concurrency=requests), 0.0, 0.0,
+                            REQUEST_TIMEOUT_S, requests=requests, on_answer=answered)
             wall = time.perf_counter() - t0
             time.sleep(settle_s)
             after = service_bytes(serve.proc.pid)

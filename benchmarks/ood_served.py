@@ -6,7 +6,8 @@ model's graph with the solver output (residual, code size) and every node only i
 and card less ``ood``. Each *run* starts a tritonserver and a gateway on one of them and sends, per model, one test
 digit at concurrency 1 for ``run_s`` seconds per path (Triton's v2 HTTP endpoint with tensors, asking for the
 logits and, where served, the solver output; the same asking for the logits alone, *score not asked*; the gateway's
-``/v1/classify`` with the PNG), timing each request on a kept-alive connection, and the CPU each process used.
+``/v1/classify`` with the PNG), timing each request on a kept-alive connection (the load engine, one request at a
+time: :mod:`.paired_latency`), and the CPU each process used.
 
 A *cycle* is three runs: *without*, *with*, and *without* once more (*again*: the A/A arm, an identical deployment
 started anew), in an order that rotates from cycle to cycle. Two models served side by side in one server differ here
@@ -33,9 +34,9 @@ import numpy as np
 import onnx
 
 from unroll import artifacts, pipeline
-from unroll.benchmarks import paired_latency, serve_ab
+from unroll.benchmarks import paired_latency
 from unroll.benchmarks.processes import cpu_by_pid, cpu_ms_per_request
-from unroll.benchmarks.serve_load import Workload, classify_workload
+from unroll.benchmarks.serve_load import Workload, classify_workload, triton_payload
 from unroll.benchmarks.serve_triton import triton_server
 from unroll.card import from_onnx, write_to_onnx
 from unroll.errors import BenchError
@@ -111,12 +112,9 @@ def _endpoints(triton_http: str, gateway: str, name: str, sample: Workload, serv
                ) -> dict[str, paired_latency.Endpoint]:
     """Per path, the request for ``sample``'s first digit to ``name``, asking Triton for the ``served`` outputs
     (``triton``) or for the first of them alone (``triton_unasked``)."""
-    url = f"http://{triton_http}/v2/models/{name}/infer"
-    body, headers = serve_ab.triton_body(sample.arrays[0], served)
-    first, first_headers = serve_ab.triton_body(sample.arrays[0], served[:1])
-    tensors = "application/octet-stream"
-    return {"triton": paired_latency.Endpoint(url, body, {**headers, "Content-Type": tensors}),
-            "triton_unasked": paired_latency.Endpoint(url, first, {**first_headers, "Content-Type": tensors}),
+    both, first = (triton_payload(name, sample.arrays[0], outputs) for outputs in (served, served[:1]))
+    return {"triton": paired_latency.Endpoint(f"http://{triton_http}{both.path}", both.body, both.headers),
+            "triton_unasked": paired_latency.Endpoint(f"http://{triton_http}{first.path}", first.body, first.headers),
             "gateway": paired_latency.Endpoint(f"{gateway}/v1/classify?model={name}", sample.images[0],
                                                {"Content-Type": "image/png"})}
 
@@ -134,9 +132,9 @@ def _one_run(repo: Path, log_dir: Path, names: list[str], run_s: float, with_sco
             ends = _endpoints(http, gateway, name, classify_workload(name, n=1), served)
             row: dict = {}
             for path, endpoint in ends.items():
-                paired_latency.latencies(endpoint, 0.0, warmup=WARMUP)
-                before = cpu_by_pid()
-                ms = paired_latency.latencies(endpoint, run_s)
+                before: dict = {}
+                ms = paired_latency.latencies(endpoint, run_s, warmup=WARMUP,
+                                              on_measure_start=lambda b=before: b.update(cpu_by_pid()))
                 cpu = cpu_ms_per_request(before, cpu_by_pid(), len(ms)) or {}
                 row[path] = {"p50_ms": float(np.median(ms)), "mean_ms": float(np.mean(ms)), "requests": len(ms),
                              "cpu_ms_per_request": {k: round(v, 4) for k, v in cpu.items() if k != "client"}}

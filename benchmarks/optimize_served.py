@@ -4,9 +4,10 @@ same model compiled in process, on each benchmark case.
 Triton runs the repository ``unroll repo`` would write from the choice; requests are the case's tensors over gRPC,
 one at a time (a case whose batch exceeds the served max batch is skipped, with the reason), sent by
 ``perf_analyzer`` for batch 1 (Triton's own C++ client, the project's reference for Triton-direct numbers; else by
-``tritonclient`` in this process, and the row says which). The two sides alternate in :data:`ROUNDS` rounds, so a
-slow spell of the machine falls on both; Triton idles (no CPU) while PyTorch runs, and PyTorch idles while Triton
-serves. ``torch.compile`` gets the same thread count and ``dynamic=False`` (compiled once per case, not timed).
+the project's load engine, :mod:`.loadgen`, over gRPC in this process, and the row says which). The two sides
+alternate in :data:`ROUNDS` rounds, so a slow spell of the machine falls on both; Triton idles (no CPU) while
+PyTorch runs, and PyTorch idles while Triton serves. ``torch.compile`` gets the same thread count and
+``dynamic=False`` (compiled once per case, not timed).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from unroll.benchmarks import perf_analyzer
+from unroll.benchmarks import loadgen, perf_analyzer
 from unroll.benchmarks.common import time_call
-from unroll.benchmarks.serve_load import Workload, triton_grpc_client
 from unroll.benchmarks.serve_triton import triton_server
 from unroll.card import ModelCard
+from unroll.errors import BenchError
 from unroll.serving.repository import write_repository
 
 ROUNDS = 3
@@ -58,12 +59,11 @@ def _served_p50(name: str, card: ModelCard, grpc: str, label: str, feeds: dict, 
     if batch == 1 and perf_analyzer.find() is not None:
         row = perf_analyzer.measure(name, grpc, [feeds], 1, window_ms=1000, max_trials=4, batching=batching)
         return row["latency_ms"]["p50"], "perf_analyzer"
-    call, close = triton_grpc_client(grpc, Workload(label, name, label, [feeds], [], "", card.output))()
-    try:
-        return time_call(lambda: call(0), warmup=3, max_repeats=500, budget_s=TIME_PER_ROUND_S)["median_ms"], \
-            "tritonclient (Python)"
-    finally:
-        close()
+    res = loadgen.run(f"grpc://{grpc}", [loadgen.Tensors(name, feeds, (card.output,))], loadgen.Load(concurrency=1),
+                      TIME_PER_ROUND_S, warmup_s=0.2)
+    if res.errors or not res.ok:
+        raise BenchError(f"{name} {label} through Triton: {'; '.join(res.error_samples) or 'no answer'}")
+    return res.percentile(50), "the load engine (gRPC, Python)"
 
 
 def served_vs_compile(name: str, card: ModelCard, timing: list, repo_kwargs: dict, onnx_dir: Path, aoti_dir: Path,

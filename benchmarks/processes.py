@@ -30,7 +30,7 @@ def descendants(root: int) -> list[int]:
 
 
 def kind_of(pid: int, client: int | None = None) -> str | None:
-    """``gateway``, ``tritonserver``, ``backends`` (stubs) or ``client`` (``client`` pid, perf_analyzer, ab); ``None``
+    """``gateway``, ``tritonserver``, ``backends`` (stubs) or ``client`` (``client`` pid, perf_analyzer); ``None``
     once the process is gone."""
     try:
         argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
@@ -40,7 +40,7 @@ def kind_of(pid: int, client: int | None = None) -> str | None:
         return "backends"
     if argv0.endswith("tritonserver"):
         return "tritonserver"
-    if pid == client or "perf_analyzer" in argv0 or argv0.rsplit("/", 1)[-1] == "ab":
+    if pid == client or "perf_analyzer" in argv0:
         return "client"
     return "gateway"
 

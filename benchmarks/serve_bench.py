@@ -1,13 +1,14 @@
 """The serving path under load: in-process ONNX Runtime vs Triton (HTTP, gRPC) vs the REST gateway.
 
-A closed-loop load generator sweeps concurrency levels on real inputs of the trained demo models and records
-throughput, latency percentiles, errors and Triton's own per-stage split and batch sizes; Triton direct is also
+The project's load engine (:mod:`.loadgen`, closed loop) sweeps concurrency levels on real inputs of the trained demo
+models and records throughput, latency percentiles, errors by cause, the client's own CPU per request and Triton's
+own per-stage split and batch sizes; every path is driven by that one engine; Triton direct is also
 measured with ``perf_analyzer`` (:mod:`unroll.benchmarks.perf_analyzer`). Dynamic batching on vs off runs in
 interleaved rounds (the median ratio), so load drifting on a shared machine hits both alike. The targets
 (:func:`targets`) are ratios within one run; client, gateway and Triton share the machine's cores, so the numbers
 say what this box serves.
 
-This module runs the benchmark; the workloads, clients and load loop are in :mod:`.serve_load`, the servers and
+This module runs the benchmark; the workloads and what each path sends are in :mod:`.serve_load`, the servers and
 Triton's statistics in :mod:`.serve_triton`, the targets and Markdown in :mod:`.serve_report`.
 """
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from unroll import artifacts
 from unroll.benchmarks import perf_analyzer as pa
-from unroll.benchmarks import plots, serve_ab
+from unroll.benchmarks import plots
 from unroll.benchmarks.common import (
     RESULTS,
     exported_card,
@@ -37,25 +38,21 @@ from unroll.benchmarks.common import (
     write_docs_blocks,
     write_results,
 )
+from unroll.benchmarks.loadgen import LevelResult
 from unroll.benchmarks.processes import cpu_by_pid, cpu_ms_per_request
 from unroll.benchmarks.serve_load import (
     CLASSIFY_SAMPLES,
     DENOISE_PATHS,
-    MAX_ERROR_SAMPLES,
     PATHS,
     PERF_ANALYZER_CONCURRENCY,
-    Client,
     Served,
     Workload,
     classify_workload,
-    closed_loop,
+    closed_level,
     denoise_workload,
-    gateway_client,
     image_feeds,
-    ort_client,
     served_models,
-    triton_grpc_client,
-    triton_http_client,
+    traffic,
 )
 from unroll.benchmarks.serve_report import README_BEGIN, README_END, direct_path, markdown, readme_block, targets
 from unroll.benchmarks.serve_triton import (
@@ -85,6 +82,11 @@ DEFAULT_DENOISE_SIZES = (256, 512)
 CEILING_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 #: Queue delays (µs) compared with the default (serving/repository.py) at concurrency 1 and the batching level.
 COMPARE_QUEUE_DELAYS_US = (500,)
+#: The paths measured again on a Triton whose ONNX Runtime threads spin the other way (the classifier).
+SPINNING_PATHS = ("gateway", "triton-http")
+#: How the results name the client of every level but perf_analyzer's.
+CLIENT = ("the load engine (benchmarks/loadgen.py): closed loop, one asyncio event loop for every request in flight, "
+          "HTTP/1.1 keep-alive (h11) or one gRPC channel, in-process calls in a thread per request in flight")
 
 
 def perf_analyzer_level(w: Workload, concurrency: int, servers: Servers, window_ms: int) -> dict:
@@ -108,11 +110,11 @@ def _pa_window_ms(duration_s: float) -> int:
 
 
 def direct_level(w: Workload, concurrency: int, servers: Servers, sessions: dict, duration_s: float,
-                 warmup_s: float, use_perf_analyzer: bool, tick: Callable[[float], None] | None = None) -> dict:
-    """Triton direct: ``perf_analyzer`` when present, else our own gRPC client."""
+                 warmup_s: float, use_perf_analyzer: bool, progress: Callable[[float], None] | None = None) -> dict:
+    """Triton direct: ``perf_analyzer`` when present, else the load engine over gRPC."""
     if use_perf_analyzer:
         return perf_analyzer_level(w, concurrency, servers, _pa_window_ms(duration_s))
-    return measure("triton-grpc", w, concurrency, duration_s, warmup_s, servers, sessions, tick=tick)
+    return measure("triton-grpc", w, concurrency, duration_s, warmup_s, servers, sessions, progress=progress)
 
 
 def ort_ceiling(session, w: Workload, batch_sizes: tuple[int, ...] = CEILING_BATCH_SIZES,
@@ -138,42 +140,35 @@ def ort_ceiling(session, w: Workload, batch_sizes: tuple[int, ...] = CEILING_BAT
     return {"model": w.model, "input": w.label, "rows": rows, "best": best}
 
 
-def _client_for(path: str, w: Workload, servers: Servers, sessions: dict) -> Callable[[], Client]:
-    if path == "onnxruntime":
-        return ort_client(sessions[w.model], w)
-    if path == "triton-http":
-        return triton_http_client(servers.triton_http, w)
-    if path in ("triton-grpc", "triton-grpc-image"):
-        return triton_grpc_client(servers.triton_grpc, w, image=path == "triton-grpc-image")
-    if servers.gateway is None:
-        raise BenchError("no gateway to measure")
-    return gateway_client(servers.gateway, w)
-
-
 def measure(path: str, w: Workload, concurrency: int, duration_s: float, warmup_s: float, servers: Servers | None,
-            sessions: dict, stats_url: str | None = None, tick: Callable[[float], None] | None = None) -> dict:
-    """One (path, concurrency) cell: client latencies + throughput, and Triton's split when a server is involved."""
-    make = _client_for(path, w, servers, sessions)  # type: ignore[arg-type]
+            sessions: dict, stats_url: str | None = None, progress: Callable[[float], None] | None = None) -> dict:
+    """One (path, concurrency) cell on the load engine: client latencies, throughput, errors by cause and the
+    client's CPU per request; Triton's split and every process's CPU per request when a server is involved."""
+    urls = {} if servers is None else {"triton_http": servers.triton_http, "triton_grpc": servers.triton_grpc,
+                                       "gateway": servers.gateway}
+    t = traffic(path, w, concurrency, session=sessions.get(w.model), **urls)
     stats_url = stats_url or (servers.triton_http if servers is not None and path != "onnxruntime" else None)
-    snap: dict[str, dict | None] = {}
-
-    cpu: dict[str, dict] = {}
+    snap: dict = {}
 
     def before() -> None:
         if stats_url:
-            snap["before"] = triton_stats(stats_url, w.model)
-        cpu["before"] = cpu_by_pid()
+            snap["stats"] = triton_stats(stats_url, w.model)
+        snap["cpu"] = cpu_by_pid()
 
-    res = closed_loop(make, concurrency, duration_s, warmup_s, before, tick)
+    res = closed_level(t, concurrency, duration_s, warmup_s, before, progress)
     cpu_after = cpu_by_pid()
-    server = stats_delta(snap.get("before"), triton_stats(stats_url, w.model)) if stats_url else None
-    n = len(res.latencies_ms)
+    server = stats_delta(snap.get("stats"), triton_stats(stats_url, w.model)) if stats_url else None
+    cpu = cpu_ms_per_request(snap["cpu"], cpu_after, res.ok) if _own_servers(servers) else None
+    return level_row(w, path, concurrency, res) | {"server": server, "cpu_ms_per_request": cpu}
+
+
+def level_row(w: Workload, path: str, concurrency: int, res: LevelResult) -> dict:
+    """A level's row in the results: what was sent, what was answered and how fast, and what the client spent."""
     return {"workload": w.key, "model": w.model, "input": w.label, "path": path, "concurrency": concurrency,
-            "duration_s": res.elapsed_s, "requests": n, "errors": len(res.errors),
-            "error_samples": list(dict.fromkeys(res.errors))[:MAX_ERROR_SAMPLES],
-            "throughput_rps": n / res.elapsed_s if res.elapsed_s > 0 else 0.0,
-            "latency_ms": latency_summary(res.latencies_ms), "server": server,
-            "cpu_ms_per_request": cpu_ms_per_request(cpu["before"], cpu_after, n) if _own_servers(servers) else None}
+            "duration_s": res.duration_s, "sent": res.sent, "requests": res.ok, "errors": res.errors_total,
+            "errors_by_cause": dict(res.errors), "error_samples": list(res.error_samples),
+            "throughput_rps": res.throughput, "latency_ms": latency_summary(res.latencies_ms),
+            "client_cpu_ms_per_request": res.cpu_ms_per_request}
 
 
 def _own_servers(servers: Servers | None) -> bool:
@@ -239,7 +234,7 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
     perf_analyzer`) when it is set up, at ``perf_analyzer_concurrency`` for the classifier and the denoiser
     concurrency for each image size; it then also drives the batching on/off rounds and the queue-delay
     comparison (a Triton per delay in ``compare_queue_delays_us``, against the repository default). When it is
-    missing, the results say so with the set-up command and those use the Python gRPC client.
+    missing, the results say so with the set-up command and those use the load engine over gRPC.
     ONNX Runtime's in-process batched ceiling (``ceiling_batch_sizes``) is measured on the classifier.
     """
     _check_options(batching_rounds, paths, url, triton_url)
@@ -264,7 +259,7 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
             "workloads": {w.key: {"model": w.model, "input": w.label, "paths": list(w.paths),
                                   "concurrency": list(w.concurrency)} for w in workloads},
             "batching_concurrency": batching_concurrency,
-            "client": "closed loop, one thread (and client) per in-flight request, on the same machine"}
+            "client": CLIENT}
         servers = _servers(stack, tmp, repo_on, paths, url, triton_url, triton_grpc_url, log)
         sessions = {m: ort_session(artifacts.graph(m, onnx_dir=onnx_dir), threads, spinning=INTRA_OP_SPINNING)
                     for m in (served.classifier, served.denoiser)}
@@ -272,11 +267,11 @@ def run(concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, duration_s: float = 
         cells = [(w, p, c) for w in workloads for p in w.paths for c in w.concurrency]
         with progress_bars(progress) as bars:
             bar = _Bars(bars, bars.add_task("serve sweep", total=len(cells) + 5, info=""),
-                        bars.add_task("level", total=duration_s, info=""), duration_s)
+                        bars.add_task("level", total=1.0, info=""), duration_s)
             runs = _sweep(bar, cells, duration_s, warmup_s, servers, sessions)
-            payload["ab"] = serve_ab.runs(workloads, servers.triton_http, servers.gateway, duration_s, show=bar.show)
-            if payload["ab"]["available"] and servers.started_gateway:
-                payload["ab"]["other_spinning"] = _other_spinning(bar, onnx_dir, tmp, served, workloads, duration_s)
+            if servers.started_gateway:
+                payload["other_spinning"] = _other_spinning(bar, onnx_dir, tmp, served, workloads[0], sessions,
+                                                            duration_s, warmup_s)
             bar.advance()
             classify = workloads[0]
             bar.show("ONNX Runtime batched ceiling")
@@ -390,8 +385,9 @@ class _Bars:
         self.bars.update(self.level, description=description, completed=0,
                          **({} if info is None else {"info": info}))
 
-    def tick(self, t: float) -> None:
-        self.bars.update(self.level, completed=min(t, self.duration_s))
+    def tick(self, fraction: float) -> None:
+        """The level's progress (the engine's: a fraction of its warm-up and measured window)."""
+        self.bars.update(self.level, completed=min(fraction, 1.0))
 
     def advance(self, n: int = 1) -> None:
         self.bars.advance(self.total, n)
@@ -409,9 +405,9 @@ class _Level:
     use_pa: bool
 
     def __call__(self, concurrency: int, servers: Servers | None = None,
-                 tick: Callable[[float], None] | None = None) -> dict:
+                 progress: Callable[[float], None] | None = None) -> dict:
         return direct_level(self.classify, concurrency, servers or self.servers, self.sessions, self.duration_s,
-                            self.warmup_s, self.use_pa, tick=tick)
+                            self.warmup_s, self.use_pa, progress=progress)
 
 
 def _sweep(bar: _Bars, cells: list[tuple[Workload, str, int]], duration_s: float, warmup_s: float,
@@ -420,7 +416,7 @@ def _sweep(bar: _Bars, cells: list[tuple[Workload, str, int]], duration_s: float
     runs = []
     for w, p, c in cells:
         bar.show(f"{w.key} {p} c={c}")
-        r = measure(p, w, c, duration_s, warmup_s, servers, sessions, tick=bar.tick)
+        r = measure(p, w, c, duration_s, warmup_s, servers, sessions, progress=bar.tick)
         bar.bars.update(bar.level, info=f"{r['throughput_rps']:.1f} req/s, p50 {r['latency_ms']['p50']:.1f} ms"
                                         + (f", {r['errors']} errors" if r["errors"] else ""))
         runs.append(r)
@@ -449,7 +445,7 @@ def _batching_rounds(bar: _Bars, level: _Level, tmp: Path, repo_off: Path, paylo
             pair = {}
             for tag, srv in (("on", level.servers), ("off", off_servers)):
                 bar.show(f"batching {tag}, c={concurrency} (round {k + 1}/{n_rounds})", info=None)
-                pair[tag] = level(concurrency, srv, tick=bar.tick)
+                pair[tag] = level(concurrency, srv, progress=bar.tick)
             off_rps = pair["off"]["throughput_rps"]
             pair["speedup"] = pair["on"]["throughput_rps"] / off_rps if off_rps else None
             rounds.append(pair)
@@ -467,23 +463,30 @@ def _queue_delays(bar: _Bars, level: _Level, tmp: Path, repo_delays: dict[int, P
         with triton_server(repo, tmp / f"triton-delay-{d}.log") as (d_http, d_grpc):
             qd[d] = {c: level(c, Servers(d_http, d_grpc, None)) for c in levels}
     return {"default_us": DEFAULT_QUEUE_DELAY_US, "model": served.classifier,
-            "client": "perf_analyzer" if level.use_pa else "python gRPC", "concurrency": levels,
+            "client": "perf_analyzer" if level.use_pa else "the load engine, gRPC", "concurrency": levels,
             "rows": [{"delay_us": d, "concurrency": c, **{k: r[k] for k in ("throughput_rps", "latency_ms", "server")}}
                      for d, by_c in qd.items() for c, r in by_c.items()]}
 
 
-def _other_spinning(bar: _Bars, onnx_dir: Path, tmp: Path, served: Served, workloads: list[Workload],
-                    duration_s: float) -> dict:
-    """The ``ab`` comparison again on a Triton whose ONNX Runtime threads spin the other way than the default
+def _other_spinning(bar: _Bars, onnx_dir: Path, tmp: Path, served: Served, classify: Workload, sessions: dict,
+                    duration_s: float, warmup_s: float) -> dict:
+    """The classifier through the gateway and Triton's HTTP endpoint (:data:`SPINNING_PATHS`) at concurrency 1 and
+    its highest level again, on a Triton whose ONNX Runtime threads spin the other way than the default
     (``intra_op_spinning``), with a gateway of its own: what spinning costs or buys the whole service."""
     spinning = not INTRA_OP_SPINNING
     repo = tmp / "other-spinning"
     write_repository("cpu", [m for m in (served.classifier, served.lam_rule) if m], repo, onnx_dir=onnx_dir,
                      spinning=spinning)
     bar.show(f"starting Triton with spinning {'on' if spinning else 'off'}")
+    levels = sorted({1, max(classify.concurrency)})
+    rows = []
     with triton_server(repo, tmp / "triton-other-spinning.log") as (http_url, grpc_url), \
             gateway_process(Settings(triton_url=grpc_url), tmp / "gw-other-spinning.log") as gateway:
-        rows = serve_ab.runs(workloads[:1], http_url, gateway, duration_s, show=bar.show)["runs"]
+        servers = Servers(http_url, grpc_url, gateway, started_triton=True, started_gateway=True)
+        for path in (p for p in SPINNING_PATHS if p in classify.paths):
+            for c in levels:
+                bar.show(f"spinning {'on' if spinning else 'off'}: {classify.key} {path} c={c}")
+                rows.append(measure(path, classify, c, duration_s, warmup_s, servers, sessions, progress=bar.tick))
     return {"spinning": spinning, "runs": rows}
 
 

@@ -1,18 +1,21 @@
-"""The load side of ``unroll bench serve``: the workloads (real inputs of the served demo models), one client per
-path (in-process ONNX Runtime, Triton HTTP and gRPC, the gateway) and the closed loop that drives them."""
+"""The load side of ``unroll bench serve``: the workloads (real inputs of the served demo models) and, per path, what
+the project's load engine (:mod:`.loadgen`) sends: in-process ONNX Runtime calls, Triton's HTTP endpoint (binary
+tensors), its gRPC endpoint (tensors, or the PNG bytes), the gateway (PNG). One engine for every path, so the paths
+differ by what they send and where, never by how they are driven or timed."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from unroll import tasks
+from unroll.benchmarks import loadgen
 from unroll.benchmarks.common import demo_model, png_bytes
+from unroll.benchmarks.loadgen import InProcessSender, LevelResult, Load, Payload, Sender, Tensors
 from unroll.data import add_noise, dataset, noise_seed
 from unroll.errors import BenchError, NoModel
 from unroll.registry import get_spec
@@ -27,7 +30,8 @@ PERF_ANALYZER_CONCURRENCY = (1, 16)
 DENOISE_SIGMA = 25.0
 CLASSIFY_SAMPLES = 256
 DENOISE_IMAGES = 4
-MAX_ERROR_SAMPLES = 3
+#: Seconds a request may take before it counts as a timeout (a 512² denoise at high concurrency on 2 cores is slow).
+REQUEST_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -101,42 +105,8 @@ def denoise_workload(name: str, size: int, n: int = DENOISE_IMAGES, sigma255: fl
                     f"/v1/denoise?model={name}&sigma={sigma255:g}", card.output)
 
 
-#: Per-thread client: ``(call(i), close())``; ``call`` sends sample ``i`` and raises on any error.
-Client = tuple[Callable[[int], object], Callable[[], None]]
-
-
 def as_batch(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1, 1) if a.ndim == 1 else a  # [B] (lam, sigma) travels as [B, 1] (config: dims [1] + reshape)
-
-
-def ort_client(session, w: Workload) -> Callable[[], Client]:
-    feeds = w.arrays
-
-    def make() -> Client:
-        return (lambda i: session.run(None, feeds[i % len(feeds)])), (lambda: None)
-
-    return make
-
-
-def triton_http_client(url: str, w: Workload) -> Callable[[], Client]:
-    def make() -> Client:
-        import tritonclient.http as httpclient
-
-        client = httpclient.InferenceServerClient(url, connection_timeout=60, network_timeout=120)
-        outputs = [httpclient.InferRequestedOutput(w.output, binary_data=True)]
-
-        def call(i: int) -> object:
-            ins = []
-            for name, a in w.arrays[i % len(w.arrays)].items():
-                a = as_batch(a)
-                t = httpclient.InferInput(name, list(a.shape), "FP32")
-                t.set_data_from_numpy(a, binary_data=True)
-                ins.append(t)
-            return client.infer(w.model, ins, outputs=outputs).as_numpy(w.output)
-
-        return call, client.close
-
-    return make
 
 
 def image_feeds(w: Workload) -> list[dict[str, np.ndarray]]:
@@ -156,116 +126,54 @@ def image_output(w: Workload) -> str:
     return ENCODED if w.key.startswith("denoise") else w.output
 
 
-def triton_grpc_client(url: str, w: Workload, image: bool = False) -> Callable[[], Client]:
-    """Triton's gRPC endpoint with ``w``'s tensors, or (``image``) with its PNG bytes."""
-    feeds = image_feeds(w) if image else [{k: as_batch(v) for k, v in a.items()} for a in w.arrays]
-    output = image_output(w) if image else w.output
+def triton_payload(model: str, inputs: dict[str, np.ndarray], outputs: Sequence[str]) -> Payload:
+    """A KServe v2 request to Triton's ``/v2/models/MODEL/infer``: the inputs in the binary tensor extension and
+    ``outputs`` asked for as binary data (the engine's HTTP client frames any answer, binary or not)."""
+    from tritonclient.utils import np_to_triton_dtype
 
-    def make() -> Client:
-        import tritonclient.grpc as grpcclient
-        from tritonclient.utils import np_to_triton_dtype
-
-        client = grpcclient.InferenceServerClient(url)
-        outputs = [grpcclient.InferRequestedOutput(output)]
-
-        def call(i: int) -> object:
-            ins = []
-            for name, a in feeds[i % len(feeds)].items():
-                t = grpcclient.InferInput(name, list(a.shape), np_to_triton_dtype(a.dtype))
-                t.set_data_from_numpy(a)
-                ins.append(t)
-            return client.infer(w.model, ins, outputs=outputs, client_timeout=120).as_numpy(output)
-
-        return call, client.close
-
-    return make
+    arrays = {k: np.ascontiguousarray(a) for k, a in inputs.items()}
+    head = json.dumps({"inputs": [{"name": k, "shape": list(a.shape), "datatype": np_to_triton_dtype(a.dtype),
+                                   "parameters": {"binary_data_size": a.nbytes}} for k, a in arrays.items()],
+                       "outputs": [{"name": o, "parameters": {"binary_data": True}} for o in outputs]}).encode()
+    return Payload(f"/v2/models/{model}/infer", head + b"".join(a.tobytes() for a in arrays.values()),
+                   {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(head))})
 
 
-def gateway_client(base: str, w: Workload) -> Callable[[], Client]:
-    def make() -> Client:
-        import httpx
-
-        client = httpx.Client(base_url=base, timeout=120)
-
-        def call(i: int) -> object:
-            r = client.post(w.gateway_path, content=w.images[i % len(w.images)],
-                            headers={"Content-Type": "image/png"})
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:160]}")
-            return r.content
-
-        return call, client.close
-
-    return make
+def gateway_payloads(w: Workload) -> list[Payload]:
+    """``w``'s images as the gateway takes them: the PNG as the raw body of its ``/v1`` route."""
+    return [Payload(w.gateway_path, png, {"Content-Type": "image/png"}) for png in w.images]
 
 
-@dataclass
-class LoopResult:
-    latencies_ms: list[float] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    elapsed_s: float = 0.0
+@dataclass(frozen=True)
+class Traffic:
+    """What one path sends: the engine's target (a URL, a ``grpc://`` Triton or an in-process sender) and the
+    requests it cycles through."""
+
+    target: str | Sender
+    payloads: list
 
 
-def closed_loop(make: Callable[[], Client], concurrency: int, duration_s: float, warmup_s: float,
-                on_measure_start: Callable[[], None] | None = None,
-                tick: Callable[[float], None] | None = None) -> LoopResult:
-    """``concurrency`` threads, each sending its next request as soon as the previous one answered.
+def traffic(path: str, w: Workload, concurrency: int, *, triton_http: str | None = None,
+            triton_grpc: str | None = None, gateway: str | None = None, session: Any = None) -> Traffic:
+    """``w``'s requests on ``path`` (:data:`PATHS`); the in-process sender gets a thread per request in flight."""
+    tensors = [{k: as_batch(v) for k, v in a.items()} for a in w.arrays]
+    if path == "onnxruntime":
+        return Traffic(InProcessSender(lambda feeds: session.run(None, feeds), concurrency), list(w.arrays))
+    if path == "triton-http" and triton_http:
+        return Traffic(f"http://{triton_http}", [triton_payload(w.model, t, [w.output]) for t in tensors])
+    if path == "triton-grpc" and triton_grpc:
+        return Traffic(f"grpc://{triton_grpc}", [Tensors(w.model, t, (w.output,)) for t in tensors])
+    if path == "triton-grpc-image" and triton_grpc:
+        return Traffic(f"grpc://{triton_grpc}", [Tensors(w.model, f, (image_output(w),)) for f in image_feeds(w)])
+    if path == "gateway" and gateway:
+        return Traffic(gateway, gateway_payloads(w))
+    raise BenchError(f"no server to measure {path} on")
 
-    Phase 1 (``warmup_s``, not recorded) warms connections and caches; all threads then drain and
-    meet, ``on_measure_start`` runs (statistics snapshot), and phase 2 records for ``duration_s``.
-    Requests in flight at the deadline finish and count; none starts after it. ``tick(elapsed)`` is
-    called about 10× a second from the calling thread (progress bars).
-    """
-    lat: list[list[float]] = [[] for _ in range(concurrency)]
-    errs: list[list[str]] = [[] for _ in range(concurrency)]
-    ends = [0.0] * concurrency
-    ready = threading.Barrier(concurrency + 1)
-    go = threading.Event()
-    clock: dict[str, float] = {}
 
-    def worker(k: int) -> None:
-        try:
-            call, close = make()
-        except Exception as e:  # a client that cannot even connect is an error of this level
-            errs[k].append(f"client: {type(e).__name__}: {e}"[:200])
-            with contextlib.suppress(threading.BrokenBarrierError):
-                ready.wait()
-            return
-        try:
-            i = k
-            stop = time.perf_counter() + warmup_s
-            while time.perf_counter() < stop:
-                with contextlib.suppress(Exception):
-                    call(i)
-                i += concurrency
-            ready.wait()
-            go.wait()
-            deadline = clock["deadline"]
-            while (t0 := time.perf_counter()) < deadline:
-                try:
-                    call(i)
-                    lat[k].append((time.perf_counter() - t0) * 1e3)
-                except Exception as e:
-                    errs[k].append(f"{type(e).__name__}: {e}"[:200])
-                i += concurrency
-            ends[k] = time.perf_counter()
-        finally:
-            close()
-
-    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(concurrency)]
-    for t in threads:
-        t.start()
-    ready.wait()
-    if on_measure_start is not None:
-        on_measure_start()
-    clock["start"] = time.perf_counter()
-    clock["deadline"] = clock["start"] + duration_s
-    go.set()
-    while any(t.is_alive() for t in threads):
-        if tick is not None:
-            tick(time.perf_counter() - clock["start"])
-        time.sleep(0.1)
-    for t in threads:
-        t.join()
-    end = max([e for e in ends if e > 0], default=clock["start"] + duration_s)
-    return LoopResult([x for part in lat for x in part], [x for part in errs for x in part], end - clock["start"])
+def closed_level(t: Traffic, concurrency: int, duration_s: float, warmup_s: float,
+          on_measure_start: Callable[[], object] | None = None, progress: Callable[[float], None] | None = None,
+          timeout_s: float = REQUEST_TIMEOUT_S) -> LevelResult:
+    """One closed-loop level of ``t`` on the engine: ``concurrency`` requests in flight, ``warmup_s`` not counted,
+    then ``duration_s`` measured (``on_measure_start`` runs as that window opens: the statistics snapshots)."""
+    return loadgen.run(t.target, t.payloads, Load(concurrency=concurrency), duration_s, warmup_s, timeout_s,
+                       progress=progress, on_measure_start=on_measure_start)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from unroll.benchmarks.common import load_note
-from unroll.benchmarks.serve_ab import AB_PATHS
 from unroll.benchmarks.serve_load import PATH_LABELS, PERF_ANALYZER_CONCURRENCY
 from unroll.benchmarks.serve_triton import FLOOR_MODEL
 
@@ -13,7 +12,7 @@ TARGET_BATCHING_SPEEDUP = 1.5
 TARGET_DIRECT_OVERHEAD_MS = 0.5
 #: Triton direct at the batching concurrency ≥ this share of ONNX Runtime's in-process batched ceiling.
 TARGET_CEILING_SHARE = 0.7
-#: Issue 24's request-path targets (all from ``ab`` runs, the same client for the gateway and Triton direct).
+#: Issue 24's request-path targets (the sweep's levels: the gateway and Triton direct driven by the same engine).
 TARGET_GATEWAY_CPU_MS = 0.8
 TARGET_GATEWAY_OVER_DIRECT_MS = 1.0
 TARGET_GATEWAY_THROUGHPUT_SHARE = 0.6
@@ -47,9 +46,7 @@ def targets(payload: dict) -> list[dict]:
                 "value": sp, "met": None if sp is None else sp >= TARGET_BATCHING_SPEEDUP})
     out += _direct_targets(payload)
     out += request_path_targets(payload)
-    all_runs = runs + _batching_runs(b)
-    ab_runs = [{**r, "errors": r["failed"]} for r in (payload.get("ab") or {}).get("runs", [])]
-    all_runs += ab_runs
+    all_runs = runs + _batching_runs(b) + (payload.get("other_spinning") or {}).get("runs", [])
     n_err = sum(r["errors"] for r in all_runs)
     bad = sorted({f"{r['workload']} {r['path']} c={r['concurrency']}" for r in all_runs if r["errors"]})
     out.append({"target": "zero errors at every level", "value": n_err, "met": n_err == 0,
@@ -137,8 +134,9 @@ def _cpu_markdown(payload: dict) -> list[str]:
         return []
     lines = ["", "## CPU per request (ms of CPU time per answered request, by process)", "",
              "Measured from `/proc` over each level (user + system time of every process this run started: the "
-             "gateway's workers summed, tritonserver, the Python-backend stubs; `client` is the load generator, "
-             "which for in-process ONNX Runtime includes the inference). The figure carries between machines; "
+             "gateway's workers summed, tritonserver, the Python-backend stubs). `client` is the load engine's own "
+             "process (its count where the results hold it: CPU over the whole level, warm-up included, per request "
+             "sent), which for in-process ONNX Runtime includes the inference. The figure carries between machines; "
              "latency on a small shared machine does not.", "",
              "| workload | path | conc. | req/s | gateway | tritonserver | stubs | server side | client |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -147,9 +145,10 @@ def _cpu_markdown(payload: dict) -> list[str]:
         for r in (x for x in group if x["concurrency"] in {levels[0], levels[-1]}):
             c = r["cpu_ms_per_request"]
             server = c["gateway"] + c["tritonserver"] + c["backends"]
+            client = r.get("client_cpu_ms_per_request", c["client"])
             lines.append(f"| {r['model']}: {r['input']} | {PATH_LABELS[path]} | {r['concurrency']} | "
                          f"{_f(r['throughput_rps'], 1)} | {_f(c['gateway'], 3)} | {_f(c['tritonserver'], 3)} | "
-                         f"{_f(c['backends'], 3)} | {_f(server, 3)} | {_f(c['client'], 3)} |")
+                         f"{_f(c['backends'], 3)} | {_f(server, 3)} | {_f(client, 3)} |")
     return lines
 
 
@@ -222,8 +221,8 @@ def markdown(payload: dict) -> str:
     gw_cfg = srv.get("config", {}).get(classifier, {})
     lines = [f"# Serving under load ({m['cpu']}, {m['logical_cores']} cores, onnxruntime "
              f"{m['versions'].get('onnxruntime')}, tritonclient {m['versions'].get('tritonclient')})", "",
-             f"Closed loop: one client thread per in-flight request, {cfg['duration_s']:g} s per level after "
-             f"{cfg['warmup_s']:g} s warm-up, client, gateway and Triton on the same machine. Latency from the "
+             f"Client: {cfg['client']}. {cfg['duration_s']:g} s per level after {cfg['warmup_s']:g} s warm-up; "
+             "client, gateway and Triton on the same machine. Latency from the "
              "client in ms. Triton split: mean ms per request from its statistics API over the level "
              "(queue, compute input, infer, output); batch = average batch size Triton formed. Gateway share = "
              f"gateway latency − {PATH_LABELS[own]} latency at the same concurrency (p50). "
@@ -252,11 +251,11 @@ def markdown(payload: dict) -> str:
                  if r.get("gateway_share_ms", {}).get("vs") not in (None, own)}
         for vs in sorted(other):
             lines += ["", f"† vs {PATH_LABELS[vs]} ({PATH_LABELS[own]} not measured for this input)."]
-    lines += ab_markdown(payload)
+    lines += spinning_markdown(payload)
     lines += _cpu_markdown(payload)
     lines += _direct_markdown(payload)
     if b:
-        client = "perf_analyzer" if b.get("path") == "perf-analyzer" else "Triton gRPC, Python client"
+        client = "perf_analyzer" if b.get("path") == "perf-analyzer" else "Triton gRPC, the load engine"
         lines += ["", f"## Dynamic batching on vs off ({classifier}, {client}, concurrency {b['concurrency']})", "",
                   "| Triton config | req/s | p50 | p99 | avg batch | errors |", "|---|---|---|---|---|---|"]
         for tag, r, c in (("on", b["on"], b["config_on"]), ("off", b["off"], b["config_off"])):
@@ -284,47 +283,49 @@ def markdown(payload: dict) -> str:
     return "\n".join(lines)
 
 
-def _ab_row(payload: dict, workload: str, path: str, c: int) -> dict | None:
-    rows = (payload.get("ab") or {}).get("runs", [])
-    return next((r for r in rows if r["workload"] == workload and r["path"] == path and r["concurrency"] == c
-                 and r["requests"]), None)
-
-
 def request_path_targets(payload: dict) -> list[dict]:
-    """Issue 24's targets: what the gateway costs over Triton direct, both driven by ``ab`` for the classifier (empty
-    for results from before ``ab`` was part of the benchmark), by the Python clients for the denoiser."""
-    ab = payload.get("ab")
-    if not ab:
-        return []
-    why = ab.get("missing") or "not measured"
+    """Issue 24's targets: what the gateway costs over Triton direct for the classifier, both driven by the same
+    client over HTTP (the sweep's gateway and Triton HTTP levels), and the denoiser's gateway share."""
     first = next(iter(payload["config"]["workloads"]))
-    top = max((r["concurrency"] for r in ab["runs"] if r["workload"] == first), default=32)
-    gw_top, gw1 = _ab_row(payload, first, "gateway", top), _ab_row(payload, first, "gateway", 1)
+    rows = [r for r in payload["runs"] if r["workload"] == first and r["requests"]]
+
+    def row(path: str, c: int | None) -> dict | None:
+        return next((r for r in rows if r["path"] == path and r["concurrency"] == c), None)
+
+    top = max((r["concurrency"] for r in rows if r["path"] == "gateway"), default=None)
+    gw_top, gw1 = row("gateway", top), row("gateway", 1)
     out = []
     cpu = gw_top["cpu_ms_per_request"]["gateway"] if gw_top and gw_top.get("cpu_ms_per_request") else None
-    out.append({"target": f"gateway CPU per classify request at concurrency {top} ≤ {TARGET_GATEWAY_CPU_MS:g} ms",
-                "measured": why if cpu is None else f"{cpu:.3f} ms ({gw_top['throughput_rps']:.0f} req/s)",
+    out.append({"target": f"gateway CPU per classify request at concurrency {top or '-'} ≤ "
+                          f"{TARGET_GATEWAY_CPU_MS:g} ms",
+                "measured": "not measured" if cpu is None else f"{cpu:.3f} ms ({gw_top['throughput_rps']:.0f} req/s)",
                 "value": cpu, "met": None if cpu is None else cpu <= TARGET_GATEWAY_CPU_MS})
-    d1 = _ab_row(payload, first, "triton-tensor", 1)
+    d1 = row("triton-http", 1)
     over = gw1["latency_ms"]["p50"] - d1["latency_ms"]["p50"] if gw1 and d1 else None
     out.append({"target": f"gateway p50 at concurrency 1 ≤ Triton direct + {TARGET_GATEWAY_OVER_DIRECT_MS:g} ms (both "
-                          "driven by ab over HTTP)",
-                "measured": why if over is None else f"{over:+.2f} ms (gateway {gw1['latency_ms']['p50']:.2f} ms, "
-                                                     f"Triton direct {d1['latency_ms']['p50']:.2f} ms)",
+                          "driven by the load engine over HTTP)",
+                "measured": "not measured" if over is None else
+                f"{over:+.2f} ms (gateway {gw1['latency_ms']['p50']:.2f} ms, Triton direct "
+                f"{d1['latency_ms']['p50']:.2f} ms)",
                 "value": over, "met": None if over is None else over <= TARGET_GATEWAY_OVER_DIRECT_MS})
-    direct = [r for r in ab["runs"] if r["workload"] == first and r["path"].startswith("triton") and r["requests"]]
+    direct = [r for r in rows if r["path"].startswith("triton")]
     direct += [r for r in (payload.get("perf_analyzer") or {}).get("runs", []) if r["workload"] == first]
     best = max(direct, key=lambda r: r["throughput_rps"], default=None)
     share = gw_top["throughput_rps"] / best["throughput_rps"] if gw_top and best else None
     label = None if best is None else ("perf_analyzer" if best["path"] == "perf-analyzer" else
-                                       f"ab, {best['path']}") + f", c={best['concurrency']}"
-    out.append({"target": f"gateway throughput at concurrency {top} ≥ {TARGET_GATEWAY_THROUGHPUT_SHARE:.0%} of "
+                                       f"the load engine, {PATH_LABELS[best['path']]}") + f", c={best['concurrency']}"
+    out.append({"target": f"gateway throughput at concurrency {top or '-'} ≥ {TARGET_GATEWAY_THROUGHPUT_SHARE:.0%} of "
                           "Triton direct's best",
-                "measured": why if share is None else f"{share:.0%} ({gw_top['throughput_rps']:.0f} vs "
-                                                      f"{best['throughput_rps']:.0f} req/s, {label})",
+                "measured": "not measured" if share is None else f"{share:.0%} ({gw_top['throughput_rps']:.0f} vs "
+                                                                 f"{best['throughput_rps']:.0f} req/s, {label})",
                 "value": share, "met": None if share is None else share >= TARGET_GATEWAY_THROUGHPUT_SHARE})
-    # the denoiser's gateway share from the sweep: the gateway and Triton's gRPC endpoint, each by its Python client;
-    # Triton direct with the PNG bytes does the same work (decode, tiling, encode) as the gateway's path
+    out.append(_denoise_share_target(payload))
+    return out
+
+
+def _denoise_share_target(payload: dict) -> dict:
+    """The largest denoiser size's gateway share at concurrency 1: against Triton direct with the PNG bytes, which does
+    the same work (decode, tiling, encode) as the gateway's path; the share against float tensors beside it."""
     sizes = [k for k in payload["config"]["workloads"] if k.startswith("denoise")]
     big = max(sizes, default=None, key=lambda k: int(k.rsplit("-", 1)[-1]))
     g = next((r for r in payload["runs"] if r["workload"] == big and r["path"] == "gateway" and r["concurrency"] == 1),
@@ -333,46 +334,40 @@ def request_path_targets(payload: dict) -> list[dict]:
     share_ms = image["p50"] if image else None
     vs_tensors = (f"; vs {PATH_LABELS[tensor['vs']]} with float tensors in and out, which decodes, tiles and encodes "
                   f"nothing: {tensor['p50']:+.2f} ms") if tensor else ""
-    out.append({"target": f"{big or 'denoise'}: gateway share (gateway p50 − Triton direct p50, concurrency 1, Python "
-                          f"clients) ≤ {TARGET_DENOISE_SHARE_MS:g} ms",
-                "measured": "not measured" if share_ms is None else
-                f"{share_ms:.2f} ms (gateway {g['latency_ms']['p50']:.2f} ms, {PATH_LABELS[image['vs']]} "
-                f"{g['latency_ms']['p50'] - share_ms:.2f} ms{vs_tensors})",
-                "value": share_ms, "met": None if share_ms is None else share_ms <= TARGET_DENOISE_SHARE_MS})
-    return out
+    return {"target": f"{big or 'denoise'}: gateway share (gateway p50 − Triton direct p50, concurrency 1, the same "
+                      f"client) ≤ {TARGET_DENOISE_SHARE_MS:g} ms",
+            "measured": "not measured" if share_ms is None else
+            f"{share_ms:.2f} ms (gateway {g['latency_ms']['p50']:.2f} ms, {PATH_LABELS[image['vs']]} "
+            f"{g['latency_ms']['p50'] - share_ms:.2f} ms{vs_tensors})",
+            "value": share_ms, "met": None if share_ms is None else share_ms <= TARGET_DENOISE_SHARE_MS}
 
 
-def ab_markdown(payload: dict) -> list[str]:
-    """The ``ab`` table: gateway and Triton direct driven by the same client, with CPU per request by process."""
-    ab = payload.get("ab")
-    if not ab:
+def spinning_markdown(payload: dict) -> list[str]:
+    """The classifier's gateway and Triton HTTP levels on the default Triton and on one whose ONNX Runtime threads
+    spin the other way (a second Triton and gateway), with CPU per request by process."""
+    other = payload.get("other_spinning")
+    if not other:
         return []
-    lines = ["", "## Gateway vs Triton direct, one client for both (ab, keep-alive, HTTP)", ""]
-    if not ab.get("available"):
-        return lines + [f"Not measured: {ab.get('missing')}."]
-    lines += ["ApacheBench (`ab -k`, C) sends the classifier's first sample over and over on kept-alive "
-              "connections: the PNG to the gateway, the same sample to Triton's v2 HTTP endpoint as tensors (binary "
-              "inputs, JSON outputs) and, where the model takes it, as the PNG bytes themselves (`image_bytes`). "
-              "CPU: ms per request by process from `/proc` (gateway workers summed; stubs = Python-backend "
-              "processes; client = ab).", ""]
     spin = payload.get("config", {}).get("spinning")
-    other = ab.get("other_spinning")
-    groups = [(spin, ab["runs"])] + ([(other["spinning"], other["runs"])] if other else [])
-    first = "| spinning " if other else ""  # a column only when both settings were measured
-    lines += [first + "| workload | path | conc. | req/s | p50 | p90 | p99 | failed | gateway CPU | tritonserver CPU | "
-              "stubs CPU | client CPU |", "|---" * (12 + bool(other)) + "|"]
-    for spinning, rows in groups:
-        label = f"| {'on' if spinning else 'off'}{' (default)' if spinning == spin else ''} " if other else ""
-        for r in rows:
-            L, c = r["latency_ms"], r.get("cpu_ms_per_request") or {}
-            lines.append(label + f"| {r['model']}: {r['input']} | {AB_PATHS[r['path']]} | {r['concurrency']} | "
-                         f"{_f(r['throughput_rps'], 1)} | {_f(L['p50'])} | {_f(L['p90'])} | {_f(L['p99'])} | "
-                         f"{r['failed']} | {_f(c.get('gateway'), 3)} | {_f(c.get('tritonserver'), 3)} | "
-                         f"{_f(c.get('backends'), 3)} | {_f(c.get('client'), 3)} |")
-    if other:
-        lines += ["", "Spinning: ONNX Runtime's intra-op threads spin for the next piece of work before they sleep "
-                      "(`intra_op_spinning` in each model's config, `unroll repo --no-spinning`); the rows marked "
-                      "otherwise ran on a second Triton and gateway with the other setting."]
+    default = {(r["workload"], r["path"], r["concurrency"]): r for r in payload["runs"]}
+    lines = ["", "## Spinning on vs off (the classifier through the gateway and Triton HTTP)", "",
+             "Spinning: ONNX Runtime's intra-op threads spin for the next piece of work before they sleep "
+             "(`intra_op_spinning` in each model's config, `unroll repo --no-spinning`); the rows marked otherwise ran "
+             "on a second Triton and gateway with the other setting, the same engine and levels. CPU: ms per request "
+             "by process from `/proc`.", "",
+             "| spinning | path | conc. | req/s | p50 | p90 | p99 | errors | gateway CPU | tritonserver CPU | "
+             "stubs CPU | client CPU |", "|---" * 12 + "|"]
+    for r in other["runs"]:
+        pair = ((spin, default.get((r["workload"], r["path"], r["concurrency"]))), (other["spinning"], r))
+        for spinning, x in pair:
+            if x is None:
+                continue
+            L, c = x["latency_ms"], x.get("cpu_ms_per_request") or {}
+            lines.append(f"| {'on' if spinning else 'off'}{' (default)' if spinning == spin else ''} | "
+                         f"{PATH_LABELS[x['path']]} | {x['concurrency']} | {_f(x['throughput_rps'], 1)} | "
+                         f"{_f(L['p50'])} | {_f(L['p90'])} | {_f(L['p99'])} | {x['errors']} | "
+                         f"{_f(c.get('gateway'), 3)} | {_f(c.get('tritonserver'), 3)} | {_f(c.get('backends'), 3)} | "
+                         f"{_f(x.get('client_cpu_ms_per_request', c.get('client')), 3)} |")
     return lines
 
 

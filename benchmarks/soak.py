@@ -36,6 +36,7 @@ import numpy as np
 from unroll import artifacts, data, tasks
 from unroll.benchmarks import soak_ops, soak_standby, soak_stub
 from unroll.benchmarks.common import RESULTS, demo_model, machine_info, png_bytes, unroll_command, write_docs_blocks
+from unroll.benchmarks.loadgen import Payload
 from unroll.errors import BenchError
 from unroll.registry import get_spec
 from unroll.serving.gateway.settings import Settings
@@ -225,36 +226,35 @@ def _payloads(classifier: str, denoiser: str, n: int) -> dict[str, list[tuple[st
             "denoise": [(f"/v1/denoise?model={denoiser}&sigma=25", c) for c in crops]}
 
 
+def mixed_requests(payloads: dict[str, list[tuple[str, bytes]]], n: int, seed: int = 0) -> list[Payload]:
+    """``n`` requests in send order, each of a kind drawn by :data:`MIX` (the rest ``GET /v1/models``), the ``i``-th
+    of a kind its ``i % len``-th body; tagged with their kind. The engine sends them in turn (and again from the
+    first, should a phase outlast them)."""
+    rng = np.random.default_rng(seed)
+    kinds = rng.choice([*MIX, "models"], size=n, p=[*MIX.values(), 1 - sum(MIX.values())])
+    out = []
+    for i, kind in enumerate(map(str, kinds)):
+        if kind == "models":
+            out.append(Payload("/v1/models", b"", method="GET", tag=kind))
+        else:
+            path, body = payloads[kind][i % len(payloads[kind])]
+            out.append(Payload(path, body, {"Content-Type": "image/png"}, tag=kind))
+    return out
+
+
 async def _traffic(s: ServeProcess, payloads: dict, requests: int, concurrency: int, rounds: int,
                    log: Callable[[str], None]) -> tuple[list[dict], list[dict]]:
-    """Mixed traffic with ``tritonserver`` killed once per round: every response, and each round's kill.
+    """Mixed traffic (the load engine's closed loop, :class:`.soak_stub.Traffic`) with ``tritonserver`` killed once
+    per round: every response, and each round's kill.
 
     A round issues ``requests // rounds`` requests at least; its kill comes halfway, and the round ends once
     :data:`AFTER_RECOVERY` requests started after its last failure have succeeded (so a slow restart lengthens the
     round instead of leaving nothing to show recovery), or :data:`ROUND_TIMEOUT_S` after the kill."""
-    import httpx
-
     per_round = max(requests // rounds, 2)
-    rng = np.random.default_rng(0)
-    mix = list(MIX) + ["models"]
-    weights = [*MIX.values(), 1 - sum(MIX.values())]
-    results: list[dict] = []
+    traffic = soak_stub.Traffic(s.base, mixed_requests(payloads, max(2 * requests, 1000)), concurrency,
+                                REQUEST_TIMEOUT_S)
+    results = traffic.results
     kills: list[dict] = []
-    next_i = 0
-    done = asyncio.Event()
-
-    async def worker(client: httpx.AsyncClient) -> None:
-        nonlocal next_i
-        while not done.is_set():
-            i = next_i
-            next_i += 1
-            kind = str(rng.choice(mix, p=weights))
-            if kind == "models":
-                request = client.get("/v1/models")
-            else:
-                path, body = payloads[kind][i % len(payloads[kind])]
-                request = client.post(path, content=body, headers={"Content-Type": "image/png"})
-            await soak_stub.record_answer(request, results, i=i, kind=kind)
 
     def recovered(since: float, at: float) -> bool:
         """:data:`AFTER_RECOVERY` requests started after the kill at ``at`` and after the round's last failure (its
@@ -264,8 +264,8 @@ async def _traffic(s: ServeProcess, payloads: dict, requests: int, concurrency: 
 
     async def conductor() -> None:
         for k in range(rounds):
-            first, started = next_i, time.perf_counter()
-            while next_i - first < per_round // 2:
+            first, started = traffic.started, time.perf_counter()
+            while traffic.started - first < per_round // 2:
                 await asyncio.sleep(0.01)
             # a standby covers one failure at a time: every server ready before the kill (the traffic goes on)
             ready_wait = await asyncio.to_thread(soak_standby.both_ready, s.http_ports())
@@ -274,20 +274,17 @@ async def _traffic(s: ServeProcess, payloads: dict, requests: int, concurrency: 
             lines = len(s.output)
             os.kill(pid, signal.SIGKILL)
             at = time.perf_counter()
-            kills.append({"round": k, "started": started, "at": at, "at_request": next_i, "pid": pid,
+            kills.append({"round": k, "started": started, "at": at, "at_request": traffic.started, "pid": pid,
                           "ready_wait_s": ready_wait})
-            log(f"round {k + 1}/{rounds}, request {next_i}: kill -9 tritonserver (pid {pid})")
-            while time.perf_counter() - at < ROUND_TIMEOUT_S and not (next_i - first >= per_round
+            log(f"round {k + 1}/{rounds}, request {traffic.started}: kill -9 tritonserver (pid {pid})")
+            while time.perf_counter() - at < ROUND_TIMEOUT_S and not (traffic.started - first >= per_round
                                                                     and recovered(started, at)):
                 await asyncio.sleep(0.05)
             kills[-1]["recovered"] = recovered(started, at)
             kills[-1]["backoff_s"] = soak_stub.restart_backoff_s("".join(s.output[lines:]))
             s.record()  # the restarted server too
-        done.set()
 
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=s.base, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
-        await asyncio.gather(conductor(), *(worker(client) for _ in range(concurrency)))
+    await traffic.run(conductor())
     return sorted(results, key=lambda r: r["i"]), kills
 
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from unroll.benchmarks import soak_stub
 from unroll.benchmarks.common import unroll_command
+from unroll.benchmarks.loadgen import Payload
 
 if TYPE_CHECKING:
     from unroll.benchmarks.soak import ServeProcess
@@ -37,28 +38,19 @@ REQUEST_TIMEOUT_S = 90.0
 
 
 async def _drive(s: ServeProcess, path: str, body: bytes, action: Callable[[], Awaitable[dict]]) -> tuple[list, dict]:
-    """Closed-loop clients posting ``body`` to ``path`` while ``action`` runs (and :data:`SETTLE_S` around it)."""
-    import httpx
-
-    results: list[dict] = []
-    done = asyncio.Event()
-
-    async def client_loop(client: httpx.AsyncClient) -> None:
-        while not done.is_set():
-            await soak_stub.record_answer(client.post(path, content=body, headers={"Content-Type": "image/png"}),
-                                          results, time.monotonic)
+    """:data:`CLIENTS` closed-loop clients (the load engine's, :class:`.soak_stub.Traffic`) posting ``body`` to
+    ``path`` while ``action`` runs, and :data:`SETTLE_S` before and after it."""
+    traffic = soak_stub.Traffic(s.base, [Payload(path, body, {"Content-Type": "image/png"})], CLIENTS,
+                                REQUEST_TIMEOUT_S)
 
     async def conductor() -> dict:
         await asyncio.sleep(SETTLE_S)
         marks = await action()
         await asyncio.sleep(SETTLE_S)
-        done.set()
         return marks
 
-    limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
-    async with httpx.AsyncClient(base_url=s.base, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
-        marks, *_ = await asyncio.gather(conductor(), *(client_loop(client) for _ in range(CLIENTS)))
-    return results, marks
+    marks = await traffic.run(conductor())
+    return traffic.results, marks
 
 
 def _counts(results: list[dict]) -> dict:
@@ -69,16 +61,16 @@ def _counts(results: list[dict]) -> dict:
 def stall_phase(s: ServeProcess, path: str, body: bytes, stall_s: float, log: Callable[[str], None]) -> dict:
     """Phase 3 (module docstring); ``stall_s``: the gateway's ``triton_stall_s``."""
     async def stop_and_resume() -> dict:
-        pid = s.triton_pid()
+        pid = await asyncio.to_thread(s.triton_pid)  # it samples CPU for a moment: off the event loop
         assert pid is not None, "no tritonserver to stop"
         os.kill(pid, signal.SIGSTOP)
-        stopped = time.monotonic()
+        stopped = time.perf_counter()
         log(f"kill -STOP tritonserver (pid {pid}) for {STALL_S:g} s")
         try:
             await asyncio.sleep(STALL_S)
         finally:
             os.kill(pid, signal.SIGCONT)
-        return {"pid": pid, "stopped": stopped, "resumed": time.monotonic()}
+        return {"pid": pid, "stopped": stopped, "resumed": time.perf_counter()}
 
     results, m = asyncio.run(_drive(s, path, body, stop_and_resume))
     during = [r for r in results if r["end"] > m["stopped"] and r["start"] < m["resumed"]]
@@ -109,16 +101,16 @@ def deploy_phase(s: ServeProcess, model: str, log: Callable[[str], None]) -> dic
     root = s.repo.parent
 
     async def deploy() -> dict:
-        pid, lines = s.triton_pid(), len(s.output)
+        pid, lines = await asyncio.to_thread(s.triton_pid), len(s.output)
         log(f"unroll deploy {model} under classify load")
-        t0 = time.monotonic()
+        t0 = time.perf_counter()
         proc = await asyncio.create_subprocess_exec(
             unroll_command(), "deploy", model, "--repo", str(s.repo), "--onnx-dir",
             str(s.onnx_dir), "--triton-key-file", str(s.onnx_dir.parent / "triton.key"), "--drain-s", "3",
             "--samples", "64", cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         out, _ = await proc.communicate()
         return {"pid": pid, "lines": lines, "rc": proc.returncode, "output": out.decode(errors="replace")[-2000:],
-                "started": t0, "seconds": round(time.monotonic() - t0, 1)}
+                "started": t0, "seconds": round(time.perf_counter() - t0, 1)}
 
     x_path = f"/v1/classify?model={model}&top_k=1"
     results, m = asyncio.run(_drive(s, x_path, _digit(model), deploy))

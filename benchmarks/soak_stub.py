@@ -13,21 +13,23 @@ clients wait through it like through the rest.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import re
 import signal
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from unroll import data
 from unroll.benchmarks.common import png_bytes
+from unroll.benchmarks.loadgen import Answer, HttpSender, LevelResult, Load, Outcome, Payload, run_level
 
 if TYPE_CHECKING:
-    import httpx
-
     from unroll.benchmarks.soak import ServeProcess
+
+T = TypeVar("T")
 
 #: Clients, image side, load before the kill, successes after the last failure that end the phase.
 CLIENTS, IMAGE_SIDE, LOAD_BEFORE_S, SERVED_AFTER = 4, 512, 3.0, 20
@@ -74,44 +76,67 @@ def non200_offsets(results: list[dict], at: float) -> list[float]:
     return sorted(round(r["end"] - at, 3) for r in results if r["status"] != 200)
 
 
-def outcome(r: httpx.Response) -> tuple[int, str | None, str | None]:
-    """``(status, error code, Retry-After)`` of an httpx response."""
-    code = None
-    if r.status_code >= 400 and r.headers.get("content-type", "").startswith("application/json"):
-        code = r.json().get("error", {}).get("code")
-    return r.status_code, code, r.headers.get("retry-after")
+class _CountingSender(HttpSender):
+    """The engine's HTTP sender, counting the requests it has started (a conductor acts after so many)."""
+
+    def __init__(self, base_url: str, timeout_s: float) -> None:
+        super().__init__(base_url, timeout_s)
+        self.started = 0
+
+    async def send(self, p: Payload) -> Outcome:
+        self.started += 1
+        return await super().send(p)
 
 
-async def record_answer(request: Awaitable[httpx.Response], results: list[dict],
-                        clock: Callable[[], float] = time.perf_counter, **fields: object) -> None:
-    """One request of a closed-loop client: await ``request`` and append how it was answered to ``results``
-    (``fields`` first; then the status, ``None`` when no HTTP answer came, the error code, Retry-After, and its start
-    and end by ``clock``); after a 503, pause :data:`BACKOFF_ON_503_S` as a client told to retry does."""
-    import httpx
+class Traffic:
+    """Closed-loop clients through a service while a conductor injects its faults: the engine's
+    :func:`~unroll.benchmarks.loadgen.run_level` with ``clients`` in flight, sending ``payloads`` in turn, until the
+    conductor is done. Every answer goes into :attr:`results` as it comes (``i``: its number in send order,
+    ``kind``: the payload's tag, ``status``: ``None`` when no HTTP answer came, ``code``: the gateway's error code or
+    how no answer came, ``retry_after``, and ``start``/``end`` on :func:`time.perf_counter`, the conductor's clock);
+    after a 503 a client pauses :data:`BACKOFF_ON_503_S`, as one told to retry does."""
 
-    t0 = clock()
-    try:
-        status, code, retry_after = outcome(await request)
-    except httpx.HTTPError as e:
-        status, code, retry_after = None, type(e).__name__, None
-    results.append({**fields, "status": status, "code": code, "retry_after": retry_after, "start": t0,
-                    "end": clock()})
-    if status == 503:
-        await asyncio.sleep(BACKOFF_ON_503_S)
+    def __init__(self, base_url: str, payloads: Sequence[Payload], clients: int,
+                 timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+        self.base_url, self.payloads, self.clients, self.timeout_s = base_url, payloads, clients, timeout_s
+        self.results: list[dict] = []
+        self.level: LevelResult | None = None
+        self._sender: _CountingSender | None = None
+
+    @property
+    def started(self) -> int:
+        """Requests sent so far (answered or not)."""
+        return self._sender.started if self._sender is not None else 0
+
+    def _record(self, a: Answer) -> None:
+        o = a.outcome
+        self.results.append({"i": a.i, "kind": getattr(a.payload, "tag", ""), "status": o.status, "code": o.code,
+                             "retry_after": o.retry_after, "start": a.start, "end": a.end})
+
+    @staticmethod
+    def _pause(o: Outcome) -> float:
+        return BACKOFF_ON_503_S if o.status == 503 else 0.0
+
+    async def run(self, conductor: Awaitable[T]) -> T:
+        """Send while ``conductor`` runs; its result, once every request in flight when it ended was answered."""
+        until = asyncio.Event()
+        async with _CountingSender(self.base_url, self.timeout_s) as sender:
+            self._sender = sender
+            level = asyncio.ensure_future(run_level(sender, self.payloads, Load(concurrency=self.clients), math.inf,
+                                                    0.0, on_answer=self._record, until=until, pause=self._pause))
+            try:
+                return await conductor
+            finally:
+                until.set()
+                self.level = await level
 
 
 async def _drive(s: ServeProcess, path: str, body: bytes, victim_model: str,
                  log: Callable[[str], None]) -> tuple[list[dict], dict]:
     """Closed-loop clients, the kill, and the wait for recovery: every response, and what was killed when."""
-    import httpx
-
-    results: list[dict] = []
+    traffic = Traffic(s.base, [Payload(path, body, {"Content-Type": "image/png"})], CLIENTS)
+    results = traffic.results
     kill: dict = {}
-    done = asyncio.Event()
-
-    async def client_loop(client: httpx.AsyncClient) -> None:
-        while not done.is_set():
-            await record_answer(client.post(path, content=body, headers={"Content-Type": "image/png"}), results)
 
     async def conductor() -> None:
         await asyncio.sleep(LOAD_BEFORE_S)
@@ -121,7 +146,6 @@ async def _drive(s: ServeProcess, path: str, body: bytes, victim_model: str,
         pid = s.stub_pid(victim_model, server)
         if pid is None:
             log(f"no stub of {victim_model} found; nothing killed")
-            done.set()
             return
         os.kill(pid, signal.SIGKILL)
         kill["at"], kill["pid"] = time.perf_counter(), pid
@@ -133,11 +157,8 @@ async def _drive(s: ServeProcess, path: str, body: bytes, victim_model: str,
                 break
         kill["servers_after"] = s.triton_pids()
         s.record()
-        done.set()
 
-    limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
-    async with httpx.AsyncClient(base_url=s.base, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
-        await asyncio.gather(conductor(), *(client_loop(client) for _ in range(CLIENTS)))
+    await traffic.run(conductor())
     return results, kill
 
 

@@ -16,7 +16,7 @@
 #   each card from its graph and checks the PyTorch module against it; exporting there would need onnxslim.
 # Not carried: rvt-tiny-vars-d's graph (no committed weights, so the torch runtime refuses it; its FP32 graph alone
 # would take most of the budget) — the check times its module in-process on the GPU instead; PyWavelets (σ
-# estimation only; the check always sends σ); perf_analyzer and ab (the check has its own load generator).
+# estimation only; the check always sends σ); perf_analyzer (the check drives the service with the project's load engine).
 #
 # Usage: scripts/gpu_serve_pack.sh [--out DIR] [--models A,B] [--no-optional] [--account-only]
 # Then the device call (README, "What has and has not run on a GPU"): carry [".gpu_pack"], run

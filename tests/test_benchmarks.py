@@ -21,7 +21,9 @@ from typer.testing import CliRunner
 
 from unroll.app import bench_cli as cli
 from unroll.benchmarks.common import demo_model, latency_summary, quantizable, trained_models
-from unroll.benchmarks.serve_bench import closed_loop, stats_delta
+from unroll.benchmarks.loadgen import InProcessSender
+from unroll.benchmarks.serve_bench import level_row, stats_delta
+from unroll.benchmarks.serve_load import Traffic, Workload, closed_level
 from unroll.registry import REGISTRY, list_models
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -63,23 +65,28 @@ def onnx_dir(demo_onnx_dir: Path) -> Path:
 # ----------------------------------------------------------------------------------------------- fast unit checks
 
 
-def test_latency_summary_and_closed_loop_count_requests_and_errors() -> None:
+def test_latency_summary_and_a_level_on_the_engine_count_requests_and_errors() -> None:
+    """A serving level runs on the load engine: an in-process call that sleeps and fails one request in five, three
+    in flight; its row counts the answers, the failures by cause with a sample, and the client's CPU per request."""
     s = latency_summary([1.0, 2.0, 3.0, 4.0, 100.0])
     assert s["p50"] == 3.0 and s["max"] == 100.0 and s["p50"] <= s["p90"] <= s["p95"] <= s["p99"] <= s["max"]
     assert all(math.isnan(v) for v in latency_summary([]).values())
 
-    def make():
-        def call(i: int) -> None:
-            time.sleep(0.002)
-            if i % 5 == 4:
-                raise RuntimeError("boom")
-        return call, lambda: None
+    def call(i: int) -> None:
+        time.sleep(0.002)
+        if i == 4:
+            raise RuntimeError("boom")
 
     started = []
-    r = closed_loop(make, concurrency=3, duration_s=0.3, warmup_s=0.05, on_measure_start=lambda: started.append(1))
-    assert started == [1] and r.latencies_ms and r.errors and all("boom" in e for e in r.errors)
-    assert 0.3 <= r.elapsed_s < 2.0
-    assert len(r.errors) == pytest.approx((len(r.latencies_ms) + len(r.errors)) / 5, abs=4)
+    t = Traffic(InProcessSender(call, 3), list(range(5)))
+    res = closed_level(t, 3, duration_s=0.3, warmup_s=0.05, on_measure_start=lambda: started.append(1))
+    w = Workload("k", "m", "label", [], [], "", "y")
+    r = level_row(w, "onnxruntime", 3, res)
+    assert started == [1] and r["requests"] > 20 and r["errors"] > 0 and r["sent"] == r["requests"] + r["errors"]
+    assert r["errors_by_cause"] == {"error: RuntimeError": r["errors"]} and "boom" in r["error_samples"][0]
+    assert 0.3 <= r["duration_s"] < 2.0 and r["throughput_rps"] == pytest.approx(r["requests"] / r["duration_s"])
+    assert r["errors"] == pytest.approx(r["sent"] / 5, abs=4)
+    assert 2.0 <= r["latency_ms"]["p50"] < 50 and r["client_cpu_ms_per_request"] > 0
 
 
 def test_stats_delta_splits_per_request_and_averages_the_batch() -> None:
@@ -388,8 +395,9 @@ def test_serve_bench_quick(onnx_dir: Path, tmp_path: Path) -> None:
     assert {r["path"] for r in runs} == {"onnxruntime", "triton-http", "triton-grpc", "triton-grpc-image", "gateway"}
     assert {r["workload"] for r in runs} == {"classify", "denoise-128"}
     assert {r["model"] for r in runs} == {CLASSIFIER, DENOISER} and payload["batching"]["model"] == CLASSIFIER
-    for r in runs:
-        assert r["requests"] > 0 and r["throughput_rps"] > 0, r
+    for r in runs:  # every level on the load engine, its own CPU per request beside
+        assert r["requests"] > 0 and r["throughput_rps"] > 0 and r["sent"] >= r["requests"], r
+        assert r["client_cpu_ms_per_request"] > 0 and sum(r["errors_by_cause"].values()) == r["errors"], r
         L = r["latency_ms"]
         assert 0 < L["p50"] <= L["p90"] <= L["p95"] <= L["p99"] <= L["max"], r
         if r["concurrency"] == 1:
@@ -418,34 +426,23 @@ def test_serve_bench_quick(onnx_dir: Path, tmp_path: Path) -> None:
         requests = {(r["workload"], r["request"]) for r in payload["perf_analyzer"]["runs"]}
         # the PNG files beside the tensors
         assert requests == {(w, k) for w in ("classify", "denoise-128") for k in ("tensors", "png")}
-    ab = payload["ab"]  # the gateway and Triton direct driven by one client (ab), CPU per request by process
-    ab_ok = ab["available"]
-    if ab_ok:
-        paths = {(r["workload"], r["path"], r["concurrency"]) for r in ab["runs"]}
-        for c in (1, 32):
-            assert {("classify", "gateway", c), ("classify", "triton-tensor", c)} <= paths
-        assert ("classify", "triton-image", 1) in paths  # the PNG itself, straight to Triton
-        through_gateway = {(r["workload"], r["concurrency"]): r["cpu_ms_per_request"]["gateway"]
-                           for r in ab["runs"] if r["path"] == "gateway"}
-        for r in ab["runs"]:
-            assert r["requests"] > 0 and r["keep_alive"] == r["requests"], r
-            assert r["failed"] == 0 or r["concurrency"] > 1, r
-            c = r["cpu_ms_per_request"]
-            assert c["tritonserver"] > 0 and c["client"] > 0, r
-            if r["path"] == "gateway":
-                assert c["gateway"] > 0, r
-            elif (r["workload"], r["concurrency"]) in through_gateway:  # Triton direct: the idle gateway's
-                # background work only (its catalog look every 2 s), a fraction of what a request through it costs
-                assert c["gateway"] < 0.25 * through_gateway[(r["workload"], r["concurrency"])], r
-        assert "one client for both (ab" in md
-        other = ab["other_spinning"]  # the same comparison with ONNX Runtime's threads spinning the other way
-        assert other["spinning"] is not payload["config"]["spinning"]
-        assert {(r["path"], r["concurrency"]) for r in other["runs"]} >= {("gateway", 32), ("triton-tensor", 32)}
-    else:
-        assert "apache2-utils" in ab["missing"]
-    # the request-path targets: three from ab's runs; the denoiser's gateway share from the sweep's Python clients
-    assert [t["met"] is not None for t in payload["targets"]] == \
-        [True, True, pa_ok, pa_ok] + [ab_ok] * 3 + [True, True]
+    other = payload["other_spinning"]  # the classifier again, ONNX Runtime's threads spinning the other way
+    assert other["spinning"] is not payload["config"]["spinning"]
+    assert {(r["path"], r["concurrency"]) for r in other["runs"]} == {(p, c) for p in ("gateway", "triton-http")
+                                                                       for c in (1, 4)}
+    through_gateway = {r["concurrency"]: r["cpu_ms_per_request"]["gateway"] for r in other["runs"]
+                       if r["path"] == "gateway"}
+    for r in other["runs"]:
+        assert r["requests"] > 0 and (r["errors"] == 0 or r["concurrency"] > 1), r
+        c = r["cpu_ms_per_request"]
+        assert c["tritonserver"] > 0 and c["client"] > 0 and r["client_cpu_ms_per_request"] > 0, r
+        if r["path"] == "gateway":
+            assert c["gateway"] > 0, r
+        else:  # Triton direct: the idle gateway's background work only (its catalog look every 2 s)
+            assert c["gateway"] < 0.25 * through_gateway[r["concurrency"]], r
+    assert "## Spinning on vs off" in md and "ab" not in payload
+    # every target measured here but the two that need perf_analyzer: the request-path ones from the sweep's levels
+    assert [t["met"] is not None for t in payload["targets"]] == [True, True, pa_ok, pa_ok] + [True] * 5
     assert "## Targets" in md and "measured" in md and "Dynamic batching on vs off" in md
 
 

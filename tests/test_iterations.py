@@ -134,10 +134,8 @@ def test_gateway_refuses_iters_for_a_model_without_them(gateway) -> None:
 def test_bench_iters_measures_each_count_through_the_gateway(demo_onnx_dir, tmp_path) -> None:
     """`unroll bench iters` on a few digits: one row per served count, accuracy equal to PyTorch's at that count,
     requests answered through the gateway (none failed) with their CPU per request, and the files written."""
-    from unroll.benchmarks import iterations, serve_ab
+    from unroll.benchmarks import iterations
 
-    if serve_ab.find() is None:
-        pytest.skip(serve_ab.missing_reason())
     payload = iterations.run([MODEL], ["gaussian_noise"], n_test=50, duration_s=1, onnx_dir=demo_onnx_dir,
                              out_dir=tmp_path)
     rows = payload["models"][MODEL]["counts"]
@@ -147,6 +145,7 @@ def test_bench_iters_measures_each_count_through_the_gateway(demo_onnx_dir, tmp_
         want = float((_torch_logits(r["iters"], x[:50]).argmax(1) == y[:50]).mean())
         assert r["clean"] == pytest.approx(want)
         assert r["requests"] > 0 and r["latency_ms"]["p50"] > 0 and r["cpu_ms_per_request"]["gateway"] > 0
+        assert r["client_cpu_ms_per_request"] > 0  # the load engine's own
     assert {p.name for p in tmp_path.iterdir()} >= {"iterations.json", "iterations.md", "iterations.png"}
 
 
