@@ -1,5 +1,5 @@
-"""The GPU serving check's requests and references: Triton's HTTP/REST protocol with binary tensors (the lent machine
-has no ``tritonclient`` HTTP stack to spare, and the load engine sends a request's bytes as they are), Triton's
+"""The GPU serving check's requests and references: Triton's HTTP/REST protocol with binary tensors (the bodies of
+``loadgen.v2_infer``, sent with httpx or by the load engine as they are), Triton's
 statistics, the workloads (``serve_load``'s, as ``unroll bench serve`` measures them), the parity gate through Triton
 on the card's gate data (``gpu_check``'s cases and gate), and the in-process timings of the same model and batch."""
 
@@ -9,13 +9,14 @@ import json
 from typing import Any
 
 import numpy as np
+from tritonclient.utils import triton_to_np_dtype
 
 import unroll
 from unroll import tasks
 from unroll.benchmarks.gpu_check_cases import build_cases
 from unroll.benchmarks.gpu_check_device import time_runner
 from unroll.benchmarks.gpu_check_run import gate_check, parity, tolerance_for
-from unroll.benchmarks.loadgen import Payload
+from unroll.benchmarks.loadgen import Payload, v2_infer
 from unroll.benchmarks.serve_load import (
     Workload,
     as_batch,
@@ -27,20 +28,7 @@ from unroll.benchmarks.serve_load import (
 from unroll.registry import get_spec
 from unroll.serving.triton import RESTRICTED_HEADER
 
-DTYPES = {np.dtype(np.float32): "FP32", np.dtype(np.uint8): "UINT8", np.dtype(np.int32): "INT32"}
-NP = {v: k for k, v in DTYPES.items()}
 CLASSIFY_SAMPLES, QUICK_CLASSIFY_SAMPLES, DENOISE_IMAGES = 64, 16, 2
-
-
-def infer_body(feeds: dict[str, np.ndarray], outputs: list[str]) -> tuple[bytes, dict[str, str]]:
-    """A Triton HTTP inference body with every tensor as binary data, and its headers (key not included)."""
-    arrays = [np.ascontiguousarray(a) for a in feeds.values()]
-    header = {"inputs": [{"name": k, "shape": list(a.shape), "datatype": DTYPES[a.dtype],
-                          "parameters": {"binary_data_size": a.nbytes}} for k, a in zip(feeds, arrays, strict=True)],
-              "outputs": [{"name": o, "parameters": {"binary_data": True}} for o in outputs]}
-    js = json.dumps(header).encode()
-    return js + b"".join(a.tobytes() for a in arrays), {"Inference-Header-Content-Length": str(len(js)),
-                                                         "Content-Type": "application/octet-stream"}
 
 
 def parse_response(body: bytes, header_length: int | None) -> dict[str, np.ndarray]:
@@ -50,9 +38,9 @@ def parse_response(body: bytes, header_length: int | None) -> dict[str, np.ndarr
     for o in head["outputs"]:
         size = o.get("parameters", {}).get("binary_data_size")
         if size is None:
-            out[o["name"]] = np.asarray(o["data"], NP[o["datatype"]]).reshape(o["shape"])
+            out[o["name"]] = np.asarray(o["data"], triton_to_np_dtype(o["datatype"])).reshape(o["shape"])
         else:
-            out[o["name"]] = np.frombuffer(body[pos:pos + size], NP[o["datatype"]]).reshape(o["shape"])
+            out[o["name"]] = np.frombuffer(body[pos:pos + size], triton_to_np_dtype(o["datatype"])).reshape(o["shape"])
             pos += size
     return out
 
@@ -94,8 +82,8 @@ class TritonHttp:
             return None
 
     def infer(self, model: str, feeds: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
-        body, headers = infer_body(feeds, outputs)
-        r = self.client.post(f"/v2/models/{model}/infer", content=body, headers=headers)
+        p = v2_infer(model, feeds, outputs)
+        r = self.client.post(p.path, content=p.body, headers=p.headers)
         if r.status_code != 200:
             raise RuntimeError(f"{model}: HTTP {r.status_code}: {r.text[:300]}")
         length = r.headers.get("Inference-Header-Content-Length")
@@ -108,11 +96,7 @@ class TritonHttp:
         feeds = image_feeds(w) if path == "triton-image" else [{k: as_batch(v) for k, v in a.items()}
                                                                 for a in w.arrays]
         output = image_output(w) if path == "triton-image" else w.output
-        out = []
-        for f in feeds:
-            body, headers = infer_body(f, [output])
-            out.append(Payload(f"/v2/models/{w.model}/infer", body, {**headers, RESTRICTED_HEADER: self.key}))
-        return out
+        return [v2_infer(w.model, f, [output], headers={RESTRICTED_HEADER: self.key}) for f in feeds]
 
 
 def batch_histogram(before: dict | None, after: dict | None) -> dict[str, int] | None:

@@ -93,6 +93,35 @@ class Tensors:
     tag: str = ""
 
 
+def v2_infer(model: str, inputs: dict[str, np.ndarray], outputs: Sequence[str] = (), *, binary: bool = True,
+             headers: dict[str, str] | None = None) -> Payload:
+    """A KServe v2 ``/v2/models/MODEL/infer`` request over HTTP: the inputs in the binary tensor extension (or as JSON
+    data), ``outputs`` asked for as binary data (none named: every output, in binary). ``headers`` are added (a key)."""
+    from tritonclient.utils import np_to_triton_dtype
+
+    arrays = {k: np.ascontiguousarray(a) for k, a in inputs.items()}
+    specs = []
+    for name, a in arrays.items():
+        spec: dict[str, Any] = {"name": name, "shape": list(a.shape), "datatype": np_to_triton_dtype(a.dtype)}
+        if binary:
+            spec["parameters"] = {"binary_data_size": a.nbytes}
+        else:
+            spec["data"] = a.reshape(-1).tolist()
+        specs.append(spec)
+    head_doc: dict[str, Any] = {"inputs": specs}
+    if outputs:
+        head_doc["outputs"] = [{"name": o, "parameters": {"binary_data": True}} for o in outputs]
+    else:
+        head_doc["parameters"] = {"binary_data_output": True}
+    head = json.dumps(head_doc).encode()
+    path, extra = f"/v2/models/{model}/infer", dict(headers or {})
+    if not binary:
+        return Payload(path, head, {"Content-Type": "application/json", **extra})
+    return Payload(path, head + b"".join(a.tobytes() for a in arrays.values()),
+                   {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(head)),
+                    **extra})
+
+
 @dataclass(frozen=True)
 class Outcome:
     """How one request was answered, as a sender reports it."""

@@ -35,8 +35,9 @@ import onnx
 
 from unroll import artifacts, pipeline
 from unroll.benchmarks import paired_latency
+from unroll.benchmarks.loadgen import v2_infer
 from unroll.benchmarks.processes import cpu_by_pid, cpu_ms_per_request
-from unroll.benchmarks.serve_load import Workload, classify_workload, triton_payload
+from unroll.benchmarks.serve_load import Workload, classify_workload
 from unroll.benchmarks.serve_triton import triton_server
 from unroll.card import from_onnx, write_to_onnx
 from unroll.errors import BenchError
@@ -112,7 +113,7 @@ def _endpoints(triton_http: str, gateway: str, name: str, sample: Workload, serv
                ) -> dict[str, paired_latency.Endpoint]:
     """Per path, the request for ``sample``'s first digit to ``name``, asking Triton for the ``served`` outputs
     (``triton``) or for the first of them alone (``triton_unasked``)."""
-    both, first = (triton_payload(name, sample.arrays[0], outputs) for outputs in (served, served[:1]))
+    both, first = (v2_infer(name, sample.arrays[0], outputs) for outputs in (served, served[:1]))
     return {"triton": paired_latency.Endpoint(f"http://{triton_http}{both.path}", both.body, both.headers),
             "triton_unasked": paired_latency.Endpoint(f"http://{triton_http}{first.path}", first.body, first.headers),
             "gateway": paired_latency.Endpoint(f"{gateway}/v1/classify?model={name}", sample.images[0],

@@ -26,7 +26,6 @@ from unroll import artifacts, pipeline
 from unroll.benchmarks import loadgen
 from unroll.benchmarks import perf_analyzer as pa
 from unroll.benchmarks.common import RESULTS, exported_card, machine_info, write_results
-from unroll.benchmarks.profile_target import _v2_payloads
 from unroll.benchmarks.serve_load import as_batch, classify_workload, served_models
 from unroll.benchmarks.serve_triton import triton_server
 from unroll.errors import BenchError
@@ -79,7 +78,7 @@ def run(rates: Sequence[float] = RATES, distributions: Sequence[str] = DISTRIBUT
     lam = card.lam.default if card is not None and card.lam is not None else None
     w = classify_workload(model, SAMPLES, lam)
     feeds = [{k: as_batch(v) for k, v in a.items()} for a in w.arrays]
-    payloads = [_v2_payloads(model, f, binary=True)[0] for f in feeds]
+    payloads = [loadgen.v2_infer(model, f) for f in feeds]
     levels = []
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="unroll-profile-agreement-")))

@@ -28,7 +28,7 @@ import httpx
 import numpy as np
 
 from unroll import tasks
-from unroll.benchmarks.loadgen import Payload, Tensors
+from unroll.benchmarks.loadgen import Payload, Tensors, v2_infer
 from unroll.errors import BenchError
 from unroll.serving.triton import GRPC_HEADER_PREFIX, RESTRICTED_HEADER
 
@@ -136,7 +136,7 @@ def discover(target: str, url: str, model: str, key: str | None = None, images: 
             return _v1(url, model, headers, listing, entry, images, size, inputs)
         _, config = get_json(client, f"/v2/models/{model}/config", "gateway")
         feeds = _tensors(entry.get("inputs", []), size or DEFAULT_SIZE, input_defaults(config))
-        return Deployment(target, url, model, headers, _v2_payloads(model, feeds, binary), listing, entry,
+        return Deployment(target, url, model, headers, [v2_infer(model, feeds, binary=binary)], listing, entry,
                           entry.get("task"), _describe(feeds, binary))
 
 
@@ -249,7 +249,7 @@ def _triton(client: httpx.Client, url: str, model: str, headers: dict[str, str],
     optional = {i.get("name") for i in config.get("input", []) if i.get("optional")}
     inputs = [{**i, "optional": i.get("name") in optional} for i in meta.get("inputs", [])]
     feeds = _tensors(inputs, size, input_defaults(config))
-    return Deployment("triton", url, model, headers, _v2_payloads(model, feeds, binary), None,
+    return Deployment("triton", url, model, headers, [v2_infer(model, feeds, binary=binary)], None,
                       {"metadata": meta, "config": config}, None, _describe(feeds, binary))
 
 
@@ -339,27 +339,6 @@ def _tensors(inputs: list[dict], size: int, defaults: set[str] = frozenset(), se
             a = rng.integers(0, 256 if dt is not np.int8 else 128, shape).astype(dt)
         feeds[str(i["name"])] = a
     return feeds
-
-
-def _v2_payloads(model: str, feeds: dict[str, np.ndarray], binary: bool) -> list[Payload]:
-    """One KServe v2 infer body (binary tensor extension, or JSON), every output asked for in binary."""
-    path = f"/v2/models/{model}/infer"
-    inputs, blobs = [], []
-    for name, a in feeds.items():
-        dt = next(k for k, v in DTYPES.items() if np.dtype(v) == a.dtype)
-        entry: dict[str, Any] = {"name": name, "datatype": dt, "shape": list(a.shape)}
-        if binary:
-            raw = np.ascontiguousarray(a).tobytes()
-            entry["parameters"] = {"binary_data_size": len(raw)}
-            blobs.append(raw)
-        else:
-            entry["data"] = a.reshape(-1).tolist()
-        inputs.append(entry)
-    head = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
-    if not binary:
-        return [Payload(path, head, {"Content-Type": "application/json"})]
-    return [Payload(path, head + b"".join(blobs), {"Content-Type": "application/octet-stream",
-                                                  "Inference-Header-Content-Length": str(len(head))})]
 
 
 def _describe(feeds: dict[str, np.ndarray], binary: bool) -> str:

@@ -5,8 +5,7 @@ differ by what they send and where, never by how they are driven or timed."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,19 +125,6 @@ def image_output(w: Workload) -> str:
     return ENCODED if w.key.startswith("denoise") else w.output
 
 
-def triton_payload(model: str, inputs: dict[str, np.ndarray], outputs: Sequence[str]) -> Payload:
-    """A KServe v2 request to Triton's ``/v2/models/MODEL/infer``: the inputs in the binary tensor extension and
-    ``outputs`` asked for as binary data (the engine's HTTP client frames any answer, binary or not)."""
-    from tritonclient.utils import np_to_triton_dtype
-
-    arrays = {k: np.ascontiguousarray(a) for k, a in inputs.items()}
-    head = json.dumps({"inputs": [{"name": k, "shape": list(a.shape), "datatype": np_to_triton_dtype(a.dtype),
-                                   "parameters": {"binary_data_size": a.nbytes}} for k, a in arrays.items()],
-                       "outputs": [{"name": o, "parameters": {"binary_data": True}} for o in outputs]}).encode()
-    return Payload(f"/v2/models/{model}/infer", head + b"".join(a.tobytes() for a in arrays.values()),
-                   {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(head))})
-
-
 def gateway_payloads(w: Workload) -> list[Payload]:
     """``w``'s images as the gateway takes them: the PNG as the raw body of its ``/v1`` route."""
     return [Payload(w.gateway_path, png, {"Content-Type": "image/png"}) for png in w.images]
@@ -160,7 +146,7 @@ def traffic(path: str, w: Workload, concurrency: int, *, triton_http: str | None
     if path == "onnxruntime":
         return Traffic(InProcessSender(lambda feeds: session.run(None, feeds), concurrency), list(w.arrays))
     if path == "triton-http" and triton_http:
-        return Traffic(f"http://{triton_http}", [triton_payload(w.model, t, [w.output]) for t in tensors])
+        return Traffic(f"http://{triton_http}", [loadgen.v2_infer(w.model, t, [w.output]) for t in tensors])
     if path == "triton-grpc" and triton_grpc:
         return Traffic(f"grpc://{triton_grpc}", [Tensors(w.model, t, (w.output,)) for t in tensors])
     if path == "triton-grpc-image" and triton_grpc:
