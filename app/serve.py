@@ -265,7 +265,8 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
           onnx_dir: Path = artifacts.ONNX_DIR, samples_dir: Path = artifacts.SAMPLES_DIR, rebuild: bool = False,
           log_level: str = "info", on_ready: Callable[[str], None] | None = None,
           models: list[str] | None = None, workers: int | None = None, access_log: bool = False,
-          standby: bool | None = None, standby_ports: tuple[int, int, int] | None = None) -> None:
+          standby: bool | None = None, standby_ports: tuple[int, int, int] | None = None,
+          slo: str | None = None) -> None:
     """Build what is missing, start Triton (unless ``triton_url``) and the gateway; block until Ctrl-C/SIGTERM.
 
     ``workers``: gateway processes behind ``port`` (default ``UNROLL_WORKERS``, else half the cores, 1 to 4;
@@ -278,9 +279,11 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
     ``access_log``: one JSON line per request (else as ``UNROLL_ACCESS_LOG`` says, off by default).
     ``standby``: a warm standby tritonserver, ``True`` always, ``False`` never, ``None`` as the memory allows (module
     doc); ``standby_ports``: its HTTP, gRPC and metrics ports (default: Triton's + 100).
+    ``slo``: the objective held with fewer solver iterations (``UNROLL_SLO``; :mod:`unroll.serving.gateway.anytime`).
     """
     if target not in ("cpu", "gpu"):
         raise ServeError(f"--target must be cpu or gpu, not {target!r}")
+    Settings.from_env(slo=slo)  # a bad objective (or UNROLL_* value) stops here, before anything is built
     if triton_url is not None and standby:
         raise ServeError("--standby runs a second bundled tritonserver; with --triton-url list both of your Tritons "
                          "instead (comma-separated)")
@@ -303,7 +306,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, target: str = "cpu", triton
             url = triton_url
         cards = served_cards(models, None if triton_url else onnx_dir)
         samples = write_samples(samples_dir, cards)
-        settings = Settings.from_env(triton_url=url, triton_protocol=triton_protocol, api_key=api_key)
+        settings = Settings.from_env(triton_url=url, triton_protocol=triton_protocol, api_key=api_key, slo=slo)
         shown = "0.0.0.0" if host in ("0.0.0.0", "::") else host
         base = f"http://{'127.0.0.1' if shown == '0.0.0.0' else shown}:{port}"
         text = banner(base, cards, samples, settings.api_key is not None, f"{triton_protocol}://{url}",
@@ -559,6 +562,13 @@ def serve_command(
         metavar="PORTS",
         help="The standby's three ports, HTTP,GRPC,METRICS (e.g. 8100,8101,8102); default: the Triton ports "
              "+ 100")] = None,
+    slo: Annotated[str | None, typer.Option(
+        envvar="UNROLL_SLO", show_envvar=True, metavar="OBJECTIVE",
+        help="Hold a latency objective with fewer solver iterations, e.g. 'p99<=50ms': for models whose card "
+             "serves several iteration counts, a request that pins no iters gets the largest count predicted to "
+             "answer within the bound, given what is in flight ahead of it; the trained count again as load "
+             "falls. Every answer says its count (X-Iters, X-Iters-Set-By). Default: none, the trained count "
+             "always")] = None,
 ) -> None:
     """Build what is missing, start Triton and the REST gateway, print a curl per endpoint; Ctrl-C stops both."""
     try:
@@ -568,7 +578,7 @@ def serve_command(
               log_level=log_level, models=models.split(",") if models is not None else None, workers=workers,
               access_log=access_log, standby=standby if standby is not None else standby_mode(),
               standby_ports=None if standby_ports is None else parse_standby_ports(
-                  standby_ports, (triton_http_port, triton_grpc_port, triton_metrics_port)))
+                  standby_ports, (triton_http_port, triton_grpc_port, triton_metrics_port)), slo=slo)
     except UnrollError:
         raise
     except ValueError as e:  # a set-up value the steps reject (ports, settings): still one line, exit 1

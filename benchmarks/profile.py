@@ -18,7 +18,6 @@ import io
 import json
 import math
 import os
-import re
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,24 +30,14 @@ from unroll.benchmarks.loadgen import LevelResult, Load
 from unroll.benchmarks.profile_observe import Observer
 from unroll.benchmarks.profile_target import Deployment
 from unroll.errors import BenchError, ClientBound, SloMissed, UsageError
+from unroll.objective import PERCENTILES, Bound, good_ms, parse_bounds
 
 SCHEMA_VERSION = 1
-PERCENTILES = {"p50": 50.0, "p90": 90.0, "p95": 95.0, "p99": 99.0, "max": 100.0}
-_UNITS = {"us": 1e-3, "µs": 1e-3, "ms": 1.0, "s": 1e3}
-_LIMIT = re.compile(r"^\s*(p50|p90|p95|p99|max|mean|errors?)\s*(<=|<)\s*([0-9.]+(?:e-?[0-9]+)?)\s*(us|µs|ms|s|%)?\s*$")
 
 
 @dataclass(frozen=True)
-class Limit:
-    """One limit of an objective: a latency statistic in ms, or the error rate as a fraction."""
-
-    metric: str  #: ``p50`` … ``max``, ``mean``, or ``errors``
-    value: float  #: ms for latencies, a fraction for ``errors``
-    strict: bool = False  #: ``<`` rather than ``<=``
-
-    def __str__(self) -> str:
-        op = "<" if self.strict else "<="
-        return f"errors{op}{100 * self.value:g}%" if self.metric == "errors" else f"{self.metric}{op}{self.value:g}ms"
+class Limit(Bound):
+    """One limit of an objective, measured on a level."""
 
     def measured(self, level: LevelResult) -> float:
         if self.metric == "errors":
@@ -82,8 +71,7 @@ class Slo:
     @property
     def good_ms(self) -> float | None:
         """Latency bound a request must meet to count as good: that of the highest percentile limited."""
-        lat = [lim for lim in self.limits if lim.metric in PERCENTILES]
-        return max(lat, key=lambda lim: PERCENTILES[lim.metric]).value if lat else None
+        return good_ms(self.limits)
 
     def failures(self, level: LevelResult) -> list[str]:
         return [lim.why(level) for lim in self.limits if not lim.met(level)]
@@ -102,27 +90,10 @@ class Slo:
 
 
 def parse_slo(text: str | None) -> Slo | None:
-    """``"p99<=20ms,errors<=1%"`` → :class:`Slo` (``None``/empty: no objective)."""
+    """``"p99<=20ms,errors<=1%"`` → :class:`Slo` (``None``/empty: no objective; grammar: :mod:`unroll.objective`)."""
     if not text or not text.strip():
         return None
-    limits = []
-    for part in text.split(","):
-        m = _LIMIT.match(part)
-        if m is None:
-            raise UsageError(f"--slo: cannot read {part.strip()!r}: write e.g. p99<=20ms, p50<5ms or errors<=1%")
-        metric, op, number, unit = m.groups()
-        value = float(number)
-        if metric.startswith("error"):
-            metric = "errors"
-            if unit not in (None, "%"):
-                raise UsageError(f"--slo: {part.strip()!r}: an error rate is a percentage (1%) or a fraction (0.01)")
-            value = value / 100 if unit == "%" else value
-        else:
-            if unit == "%":
-                raise UsageError(f"--slo: {part.strip()!r}: a latency needs a time unit (ms, s, us)")
-            value *= _UNITS[unit or "ms"]
-        limits.append(Limit(metric, value, op == "<"))
-    return Slo(tuple(limits))
+    return Slo(tuple(Limit(b.metric, b.value, b.strict) for b in parse_bounds(text)))
 
 
 def parse_range(text: str, what: str, integer: bool = False) -> list[float]:

@@ -67,6 +67,7 @@ CHECK_FILES = frozenset({
 FULL: dict[str, str] = {
     # whole files
     "test_aoti.py": "compiles AOTInductor packages with the C++ compiler (minutes)",
+    "test_anytime.py": "loads its own tritonserver, gateways and unroll serve above capacity (latency judged)",
     "test_container.py": "builds the serving image with podman and runs it (minutes)",
     "test_deploy.py": "swaps, canaries and rolls back versions in its own unroll serve under load",
     "test_deploy_onnx_card.py": "runs the README's ONNX-only commands verbatim: fuse, quantize, its own unroll serve",

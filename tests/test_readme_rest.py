@@ -115,6 +115,8 @@ def _check_classify(live: Live, cmd: Command, query: dict[str, str], r: subproce
         assert math.isfinite(body["lam"]) and body["lam"] > 0, body
     if "iters" in query:
         assert body["iters"] == int(query["iters"]), body
+    if "deadline_ms" in query:  # an idle server: the trained count fits, and the controller says it chose it
+        assert body["iters_set_by"] == "controller" and body["iters"] == 2, body
     if model == "sdnet-mnist" and "lam" not in query and "iters" not in query:  # its solver residual's verdict
         assert isinstance(body["ood_score"], float) and body["in_distribution"] is True, body
         assert "abstained" not in body, body  # the sample is a digit: nothing withheld, abstain or not

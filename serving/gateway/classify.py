@@ -31,7 +31,7 @@ from unroll.errors import TritonRejected
 from unroll.serving.gateway import ood, tracing
 from unroll.serving.gateway.catalog import Entry
 from unroll.serving.gateway.errors import ApiError
-from unroll.serving.gateway.iterations import ItersQuery, iteration_graph
+from unroll.serving.gateway.iterations import DeadlineQuery, ItersQuery, iteration, serving_count
 from unroll.serving.gateway.openapi import IMAGE_BODY, errors
 from unroll.serving.gateway.query import WholeNumber
 from unroll.serving.gateway.state import Gateway, GatewayDep, keyed_router, route_task
@@ -55,7 +55,12 @@ class ClassifyResponse(BaseModel):
                                                 "card's default when `lam` was omitted); absent for models without "
                                                 "a λ input", examples=[0.1])
     iters: int | None = Field(None, description="solver iterations run for this image (the card's trained count when "
-                                                "`iters` was omitted); absent for models without `iters`", examples=[2])
+                                                "`iters` was omitted and no objective is in force); absent for models "
+                                                "without `iters`; also the `X-Iters` header", examples=[2])
+    iters_set_by: Literal["pinned", "controller", "default"] | None = Field(
+        None, description="who set `iters`: `pinned` (the request's `iters`), `controller` (picked to meet the "
+                          "deadline: the deployment's objective or the request's `deadline_ms`) or `default` (the "
+                          "trained count, no objective); also the `X-Iters-Set-By` header", examples=["default"])
     inverted: bool = Field(description="whether the image was inverted (`1 - x`) before classification, as "
                                        "`invert` asked or `invert=auto` decided", examples=[False])
     ood_score: float | None = Field(description="how unlike the training data the image is, from the model's "
@@ -148,6 +153,7 @@ async def classify(
                     "other side of mid-grey (0.5) from the card's background. Default: `auto` when the card "
                     "declares a polarity, else `false`.", examples=["auto"])] = None,
     iters: ItersQuery = None,
+    deadline_ms: DeadlineQuery = None,
     abstain: Annotated[bool, Query(description="Give no predictions for an image the model's solver residual calls "
                                                "out of distribution (`in_distribution: false`): the answer is still "
                                                "200, with `abstained: true` and an empty `predictions`")] = False,
@@ -161,27 +167,30 @@ async def classify(
     lam_v = check_lam(card, parse_lam(lam))
     inv = check_invert(card.input, invert)
     rule = await gw.catalog.companion(card.lam.auto, entry.name, tasks.LAMBDA_RULE) if lam_v == "auto" else None
-    model, model_card, (entry, k) = entry.name, card, await iteration_graph(gw, entry, iters)  # the graph: iters=K's
-    card, info = entry.card, entry.info
-    assert card is not None and info is not None
+    model, model_card, it = entry.name, card, iteration(gw, entry, iters, deadline_ms, t0)
     settings = gw.settings
     with tracing.span("receive"):
         data = await gw.read_image(request)  # before the slot: a slow upload never holds an inference slot
-    hw = info.profile.hw(card.input.name) if info.profile is not None else None
-    if rule is None and wire.IMAGE_BYTES in info.inputs:  # the model decodes: the upload's bytes go as they are
-        async with tracing.queued(gw.admission.slot()):
-            with tracing.span("decode"):  # the header's checks; the model decodes
-                prepare.check_header(data, settings.max_pixels, settings.max_aspect_ratio, hw, entry.name)
-            inputs = {wire.IMAGE_BYTES: wire.image_row(data, info.batched),
-                      wire.INVERT: wire.per_item(wire.code_of(wire.INVERT_CODES, inv), np.int32, info.batched)}
-            if card.lam is not None:
-                inputs[card.lam.input] = wire.per_item(lam_v, np.float32, info.batched)
-            async with wire.forward_errors():
-                res = await gw.infer(entry, inputs, [card.output, *ood.outputs(card, info.outputs), wire.IMAGE_INFO],
-                                     class_count=n_classes)
-        inverted = bool(wire.read_info(res[wire.IMAGE_INFO][0])["inverted"])
-    else:
-        res, inverted, lam_v = await _decoded(gw, entry, data, inv, lam_v, hw, rule, n_classes)
+    async with serving_count(gw, it) as count:  # the graph: iters=K's, or the controller's under a deadline
+        entry = count.entry
+        card, info = entry.card, entry.info
+        assert card is not None and info is not None
+        hw = info.profile.hw(card.input.name) if info.profile is not None else None
+        if rule is None and wire.IMAGE_BYTES in info.inputs:  # the model decodes: the upload's bytes go as they are
+            async with tracing.queued(gw.admission.slot()):
+                with tracing.span("decode"):  # the header's checks; the model decodes
+                    prepare.check_header(data, settings.max_pixels, settings.max_aspect_ratio, hw, entry.name)
+                inputs = {wire.IMAGE_BYTES: wire.image_row(data, info.batched),
+                          wire.INVERT: wire.per_item(wire.code_of(wire.INVERT_CODES, inv), np.int32, info.batched)}
+                if card.lam is not None:
+                    inputs[card.lam.input] = wire.per_item(lam_v, np.float32, info.batched)
+                async with wire.forward_errors():
+                    res = await gw.infer(entry, inputs, [card.output, *ood.outputs(card, info.outputs),
+                                                         wire.IMAGE_INFO], class_count=n_classes)
+            inverted = bool(wire.read_info(res[wire.IMAGE_INFO][0])["inverted"])
+        else:
+            res, inverted, lam_v = await _decoded(gw, entry, data, inv, lam_v, hw, rule, n_classes)
+    k = count.k
     with tracing.span("encode"):
         if n_classes is None:  # a class axis only known once the model answers: logits, bounded now
             preds, msp = predictions_from_logits(np.asarray(res[card.output], np.float32)[0], top_k, card, entry.name)
@@ -193,12 +202,12 @@ async def classify(
     if card.lam is not None:
         body["lam"] = round(float(lam_v), 6)
     if k is not None:
-        body["iters"] = k
+        body["iters"], body["iters_set_by"] = k, count.set_by
     body["inverted"] = inverted
     body.update(ood.fields(model_card, card, float(lam_v) if card.lam is not None else None, res, msp))
     if abstain and body["in_distribution"] is False:
         body["predictions"], body["abstained"] = [], True
-    return JSONResponse(body, headers={"X-Latency-Ms": str(latency), ood.HEADER: ood.header(body)})
+    return JSONResponse(body, headers={"X-Latency-Ms": str(latency), ood.HEADER: ood.header(body), **count.headers()})
 
 
 async def _decoded(gw: Gateway, entry: Entry, data: bytes, inv: images.Invert, lam_v: float | str | None,

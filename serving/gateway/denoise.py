@@ -36,7 +36,7 @@ from unroll.serving.gateway import tracing
 from unroll.serving.gateway.catalog import Entry
 from unroll.serving.gateway.errors import ApiError
 from unroll.serving.gateway.image_graph import run_image_graph, tiler_for
-from unroll.serving.gateway.iterations import ItersQuery, iteration_graph
+from unroll.serving.gateway.iterations import DeadlineQuery, ItersQuery, iteration, serving_count
 from unroll.serving.gateway.openapi import IMAGE_BODY, errors
 from unroll.serving.gateway.state import Gateway, GatewayDep, keyed_router, route_task
 from unroll.serving.gateway.triton_client import fit_shape
@@ -84,20 +84,23 @@ async def denoise(
                                          description=QUERY_HELP,
                                          examples=[25])] = None,
     iters: ItersQuery = None,
+    deadline_ms: DeadlineQuery = None,
 ) -> Response:
-    return await _answer(request, gw, entry, sigma, iters)
+    return await _answer(request, gw, entry, sigma, iters, deadline_ms)
 
 
-async def image_to_image(request: Request, gw: GatewayDep, entry: DenoiserDep, iters: ItersQuery = None) -> Response:
-    return await _answer(request, gw, entry, None, iters)
+async def image_to_image(request: Request, gw: GatewayDep, entry: DenoiserDep, iters: ItersQuery = None,
+                         deadline_ms: DeadlineQuery = None) -> Response:
+    return await _answer(request, gw, entry, None, iters, deadline_ms)
 
 
-async def _answer(request: Request, gw: Gateway, entry: Entry, sigma: float | None, iters: str | None) -> Response:
+async def _answer(request: Request, gw: Gateway, entry: Entry, sigma: float | None, iters: str | None,
+                  deadline_ms: str | None = None) -> Response:
     """The image through ``entry``'s graph (``iters=K``'s where the card serves several counts), in the input's
     size and mode, encoded as ``Accept`` asks (PNG unless told); σ (given or estimated) where the card has a
     noise-level input."""
     t0 = time.perf_counter()
-    model, (entry, k) = entry.name, await iteration_graph(gw, entry, iters)
+    model, it = entry.name, iteration(gw, entry, iters, deadline_ms, t0)
     card, info = entry.card, entry.info
     assert card is not None and info is not None  # served entries have both (catalog)
     fmt = wire.media_format(request.headers.get("accept"))
@@ -108,13 +111,16 @@ async def _answer(request: Request, gw: Gateway, entry: Entry, sigma: float | No
     with tracing.span("receive"):
         data = await gw.read_image(request)  # before the slot: a slow upload never holds an inference slot
     given = SigmaEstimate(float(sigma) / 255.0) if sigma is not None and card.sigma is not None else None
-    async with tracing.queued(gw.admission.slot()):
-        hw = info.profile.hw(card.input.name) if info.profile is not None else None
-        if hw is not None and card.tiling is not None:  # larger images are cut to the profile: only its minimum
-            hw = (hw[0], (2 ** 31, 2 ** 31))
-        with tracing.span("decode"):  # the header's checks (the pixels are decoded by the model, or in _decoded)
-            w, h = prepare.check_header(data, settings.max_pixels, settings.max_aspect_ratio, hw, entry.name,
-                                        card.input.min_size)
+    hw = info.profile.hw(card.input.name) if info.profile is not None else None
+    if hw is not None and card.tiling is not None:  # larger images are cut to the profile: only its minimum
+        hw = (hw[0], (2 ** 31, 2 ** 31))
+    with tracing.span("decode"):  # the header's checks (the pixels are decoded by the model, or in _decoded)
+        w, h = prepare.check_header(data, settings.max_pixels, settings.max_aspect_ratio, hw, entry.name,
+                                    card.input.min_size)
+    async with serving_count(gw, it, w * h / 1e6, "megapixel") as count, tracing.queued(gw.admission.slot()):
+        entry = count.entry  # the graph: iters=K's, or the controller's under a deadline (same input, same card)
+        card, info = entry.card, entry.info
+        assert card is not None and info is not None
         # An image whose windows (per channel) fit in one execution goes to a model that decodes as its bytes: the
         # model tiles it as the gateway would. A larger one is cut into windows here, each call its own Triton
         # request, so that it shares the model instance with other requests a batch of windows at a time instead of
@@ -148,8 +154,7 @@ async def _answer(request: Request, gw: Gateway, entry: Entry, sigma: float | No
             headers["X-Sigma-Rule"] = used.rule
     if removed is not None:  # what the model took away, as a noise level: beside the σ it was given or estimated
         headers[RESIDUAL_HEADER] = f"{float(removed):.3f}"
-    if k is not None:
-        headers["X-Iters"] = str(k)
+    headers.update(count.headers())
     return Response(body, media_type=wire.OUTPUT_FORMATS[fmt], headers={**headers, "X-Latency-Ms": str(latency),
                                                                          "X-Model": model})
 

@@ -79,6 +79,13 @@ class Metrics:
         self.cancelled = Counter("unroll_gateway_cancelled", "Requests whose work stopped because their client "
                                  "disconnected before the answer (queued for a slot or waiting for Triton)",
                                  registry=reg)
+        self.iters_served = Counter("unroll_gateway_iters_served", "Answers of models serving several solver "
+                                    "iteration counts, by model, count and who set it (pinned: the request's iters; "
+                                    "controller: picked to meet the objective; default: the trained count)",
+                                    ["model", "iters", "set_by"], registry=reg)
+        self.objective_misses = Counter("unroll_gateway_objective_misses", "Answers later than the deadline they "
+                                        "were held to (UNROLL_SLO or the request's deadline_ms), by model",
+                                        ["model"], registry=reg)
         self.worker: Gauge | None = None
         if self.multiprocess:
             from prometheus_client import multiprocess

@@ -17,7 +17,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from unroll import tasks
-from unroll.errors import SettingsError
+from unroll.errors import SettingsError, UsageError
+from unroll.objective import good_ms, parse_bounds
 from unroll.serving.imaging import wire
 
 #: Environment variable for each setting: ``UNROLL_`` + the upper-case field name.
@@ -75,6 +76,12 @@ class Settings(BaseSettings):
     rate_limit: str | None = None
     """Per-client rate limit of the ``/v1`` and ``/v2`` routes: ``R/s,BURST`` (e.g. ``10/s,20``), ``R,BURST`` or
     ``R``; a client is its API key, else its address (:mod:`.rate_limit`). Unset: none."""
+    slo: str | None = None
+    """Objective held with fewer solver iterations, for models whose card serves several counts (``iters``), e.g.
+    ``p99<=50ms`` (:mod:`unroll.objective`'s grammar; its highest percentile's bound is the deadline): a request
+    that pins no ``iters`` gets the largest count predicted to answer within it given what is in flight ahead of
+    it (:mod:`.anytime`), and the trained count again as load falls. Unset: the trained count always, as without
+    this feature; a request's own ``deadline_ms`` holds that request to its deadline either way."""
     catalog_refresh_s: float = Field(2.0, gt=0, le=3600, allow_inf_nan=False)
     """How often the gateway re-reads what Triton serves (models, loaded versions, their traffic split) in the
     background, so a version ``unroll deploy`` loads or moves traffic to is picked up without a restart. A
@@ -120,6 +127,24 @@ class Settings(BaseSettings):
 
         RateLimit.parse(v)  # a ValueError names the accepted forms
         return v.strip()
+
+    @field_validator("slo")
+    @classmethod
+    def _slo(cls, v: str | None) -> str | None:
+        if not v or not v.strip():
+            return None
+        try:
+            bounds = parse_bounds(v, "slo")
+        except UsageError as e:
+            raise ValueError(str(e)) from None
+        if good_ms(bounds) is None:
+            raise ValueError(f"{v!r} bounds no latency: the deadline is a percentile's bound, e.g. p99<=50ms")
+        return v.strip()
+
+    @property
+    def deadline_ms(self) -> float | None:
+        """The deployment's deadline per request (ms from arrival): :attr:`slo`'s latency bound, else ``None``."""
+        return good_ms(parse_bounds(self.slo, "slo")) if self.slo else None
 
     @field_validator("api_key")
     @classmethod

@@ -13,7 +13,7 @@ import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 import numpy as np
@@ -22,6 +22,7 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 
 from unroll import tasks
 from unroll.errors import TritonUnavailable
+from unroll.serving.gateway.anytime import Controller
 from unroll.serving.gateway.batching import Batcher
 from unroll.serving.gateway.body import check_declared_length, read_body, read_image_bytes
 from unroll.serving.gateway.catalog import Catalog, Entry
@@ -113,6 +114,8 @@ class Gateway:
     #: Whether Triton answers; requests waiting for a stalled one get 503 (:mod:`.stall`; its probe runs in the
     #: app's lifespan). Built by :meth:`create`.
     watch: TritonWatch | None = None
+    #: Which iteration count answers a request that pins none, under an objective (:mod:`.anytime`).
+    anytime: Controller = field(default_factory=Controller)
 
     @classmethod
     def create(cls, settings: Settings, metrics: Metrics, http: HttpSettings | None = None) -> Gateway:
