@@ -21,6 +21,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from unroll import artifacts
 from unroll.card import from_onnx
 from unroll.errors import BenchError, NoModel
+from unroll.machine import cpu_model
 from unroll.registry import REGISTRY, get_spec, list_models
 from unroll.serving.cpu_runtime import ort_session  # noqa: F401  (the benchmarks' in-process baseline, re-exported)
 
@@ -38,14 +39,7 @@ def unroll_command() -> str:
 
 def machine_info(threads: int) -> dict:
     """CPU model, cores, threads used, Python/platform and package versions, UTC date."""
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     versions = {}
     for pkg in ("torch", "onnxruntime", "onnxruntime-gpu", "openvino", "tensorrt", "onnx", "onnxslim", "numpy",
                 "tritonclient", "nvidia-pytriton", "bm3d", "scikit-image", "fastapi", "uvicorn", "httpx"):

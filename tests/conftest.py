@@ -38,7 +38,8 @@ from unroll.serving.triton import TritonHandle
 
 #: Test files whose tests are all ``check``, except those named in :data:`FULL` as ``FILE::TEST``.
 CHECK_FILES = frozenset({
-    "test_access_log.py", "test_architecture.py", "test_batch_rows.py", "test_batching.py", "test_benchmarks.py",
+    "test_access_log.py", "test_anytime_pilot.py", "test_architecture.py", "test_batch_rows.py", "test_batching.py",
+    "test_benchmarks.py",
     "test_cancel.py", "test_cli_help.py", "test_corruptions.py", "test_csc_golden.py", "test_csc_optimality.py",
     "test_dashboard.py", "test_data.py", "test_denoise_contract.py", "test_denoiser_graph.py",
     "test_deploy_manifests.py", "test_dic_vit.py", "test_digit_models.py", "test_docs.py", "test_doctor.py",

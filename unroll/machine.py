@@ -45,6 +45,19 @@ class Component:
         return self.status == "ok"
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says, else ``unknown``."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def first_line(text: str | bytes | None, limit: int = 200) -> str:
     if isinstance(text, bytes):
         text = text.decode(errors="replace")

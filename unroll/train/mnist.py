@@ -35,17 +35,26 @@ def _augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 #: ``fn(model)``: keeps state derived from the weights (a solver's step size) matched to them.
 Refresh = Callable[[nn.Module], object]
+#: ``loss(model, x, y)``: the training loss of one batch.
+Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def smoothed_cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The recipe's loss: cross-entropy with label smoothing 0.05."""
+    return F.cross_entropy(model(x), y, label_smoothing=0.05)
 
 
 def fit_digits(build: Callable[[], nn.Module], epochs: int, batch: int = 64, lr: float = 2e-3, seed: int = 0,
                max_steps: int | None = None, progress: Callable[[int, int, float], None] | None = None,
                refresh: tuple[int, Refresh] | None = None,
-               after_epoch: Callable[[nn.Module, int], None] | None = None) -> tuple[nn.Module, dict]:
+               after_epoch: Callable[[nn.Module, int], None] | None = None,
+               loss: Loss | None = None) -> tuple[nn.Module, dict]:
     """Train ``build()`` (called after seeding, so its initialisation is seeded) on the training digits: AdamW +
     one-cycle schedule with shift augmentation and label smoothing; returns the model in eval mode and the recipe.
 
     ``refresh=(n, fn)`` runs ``fn(model)`` every ``n`` steps and once after training; ``after_epoch(model, epoch)``
-    after each pass over the data (epochs count from 1), the model in training mode before and after.
+    after each pass over the data (epochs count from 1), the model in training mode before and after. ``loss(model,
+    x, y)`` replaces the cross-entropy of one forward (e.g. a loss over several iteration counts).
     """
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -62,16 +71,16 @@ def fit_digits(build: Callable[[], nn.Module], epochs: int, batch: int = 64, lr:
         perm = torch.randperm(len(xtr), generator=gen)
         for i in range(0, len(xtr), batch):
             idx = perm[i:i + batch]
-            loss = F.cross_entropy(model(_augment(xtr[idx], gen)), ytr[idx], label_smoothing=0.05)
+            value = (loss or smoothed_cross_entropy)(model, _augment(xtr[idx], gen), ytr[idx])
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            value.backward()
             opt.step()
             sched.step()
             step += 1
             if refresh is not None and step % refresh[0] == 0:
                 refresh[1](model)
             if progress is not None:
-                progress(step, total, float(loss.detach()))
+                progress(step, total, float(value.detach()))
             if step >= total:
                 break
         epoch += 1
