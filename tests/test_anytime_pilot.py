@@ -16,7 +16,7 @@ def test_a_smoke_run_writes_every_count_and_says_it_is_a_smoke_run(tmp_path: Pat
     assert anytime_pilot.main(["--epochs", "1", "--max-steps", "2", "--eval-limit", "200", "--out", str(tmp_path),
                                "--save", str(tmp_path / "w.pt")]) == 0
     res = json.loads((tmp_path / "anytime_pilot.json").read_text())
-    counts = sorted({*get_spec(anytime_pilot.MODEL).card.iters.served, anytime_pilot.default_count()})
+    counts = sorted({*get_spec(anytime_pilot.model_name()).card.iters.served, anytime_pilot.default_count()})
     for key in ("today", "anytime"):
         assert [r["iters"] for r in res[key]["rows"]] == counts
         assert all(0.0 <= r[c] <= 1.0 for r in res[key]["rows"] for c in r if c != "iters")
