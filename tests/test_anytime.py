@@ -115,9 +115,13 @@ def triton(solver_repo: tuple[Path, Path], tmp_path_factory: pytest.TempPathFact
         yield grpc.removeprefix("grpc://")
 
 
+def _pixels(i: int) -> np.ndarray:
+    """Test image ``i``: gray noise of the model's size, from a seed."""
+    return np.random.default_rng(i).integers(0, 256, (anytime_model.SIDE, anytime_model.SIDE), dtype=np.uint8)
+
+
 def _image(i: int) -> bytes:
-    rng = np.random.default_rng(i)
-    return png(rng.integers(0, 256, (anytime_model.SIDE, anytime_model.SIDE), dtype=np.uint8))
+    return png(_pixels(i))
 
 
 def _service_ms(gateway: str, k: int, n: int = 20) -> float:
@@ -220,9 +224,7 @@ def test_a_pinned_count_is_honoured_under_load_and_every_answer_names_the_graph_
 
 def _fitted(i: int) -> np.ndarray:
     """Image ``i`` as the gateway feeds the graph: gray, [0, 1], already 64×64 (``stretch`` keeps it)."""
-    rng = np.random.default_rng(i)
-    return (rng.integers(0, 256, (anytime_model.SIDE, anytime_model.SIDE), dtype=np.uint8).astype(np.float32)
-            / 255.0)[None, None]
+    return (_pixels(i).astype(np.float32) / 255.0)[None, None]
 
 
 def test_without_an_objective_nothing_changes_and_a_deadline_is_refused_where_nothing_can_be_traded(

@@ -15,7 +15,6 @@ its own deadline).
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -62,6 +61,8 @@ class Family:
     busy_since: float = 0.0  #: when the flights last went from none to some
     last_done: float = 0.0
     drained: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  #: (busy ms, work ms answered)
+    spent_ms: float = 0.0  #: busy ms over :attr:`drained`
+    done_ms: float = 0.0  #: work ms answered over :attr:`drained`
 
     def cost(self, k: int) -> float | None:
         """``k``'s service time per unit of work: learned, else scaled from the nearest learned count on the
@@ -78,30 +79,38 @@ class Family:
         it is unknown, so the estimate errs long)."""
         return sum(f.predicted_ms for f in self.flights)
 
-    def model_ms(self, k: int, work: float) -> float | None:
-        """``k``'s latency for a request of ``work`` sent now, by the model alone: the work ahead drained at the
-        learned rate, then its own service time."""
+    def model_ms(self, k: int, work: float, ahead_ms: float | None = None) -> float | None:
+        """``k``'s latency for a request of ``work`` sent now, by the model alone: the work ahead (``ahead_ms``, else
+        :meth:`ahead_ms`) drained at the learned rate, then its own service time."""
         c = self.cost(k)
-        return None if c is None else self.ahead_ms() / self.parallel + c * work
+        if c is None:
+            return None
+        return (self.ahead_ms() if ahead_ms is None else ahead_ms) / self.parallel + c * work
 
-    def predict_ms(self, k: int, work: float) -> float | None:
+    def predict_ms(self, k: int, work: float, ahead_ms: float | None = None) -> float | None:
         """:meth:`model_ms` corrected by how recent predictions fared (:attr:`bias`)."""
-        m = self.model_ms(k, work)
+        m = self.model_ms(k, work, ahead_ms)
         return None if m is None else self.bias * m
 
     def pick(self, work: float, slack_ms: float) -> int:
         """The largest count up to the trained one predicted to answer within :data:`HEADROOM` of ``slack_ms``; the
         lowest where none is; the trained one while nothing is learned yet. Never above the trained count: a count
         the model was not trained at is a manual dial (``iters=K``), not a default the controller may reach for."""
-        fits = [k for k in self.counts if k <= self.default and (p := self.predict_ms(k, work)) is not None
+        ahead = self.ahead_ms()
+        fits = [k for k in self.counts if k <= self.default and (p := self.predict_ms(k, work, ahead)) is not None
                 and p <= HEADROOM * slack_ms]
         if fits:
             return max(fits)
         return self.default if self.cost(self.default) is None else min(self.counts)
 
-    def start(self, f: _Flight) -> float:
-        """Count ``f`` in flight; the work ahead of it (ms)."""
-        ahead = self.ahead_ms()
+    def flight(self, k: int, work: float, now: float, ahead_ms: float) -> _Flight:
+        """A request at count ``k`` sent at ``now`` with ``ahead_ms`` of work ahead of it, its predictions made."""
+        c = self.cost(k)
+        return _Flight(k, work, c * work if c is not None else 0.0, now, self.model_ms(k, work, ahead_ms) or 0.0)
+
+    def start(self, f: _Flight, ahead_ms: float | None = None) -> float:
+        """Count ``f`` in flight; the work ahead of it (ms: ``ahead_ms`` where the caller has it, else summed)."""
+        ahead = self.ahead_ms() if ahead_ms is None else ahead_ms
         if not self.flights:
             self.busy_since = f.started
         self.flights.add(f)
@@ -124,21 +133,23 @@ class Family:
             lo, hi = BIAS_RANGE
             self.bias = min(hi, max(lo, (1 - ALPHA) * self.bias + ALPHA * took / f.latency_ms))
         if f.predicted_ms > 0.0 and busy >= 0.0:
+            if len(self.drained) == self.drained.maxlen:  # the oldest answer leaves the window
+                old_busy, old_done = self.drained[0]
+                self.spent_ms, self.done_ms = self.spent_ms - old_busy, self.done_ms - old_done
             self.drained.append((busy, f.predicted_ms))
-            spent, done = (sum(x) for x in zip(*self.drained, strict=True))
-            if spent > 0.0:
+            self.spent_ms, self.done_ms = self.spent_ms + busy, self.done_ms + f.predicted_ms
+            if self.spent_ms > 0.0:
                 lo, hi = PARALLEL_RANGE
-                self.parallel = min(hi, max(lo, done / spent))
+                self.parallel = min(hi, max(lo, self.done_ms / self.spent_ms))
 
 
 @dataclass(frozen=True)
 class Served:
-    """What the controller decided for one request: the count, whether it chose it (not pinned, not the default
-    without an objective) and the deadline it was held to (ms from the request's arrival, or ``None``)."""
+    """What the controller decided for one request: the count, and whether it chose it (not pinned, not the trained
+    count without a deadline)."""
 
     k: int
     chosen: bool
-    deadline_ms: float | None
 
 
 class Controller:
@@ -156,23 +167,22 @@ class Controller:
     def decide(self, fam: Family, pinned: int | None, deadline_ms: float | None, arrived: float, work: float) -> Served:
         """The count for a request that arrived at ``arrived`` (``time.perf_counter()``)."""
         if pinned is not None:
-            return Served(pinned, False, deadline_ms)
+            return Served(pinned, False)
         if deadline_ms is None:
-            return Served(fam.default, False, None)
+            return Served(fam.default, False)
         left = deadline_ms - 1000.0 * (time.perf_counter() - arrived)
-        return Served(fam.pick(work, left), True, deadline_ms)
+        return Served(fam.pick(work, left), True)
 
     @contextmanager
     def flight(self, fam: Family, k: int, work: float) -> Iterator[None]:
         """Count a request as in flight at count ``k`` while the block runs, and learn from how long it took (an
         answer that failed teaches no service time)."""
-        c, whole = fam.cost(k), fam.model_ms(k, work)
-        f = _Flight(k, work, c * work if c is not None else 0.0, time.perf_counter(), whole or 0.0)
-        ahead = fam.start(f)
+        ahead = fam.ahead_ms()
+        f = fam.flight(k, work, time.perf_counter(), ahead)
+        fam.start(f, ahead)
         ok = False
         try:
             yield
             ok = True
         finally:
-            now = time.perf_counter()
-            fam.finish(f, ahead, now, ok and math.isfinite(now))
+            fam.finish(f, ahead, time.perf_counter(), ok)

@@ -11,6 +11,7 @@ never ignored.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -141,9 +142,10 @@ class Settings(BaseSettings):
             raise ValueError(f"{v!r} bounds no latency: the deadline is a percentile's bound, e.g. p99<=50ms")
         return v.strip()
 
-    @property
+    @cached_property
     def deadline_ms(self) -> float | None:
-        """The deployment's deadline per request (ms from arrival): :attr:`slo`'s latency bound, else ``None``."""
+        """The deployment's deadline per request (ms from arrival): :attr:`slo`'s latency bound, else ``None``
+        (read once: every request of a model with several counts asks for it)."""
         return good_ms(parse_bounds(self.slo, "slo")) if self.slo else None
 
     @field_validator("api_key")
